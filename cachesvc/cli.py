@@ -1,0 +1,182 @@
+"""`cachesvc` command line: generate, demo, bench.
+
+Heavy imports (torch, the model) happen inside the commands, so `cachesvc --help` is instant.
+Bad input exits with status 2 and one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="GGUF file or Hugging Face folder (default: embedded SmolLM2)")
+    p.add_argument("--kv-cache-mb", type=int, default=None, help="KV pool size in MiB")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one step (the prefill chunk size)",
+    )
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cachesvc", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts")
+    gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    gen.add_argument("--prompt-file", help="a file with one prompt per line")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--system", default=None, help="system message for --chat")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    gen.add_argument("--n", type=int, default=1, help="samples per prompt")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per output line")
+    _add_engine_args(gen)
+
+    demo = sub.add_parser("demo", help="chat with the embedded model on a few prompts")
+    demo.add_argument("--max-tokens", type=int, default=48)
+    _add_engine_args(demo)
+
+    bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
+    bench_sub = bench.add_subparsers(dest="suite", required=True)
+    eng = bench_sub.add_parser("engine", help="prefill/decode tokens/s vs Hugging Face")
+    eng.add_argument("--json", dest="json_path", help="also write the results to this file")
+    eng.add_argument("--quick", action="store_true", help="a small run, under a minute or two")
+    eng.add_argument("--model", default=None)
+    eng.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    return parser
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise CliError(f"--prompt-file: no such file: {path}")
+        prompts.extend(line for line in path.read_text().splitlines() if line.strip())
+    if not prompts:
+        raise CliError("no prompt given: use --prompt TEXT or --prompt-file FILE")
+    if any(not p.strip() for p in prompts):
+        raise CliError("--prompt: a prompt is empty")
+    return prompts
+
+
+def _engine_config(args: argparse.Namespace) -> Any:
+    from cachesvc.config import EngineConfig
+
+    if args.model is not None and not Path(args.model).exists():
+        raise CliError(f"--model: no such file or folder: {args.model}")
+    return EngineConfig.from_env(
+        model=args.model,
+        kv_cache_mb=args.kv_cache_mb,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_batched_tokens,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        num_threads=args.threads,
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from workers.engine.engine import Engine
+    from workers.engine.sampling_params import SamplingParams
+
+    prompts = _read_prompts(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        n=args.n,
+        ignore_eos=args.ignore_eos,
+    )
+    engine = Engine(_engine_config(args))
+    if args.chat:
+        prompts = [_chat(engine, p, args.system) for p in prompts]
+    outputs = engine.generate(prompts, params)
+    for i, out in enumerate(outputs):
+        prompt = prompts[i // args.n]
+        if args.json:
+            print(json.dumps(_output_json(prompt, out)), flush=True)
+        else:
+            print(out.text, flush=True)
+    return 0
+
+
+def _chat(engine: Any, text: str, system: str | None) -> str:
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": text}
+    ]
+    return str(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def _output_json(prompt: str, out: Any) -> dict[str, Any]:
+    return {
+        "request_id": out.request_id,
+        "prompt": prompt,
+        "prompt_token_ids": list(out.prompt_token_ids),
+        "token_ids": list(out.token_ids),
+        "text": out.text,
+        "finish_reason": out.finish_reason,
+        "ttft_ms": out.ttft_ms,
+        "decode_tokens_per_s": out.decode_tokens_per_s,
+        "cached_tokens": out.num_cached_tokens,
+        "computed_tokens": out.num_computed_tokens,
+    }
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from cachesvc.demo import run_demo
+
+    return run_demo(_engine_config(args), max_tokens=args.max_tokens)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from cachesvc.bench.engine import run_engine_bench
+
+    return run_engine_bench(
+        model=args.model, quick=args.quick, json_path=args.json_path, with_hf=not args.no_hf
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `cachesvc` console script."""
+    args = _parser().parse_args(argv)
+    commands = {"generate": _cmd_generate, "demo": _cmd_demo, "bench": _cmd_bench}
+    try:
+        return commands[args.command](args)
+    except CliError as exc:
+        print(f"cachesvc: error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:
+        # Typed errors from the engine (PromptError, ModelLoadError, ConfigError, ...) and
+        # unreadable files are the user's input: one line, no traceback.
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"cachesvc: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The one object that flows through the engine: a request and its own counters."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cachesvc.types import BlockId, RequestId
+from workers.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"  # max_tokens reached or the model's context is full
+    STOP = "stop"  # an EOS, a stop token id or a stop string
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt being served; mutated in place by the scheduler and the engine.
+
+    `num_computed_tokens` counts tokens whose KV is in `block_ids`. The tokens still to compute are
+    `all_token_ids[num_computed_tokens:]`; once none remain the next token is sampled. A
+    preempted request keeps its output and recomputes its KV from scratch when resumed.
+    """
+
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[BlockId] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    # Counters for the usage report: tokens served from the prefix cache and tokens computed.
+    num_cached_tokens: int = 0
+    num_prompt_tokens_computed: int = 0
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int, now: float) -> None:
+        """Record a sampled token and its time."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.output_token_ids.append(token_id)
+
+    def finish(
+        self, reason: FinishReason, now: float, stop_reason: str | int | None = None
+    ) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finish_time = now

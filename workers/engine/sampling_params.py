@@ -1,0 +1,45 @@
+"""Per-request sampling parameters, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop; the same defaults as vLLM where they overlap.
+
+    `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` switch those filters off. With a
+    `seed`, sampling is reproducible per request whatever else shares the batch. `n` asks for that
+    many independent samples of one prompt (sample i uses `seed + i`).
+    Raises ValueError naming the offending field.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        # Normalise list arguments so the object stays hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,157 @@
+"""Continuous batching with chunked prefill, a token budget and preemption.
+
+Each step the scheduler decides how many new tokens each request computes: running requests
+first (decodes and unfinished prefill chunks), then waiting ones in arrival order, until the
+token budget or the sequence limit is reached. When the pool cannot hold a running request's next
+tokens, the most recently arrived running request is preempted: its blocks are freed and it goes
+back to the head of the queue, to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from cachesvc.types import BlockId, RequestId
+from workers.engine.kv_manager import KVCacheManager
+from workers.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """New tokens of one request to compute this step."""
+
+    request_id: RequestId
+    token_ids: tuple[int, ...]
+    start_pos: int  # position of token_ids[0] in the request's sequence
+    block_ids: tuple[BlockId, ...]
+    sample: bool  # the chunk reaches the end of the known tokens: sample the next one
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What the runner computes this step."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[RequestId, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; mutates requests' counters and blocks."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work; allocates blocks and may preempt running requests."""
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[RequestId] = []
+        scheduled: list[Request] = []
+        for request in list(self.running):
+            if budget == 0 or request not in self.running:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, scheduled, preempted):
+                continue
+            scheduled.append(request)
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        if not preempted:
+            budget = self._admit_waiting(budget, chunks)
+        return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def update(self, output: SchedulerOutput) -> None:
+        """Advance the counters of every request computed in `output`."""
+        by_id = {r.request_id: r for r in self.running}
+        for chunk in output.chunks:
+            request = by_id[chunk.request_id]
+            request.num_computed_tokens += len(chunk.token_ids)
+
+    def finish(self, request: Request) -> None:
+        """Take a finished or aborted request out and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+
+    def _allocate_or_preempt(
+        self,
+        request: Request,
+        num_new: int,
+        scheduled: list[Request],
+        preempted: list[RequestId],
+    ) -> bool:
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self.running[-1]
+            if victim in scheduled:
+                # Nothing unscheduled is left to preempt; this request waits for next step.
+                return False
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            remaining = request.num_tokens - request.num_computed_tokens
+            if self.config.enable_chunked_prefill:
+                num_new = min(remaining, budget)
+            elif remaining <= budget or not chunks:
+                num_new = remaining  # an oversized prompt still runs, alone in its step
+            else:
+                break
+            if not self.kv.allocate_slots(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        tokens = request.all_token_ids[start : start + num_new]
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=tuple(tokens),
+            start_pos=start,
+            block_ids=tuple(request.block_ids),
+            sample=start + num_new == request.num_tokens,
+        )
