@@ -6,6 +6,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,13 @@ from workers.model.tokenizer import IncrementalDetokenizer, Tokenizer
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _load_tokenizer(path: Path) -> Tokenizer | None:
+    """The model's tokenizer; None for a folder that ships none (the engine then takes ids)."""
+    if path.is_dir() and not (path / "tokenizer.json").exists():
+        return None
+    return Tokenizer.from_path(path)
+
+
 class PromptError(ValueError):
     """A prompt the engine cannot serve (empty, too long, bad token ids)."""
 
@@ -35,7 +43,7 @@ class _Tracked:
     """Per-request text state that the engine (not the scheduler) owns."""
 
     request: Request
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None
     text: str = ""
     stopped_text: str | None = None
     num_computed: int = field(default=0)
@@ -56,7 +64,7 @@ class Engine:
         self.loaded = loaded or load_model(
             config.model, dtype=_DTYPES[config.dtype], device=config.device
         )
-        self.tokenizer = tokenizer or Tokenizer.from_path(self.loaded.path)
+        self.tokenizer = tokenizer or _load_tokenizer(self.loaded.path)
         model_cfg = self.loaded.config
         self.max_model_len = min(
             config.max_model_len or model_cfg.max_position_embeddings,
@@ -103,6 +111,8 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise PromptError("prompt is empty")
+            if self.tokenizer is None:
+                raise PromptError("this model has no tokenizer: give token ids, not text")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
@@ -139,10 +149,9 @@ class Engine:
                 if params.n == 1
                 else replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             )
-            request = Request(
-                rid, list(ids), sample_params, eos_token_ids=self.tokenizer.eos_token_ids
-            )
-            self._tracked[rid] = _Tracked(request, IncrementalDetokenizer(self.tokenizer))
+            request = Request(rid, list(ids), sample_params, eos_token_ids=self._eos_ids())
+            detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
+            self._tracked[rid] = _Tracked(request, detok)
             self.scheduler.add(request)
             out.append(rid)
         return out
@@ -156,6 +165,11 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        if self.tokenizer is not None:
+            return tuple(self.tokenizer.eos_token_ids)
+        return tuple(self.loaded.config.eos_token_ids)
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -180,7 +194,7 @@ class Engine:
         request = tracked.request
         request.append_token(token_id, now)
         before = len(tracked.text)
-        delta = tracked.detok.add(token_id)
+        delta = "" if tracked.detok is None else tracked.detok.add(token_id)
         tracked.text += delta
         decision = check_stop(request, tracked.text, before, self.max_model_len)
         if decision is not None:

@@ -1,0 +1,58 @@
+"""Fixtures for engine tests: a tiny random Llama saved as safetensors, and greedy references."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+
+def hf_greedy(model: Any, prompt: Sequence[int], num_tokens: int) -> list[int]:
+    """Greedy continuation by Hugging Face transformers with its own KV cache, never stopping."""
+    out: list[int] = []
+    ids = torch.tensor([list(prompt)])
+    past = None
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            res = model(ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            token = int(res.logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.tensor([[token]])
+    return out
+
+
+@pytest.fixture(scope="session", name="hf_greedy")
+def hf_greedy_fixture() -> Any:
+    return hf_greedy
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_llama_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()

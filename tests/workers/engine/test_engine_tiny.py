@@ -1,0 +1,129 @@
+"""Engine on a tiny random Llama: every scheduling path gives Hugging Face's greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cachesvc.config import EngineConfig
+from workers.engine.engine import Engine, PromptError
+from workers.engine.sampling_params import SamplingParams
+
+NUM_TOKENS = 12
+LENGTHS = (3, 9, 17, 31, 1, 44, 64, 70)
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 320, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_hf_model: Any, hf_greedy: Any) -> list[list[int]]:
+    return [hf_greedy(tiny_hf_model, p, NUM_TOKENS) for p in _prompts()]
+
+
+def _engine(path: Path, **kw: Any) -> Engine:
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_blocks", 256)
+    return Engine(EngineConfig(model=str(path), **kw))
+
+
+GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _assert_no_leak(engine: Engine) -> None:
+    assert not engine.has_unfinished()
+    assert engine.pool.num_free == engine.pool.num_blocks
+    engine.pool.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"max_num_batched_tokens": 16},  # chunked prefill across several steps
+        {"enable_chunked_prefill": False, "max_num_batched_tokens": 64},
+        {"block_size": 16},
+        {"block_size": 1},
+    ],
+    ids=["batch", "chunked", "unchunked", "block16", "block1"],
+)
+def test_batch_matches_hf(tiny_llama_dir: Path, reference: list[list[int]], kw: Any) -> None:
+    engine = _engine(tiny_llama_dir, **kw)
+    outs = engine.generate(_prompts(), GREEDY)
+    assert [list(o.token_ids) for o in outs] == reference
+    _assert_no_leak(engine)
+
+
+def test_one_at_a_time_matches_hf(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
+    engine = _engine(tiny_llama_dir)
+    for prompt, ref in zip(_prompts(), reference, strict=True):
+        [out] = engine.generate([prompt], GREEDY)
+        assert list(out.token_ids) == ref
+    _assert_no_leak(engine)
+
+
+def test_preemption_keeps_tokens_exact(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
+    # 40 blocks of 4 tokens cannot hold all eight requests at once (they need ~80 blocks).
+    engine = _engine(tiny_llama_dir, num_blocks=40)
+    outs = engine.generate(_prompts(), GREEDY)
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert [list(o.token_ids) for o in outs] == reference
+    _assert_no_leak(engine)
+
+
+def test_seeded_sampling_is_reproducible(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir)
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=42, ignore_eos=True)
+    prompts = _prompts()[:3]
+    alone = engine.generate([prompts[1]], params)[0].token_ids
+    batched = engine.generate(prompts, params)[1].token_ids
+    assert alone == batched
+    other = engine.generate([prompts[1]], SamplingParams(max_tokens=10, seed=43, ignore_eos=True))
+    assert other[0].token_ids != alone
+
+
+def test_n_samples_use_distinct_seeds(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=3, ignore_eos=True)
+    outs = engine.generate([_prompts()[2]], params)
+    assert len(outs) == 3
+    assert len({o.token_ids for o in outs}) > 1
+    assert outs[1].token_ids == engine.generate([_prompts()[2]], SamplingParams(
+        max_tokens=8, temperature=1.0, seed=6, ignore_eos=True))[0].token_ids
+    _assert_no_leak(engine)
+
+
+def test_stop_token_and_max_tokens(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
+    engine = _engine(tiny_llama_dir)
+    ref = reference[3]
+    stop_at = ref[4]
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, stop_token_ids=(stop_at,))
+    [out] = engine.generate([_prompts()[3]], params)
+    assert list(out.token_ids) == ref[: ref.index(stop_at) + 1]
+    assert out.finish_reason == "stop"
+    [out] = engine.generate([_prompts()[3]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert list(out.token_ids) == ref[:3] and out.finish_reason == "length"
+
+
+def test_bad_prompts_are_rejected_without_leaks(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir, max_model_len=100)
+    for bad in ([], [5000], list(range(100)), "text without tokenizer"):
+        with pytest.raises(PromptError):
+            engine.generate([bad], GREEDY)
+    _assert_no_leak(engine)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+
+
+def test_abort_frees_blocks(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir)
+    [rid] = engine.add_request(_prompts()[5], GREEDY)
+    engine.step()
+    assert engine.pool.num_free < engine.pool.num_blocks
+    engine.abort(rid)
+    _assert_no_leak(engine)
