@@ -30,6 +30,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="token budget of one step (the prefill chunk size)",
     )
     p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument(
+        "--no-prefix-cache", action="store_true", help="compute every prompt from scratch"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -51,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--n", type=int, default=1, help="samples per prompt")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per output line")
+    gen.add_argument("--cache-salt", default=None, help="isolate this tenant's prefix cache")
     _add_engine_args(gen)
 
     demo = sub.add_parser("demo", help="chat with the embedded model on a few prompts")
@@ -93,6 +97,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         block_size=args.block_size,
         max_num_batched_tokens=args.max_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill,
+        enable_prefix_caching=not args.no_prefix_cache,
         num_threads=args.threads,
     )
 
@@ -115,7 +120,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(_engine_config(args))
     if args.chat:
         prompts = [_chat(engine, p, args.system) for p in prompts]
-    outputs = engine.generate(prompts, params)
+    outputs = engine.generate(prompts, params, cache_salt=args.cache_salt)
     for i, out in enumerate(outputs):
         prompt = prompts[i // args.n]
         if args.json:

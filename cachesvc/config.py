@@ -30,6 +30,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     attention_backend: str = "torch"
     max_model_len: int | None = None
     num_threads: int | None = None

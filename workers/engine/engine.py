@@ -21,8 +21,9 @@ from workers.engine.runner import ModelRunner
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.stop import check_stop
+from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.loader import LoadedModel, load_model
-from workers.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from workers.model.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,7 +73,12 @@ class Engine:
         )
         num_blocks = config.num_blocks or self._blocks_for_budget(config)
         self.pool = BlockPool(num_blocks)
-        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.kv = KVCacheManager(
+            self.pool,
+            config.block_size,
+            model_fingerprint=self.loaded.fingerprint,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill
@@ -134,7 +140,11 @@ class Engine:
         return ids
 
     def add_request(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestId]:
         """Queue a prompt; returns one request id per sample (`params.n` of them)."""
         ids = self.encode_prompt(prompt)
@@ -149,7 +159,13 @@ class Engine:
                 if params.n == 1
                 else replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             )
-            request = Request(rid, list(ids), sample_params, eos_token_ids=self._eos_ids())
+            request = Request(
+                rid,
+                list(ids),
+                sample_params,
+                eos_token_ids=self._eos_ids(),
+                cache_salt=cache_salt,
+            )
             detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
             self._tracked[rid] = _Tracked(request, detok)
             self.scheduler.add(request)
@@ -185,7 +201,12 @@ class Engine:
         results: list[RequestOutput] = []
         for chunk in output.chunks:
             tracked = self._tracked[chunk.request_id]
-            tracked.num_computed += len(chunk.token_ids)
+            # Usage counts prompt tokens only: cached + computed == prompt length (without
+            # preemption; recomputation after one counts again).
+            prompt_end = tracked.request.num_prompt_tokens
+            tracked.num_computed += max(
+                0, min(prompt_end, chunk.start_pos + len(chunk.token_ids)) - chunk.start_pos
+            )
             if chunk.request_id in sampled:
                 results.append(self._on_token(tracked, sampled[chunk.request_id], now))
         return results
@@ -198,9 +219,12 @@ class Engine:
         tracked.text += delta
         decision = check_stop(request, tracked.text, before, self.max_model_len)
         if decision is not None:
+            if decision.truncate_text_at is None and tracked.detok is not None:
+                # Release text held back for an incomplete character at the very end.
+                tracked.text += tracked.detok.finish()
             if decision.truncate_text_at is not None:
                 tracked.text = tracked.text[: decision.truncate_text_at]
-                delta = tracked.text[before:]
+            delta = tracked.text[before:]
             self.scheduler.finish(request)
             request.finish(decision.reason, now, decision.stop_reason)
             del self._tracked[request.request_id]
@@ -236,6 +260,7 @@ class Engine:
         self,
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams],
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; the final output of each, in order (n samples in a row)."""
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -244,7 +269,7 @@ class Engine:
         ids = [self.encode_prompt(p) for p in prompts]  # validate all before queueing any
         order: list[RequestId] = []
         for prompt_ids, p in zip(ids, per_prompt, strict=True):
-            order.extend(self.add_request(prompt_ids, p))
+            order.extend(self.add_request(prompt_ids, p, cache_salt=cache_salt))
         final: dict[RequestId, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

@@ -1,36 +1,113 @@
-"""Block tables of requests over the device block pool."""
+"""Block tables of requests over the device block pool, with prefix caching.
+
+Every full block a request computes is registered under its rolling hash *when it is scheduled*,
+before its KV is written (vLLM's trick): a request admitted later in the same step finds it and
+computes only its own suffix, reading the shared blocks written earlier in the same layer pass.
+That is in-batch prefix dedup; across steps the same registry gives ordinary prefix caching.
+"""
 
 from __future__ import annotations
 
 from cachesvc.block_pool import BlockPool
+from cachesvc.hashing import hash_blocks, root_hash
+from cachesvc.types import BlockHash, BlockId
 from workers.engine.request import Request
 
 
 class KVCacheManager:
-    """Gives each request the blocks its tokens need and takes them back."""
+    """Gives each request the blocks its tokens need, reuses cached prefixes, takes blocks back."""
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        model_fingerprint: str = "",
+        enable_prefix_caching: bool = True,
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.model_fingerprint = model_fingerprint
+        self.enable_prefix_caching = enable_prefix_caching
+        self._roots: dict[str, BlockHash] = {}
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """The hashes of the request's full blocks, extended as the request grows."""
+        hashes = request.block_hashes
+        if len(hashes) < request.num_tokens // self.block_size:
+            parent = hashes[-1] if hashes else None
+            hashes.extend(
+                hash_blocks(
+                    request.all_token_ids,
+                    self.block_size,
+                    self._root(request.cache_salt),
+                    start_block=len(hashes),
+                    parent=parent,
+                )
+            )
+        return hashes
+
+    def match_prefix(self, request: Request) -> int:
+        """Reuse the longest cached prefix of a request that holds no blocks yet.
+
+        Takes a reference on each hit block and returns the number of cached tokens. At least one
+        token is always left to compute, since its logits are needed to sample.
+        """
+        assert not request.block_ids and request.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        tokens = request.all_token_ids
+        hits: list[BlockId] = []
+        for i, block_hash in enumerate(self.block_hashes(request)):
+            if (i + 1) * self.block_size >= len(tokens):
+                break  # keep the last token (and so its block) to compute
+            block_id = self.pool.lookup(
+                block_hash, tokens[i * self.block_size : (i + 1) * self.block_size]
+            )
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.pool.touch(hits)
+        request.block_ids = hits
+        request.num_computed_tokens = len(hits) * self.block_size
+        return request.num_computed_tokens
+
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow `request.block_ids` to hold `num_new_tokens` more tokens.
+        """Grow `request.block_ids` to hold `num_new_tokens` more tokens, and register the
+        blocks those tokens complete.
 
         Returns False, changing nothing, when the pool has too few free blocks.
         """
         total = request.num_computed_tokens + num_new_tokens
         need = self.num_blocks_for(total) - len(request.block_ids)
-        if need <= 0:
-            return True
         if need > self.pool.num_free:
             return False
-        request.block_ids.extend(self.pool.allocate(need))
+        if need > 0:
+            request.block_ids.extend(self.pool.allocate(need))
+        if self.enable_prefix_caching:
+            self._register(
+                request, request.num_computed_tokens // self.block_size, total // self.block_size
+            )
         return True
 
     def free(self, request: Request) -> None:
         """Release all of a request's blocks, tail first so the prefix head is evicted last."""
         self.pool.free(list(reversed(request.block_ids)))
         request.block_ids = []
+
+    def _register(self, request: Request, first: int, end: int) -> None:
+        if first >= end:
+            return
+        hashes = self.block_hashes(request)
+        tokens = request.all_token_ids
+        for i in range(first, end):
+            chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
+            self.pool.register(request.block_ids[i], hashes[i], chunk)
+
+    def _root(self, salt: str | None) -> BlockHash:
+        key = salt or ""
+        if key not in self._roots:
+            self._roots[key] = root_hash(self.model_fingerprint, self.block_size, key)
+        return self._roots[key]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cachesvc.types import BlockId, RequestId
+from cachesvc.types import BlockHash, BlockId, RequestId
 from workers.engine.sampling_params import SamplingParams
 
 
@@ -37,11 +37,13 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None  # isolates this tenant's prefix cache from others'
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[BlockId] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, grows
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     first_token_time: float | None = None

@@ -121,15 +121,20 @@ class Scheduler:
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            cached = self.kv.match_prefix(request)
             remaining = request.num_tokens - request.num_computed_tokens
             if self.config.enable_chunked_prefill:
                 num_new = min(remaining, budget)
             elif remaining <= budget or not chunks:
                 num_new = remaining  # an oversized prompt still runs, alone in its step
             else:
+                self._release(request)
                 break
             if not self.kv.allocate_slots(request, num_new):
+                self._release(request)  # give the prefix hits back; retry next step
                 break
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -137,10 +142,13 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+    def _release(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)

@@ -13,8 +13,11 @@ def _make(num_blocks: int, block_size: int = 4, **cfg: object) -> Scheduler:
     return Scheduler(SchedulerConfig(**cfg), kv)  # type: ignore[arg-type]
 
 
-def _req(name: str, prompt_len: int, max_tokens: int = 4) -> Request:
-    return Request(RequestId(name), list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+def _req(name: str, prompt_len: int, max_tokens: int = 4, base: int | None = None) -> Request:
+    # Distinct prompts by default, so prefix caching does not merge them.
+    start = sum(map(ord, name)) * 1000 if base is None else base
+    tokens = list(range(start, start + prompt_len))
+    return Request(RequestId(name), tokens, SamplingParams(max_tokens=max_tokens))
 
 
 def _run(s: Scheduler, reqs: list[Request], max_steps: int = 200) -> list[tuple[str, ...]]:
@@ -110,3 +113,37 @@ def test_max_num_seqs_limits_running_requests() -> None:
         s.add(_req(f"r{i}", 4))
     out = s.schedule()
     assert len(out.chunks) == 2 and len(s.waiting) == 1
+
+
+def test_in_batch_dedup_shares_prefix_blocks_in_one_step() -> None:
+    s = _make(64)
+    a, b = _req("a", 10, base=0), _req("b", 10, base=0)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert [len(c.token_ids) for c in out.chunks] == [10, 2]  # b reuses a's two full blocks
+    assert b.block_ids[:2] == a.block_ids[:2] and b.num_cached_tokens == 8
+    assert out.chunks[1].start_pos == 8
+
+
+def test_prefix_cache_across_steps_and_salt_isolation() -> None:
+    s = _make(64)
+    first = _req("a", 13, max_tokens=1, base=0)
+    _run(s, [first])
+    again = _req("b", 13, max_tokens=1, base=0)
+    other_tenant = _req("c", 13, max_tokens=1, base=0)
+    other_tenant.cache_salt = "tenant-b"
+    _run(s, [again])
+    _run(s, [other_tenant])
+    assert again.num_cached_tokens == 12
+    assert other_tenant.num_cached_tokens == 0
+    assert s.kv.pool.num_free == 64
+
+
+def test_fully_cached_prompt_still_computes_its_last_block() -> None:
+    s = _make(64)
+    _run(s, [_req("a", 8, max_tokens=1, base=0)])
+    again = _req("b", 8, max_tokens=1, base=0)
+    s.add(again)
+    out = s.schedule()
+    assert again.num_cached_tokens == 4 and out.chunks[0].start_pos == 4
