@@ -1,0 +1,181 @@
+"""Llama / Qwen2 / Mistral forward pass over a paged KV cache, on a flat ragged batch.
+
+All requests' new tokens are concatenated in layout order into one `[T]` batch; matmuls run on
+the whole batch and only attention looks at request boundaries, through the attention backend.
+q/k/v and gate/up are stored fused so each is one matmul. Weights are created on the meta device,
+without memory, and the loader assigns the real ones (`load_state_dict(..., assign=True)`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.attention.base import AttentionBackend
+from workers.attention.layout import BatchLayout
+from workers.model.config import ModelConfig
+from workers.model.rope import RotaryEmbedding, apply_rope
+
+
+def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # A placeholder: allocating (let alone initialising) weights the loader replaces would
+    # double peak memory on the device.
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP, each with a residual connection."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, head_dim = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            head_dim,
+        )
+        self.eps = config.rms_norm_eps
+        self.sm_scale = head_dim**-0.5
+        # Rows of the fused projection: q heads, then k heads, then v heads.
+        self.qk_size = (config.num_heads + config.num_kv_heads) * head_dim
+        qkv_size = self.qk_size + config.num_kv_heads * head_dim
+        weight = partial(_weight, dtype=dtype)
+        self.input_norm = weight(hidden)
+        self.qkv_weight = weight(qkv_size, hidden)
+        self.qkv_bias = weight(qkv_size) if config.qkv_bias else None
+        self.o_weight = weight(hidden, config.num_heads * head_dim)
+        self.o_bias = weight(hidden) if config.o_bias else None
+        self.post_attention_norm = weight(hidden)
+        # Rows: gate, then up.
+        self.gate_up_weight = weight(2 * config.intermediate_size, hidden)
+        self.down_weight = weight(hidden, config.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layout: BatchLayout,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Hidden states `[T, hidden]` in and out; writes this layer's new keys/values."""
+        normed = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
+        # add_ on the fresh matmul outputs saves one allocation per residual.
+        x = self._attention(normed, cos, sin, kv_cache, layout, backend).add_(x)
+        normed = F.rms_norm(x, (x.shape[-1],), self.post_attention_norm, self.eps)
+        return self._mlp(normed).add_(x)
+
+    def _attention(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layout: BatchLayout,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = x.shape[0], self.num_heads, self.head_dim
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        # One RoPE call rotates the q and k heads together.
+        qk = apply_rope(qkv[:, : self.qk_size].view(num_tokens, -1, head_dim), cos, sin)
+        q, k = qk[:, :num_heads], qk[:, num_heads:]
+        v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, head_dim)
+        backend.write_kv(kv_cache, layout, k, v)
+        out = cast(torch.Tensor, backend.forward(q, kv_cache, layout, sm_scale=self.sm_scale))
+        return F.linear(out.reshape(num_tokens, num_heads * head_dim), self.o_weight, self.o_bias)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate).mul_(up), self.down_weight)
+
+
+class LlamaModel(nn.Module):
+    """A Llama-family causal LM. Inference only; parameters never require grad.
+
+    Built with placeholder (meta) weights and real RoPE tables on `device`; usable once the
+    loader has assigned every weight. State-dict names: `embed_tokens`, `layers.{i}.{input_norm,
+    qkv_weight, qkv_bias, o_weight, o_bias, post_attention_norm, gate_up_weight, down_weight}`,
+    `norm`, `lm_head` (absent when the embeddings are tied).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        rope_freq_factors: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        weight = partial(_weight, dtype=dtype)
+        self.embed_tokens = weight(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype=dtype) for _ in range(config.num_layers)
+        )
+        self.norm = weight(config.hidden_size)
+        self.lm_head = (
+            None if config.tie_word_embeddings else weight(config.vocab_size, config.hidden_size)
+        )
+        self.rotary = RotaryEmbedding(
+            config, dtype=dtype, device=device, freq_factors=rope_freq_factors
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        layout: BatchLayout,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits `[N, vocab]` float32 of the rows `logits_indices` of the flat batch.
+
+        `token_ids`, `positions` `[T]` int64, in layout order; `kv_caches` one tensor per layer
+        (see `allocate_kv_cache`), mutated: the new tokens' keys/values are written at
+        `layout.write_slots`. Does not call `backend.plan`; the backend plans per layout.
+        """
+        num_tokens = token_ids.shape[0]
+        if positions.shape[0] != num_tokens or layout.num_tokens != num_tokens:
+            raise ValueError(
+                f"token_ids ({num_tokens}), positions ({positions.shape[0]}) and layout "
+                f"({layout.num_tokens} tokens) must agree"
+            )
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"need {len(self.layers)} kv caches, got {len(kv_caches)}")
+        hidden = F.embedding(token_ids, self.embed_tokens)
+        cos, sin = self.rotary.lookup(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, layout, backend)
+        # Norm and LM head only for the rows that need logits: at decode the head dominates.
+        hidden = hidden[logits_indices]
+        hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[torch.Tensor]:
+        """Zeroed paged caches, one per layer, `[num_blocks, 2, block_size, kv_heads, head_dim]`.
+
+        dtype and device default to the model's.
+        """
+        config = self.config
+        shape = (num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
+        dtype = dtype or self.embed_tokens.dtype
+        device = device or self.embed_tokens.device
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
