@@ -21,15 +21,17 @@ def run_demo(config: EngineConfig, max_tokens: int = 48) -> int:
 
     t0 = time.perf_counter()
     engine = Engine(config)
+    if engine.tokenizer is None:
+        print("the demo needs a model with a tokenizer")
+        return 2
+    tokenizer = engine.tokenizer
     load_s = time.perf_counter() - t0
     print(
         f"model {engine.loaded.path.name}: loaded in {load_s:.1f} s, "
         f"{engine.pool.num_blocks} KV blocks of {config.block_size} tokens"
     )
     prompts = [
-        engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True
-        )
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
         for q in DEMO_QUESTIONS
     ]
     t0 = time.perf_counter()

@@ -93,8 +93,12 @@ def test_n_samples_use_distinct_seeds(tiny_llama_dir: Path) -> None:
     outs = engine.generate([_prompts()[2]], params)
     assert len(outs) == 3
     assert len({o.token_ids for o in outs}) > 1
-    assert outs[1].token_ids == engine.generate([_prompts()[2]], SamplingParams(
-        max_tokens=8, temperature=1.0, seed=6, ignore_eos=True))[0].token_ids
+    assert (
+        outs[1].token_ids
+        == engine.generate(
+            [_prompts()[2]], SamplingParams(max_tokens=8, temperature=1.0, seed=6, ignore_eos=True)
+        )[0].token_ids
+    )
     _assert_no_leak(engine)
 
 
