@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cachesvc.events import TIER_HBM, EventLog
 from cachesvc.types import BlockHash, BlockId
 
 
@@ -29,7 +30,7 @@ class _Block:
 class BlockPool:
     """Fixed set of `num_blocks` block ids with ref counts, LRU reuse and hash registration."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: EventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -39,6 +40,7 @@ class BlockPool:
             (BlockId(i), None) for i in range(num_blocks)
         )
         self._by_hash: dict[BlockHash, BlockId] = {}
+        self.events = events if events is not None else EventLog()
 
     @property
     def num_free(self) -> int:
@@ -89,10 +91,17 @@ class BlockPool:
                 del self._free[block_id]
             block.ref_cnt += 1
 
-    def register(self, block_id: BlockId, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+    def register(
+        self,
+        block_id: BlockId,
+        block_hash: BlockHash,
+        token_ids: Sequence[int],
+        parent: BlockHash | None = None,
+    ) -> None:
         """Record that `block_id` holds (or is about to hold) the KV of a full block.
 
         A hash that is already registered keeps its first block: the duplicate stays private.
+        Emits BlockStored with `parent`, the hash of the block before it (None for the first).
         """
         block = self._blocks[block_id]
         assert block.ref_cnt > 0, "only an allocated block can be registered"
@@ -101,6 +110,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._by_hash[block_hash] = block_id
+        self.events.stored(TIER_HBM, (block_hash,), parent)
 
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> BlockId | None:
         """The block registered under `block_hash` whose tokens equal `token_ids`, or None."""
@@ -119,12 +129,15 @@ class BlockPool:
             if self._blocks[block_id].block_hash is not None:
                 self._evict(block_id)
                 dropped += 1
+        if not self._by_hash:
+            self.events.cleared(TIER_HBM)
         return dropped
 
     def _evict(self, block_id: BlockId) -> None:
         block = self._blocks[block_id]
         if block.block_hash is not None:
             del self._by_hash[block.block_hash]
+            self.events.removed(TIER_HBM, (block.block_hash,))
             block.block_hash = None
             block.token_ids = ()
 

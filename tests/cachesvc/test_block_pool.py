@@ -127,3 +127,22 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_events_number_stores_and_removals() -> None:
+    from cachesvc.events import BlockRemoved, BlockStored, Cleared
+
+    pool = BlockPool(1)
+    [blk] = pool.allocate(1)
+    pool.register(blk, BlockHash(b"x"), [1], parent=BlockHash(b"p"))
+    pool.free([blk])
+    pool.allocate(1)  # evicts x
+    pool.free([blk])
+    pool.reset_cache()
+    events = pool.events.drain()
+    assert events == [
+        BlockStored(0, "hbm", (BlockHash(b"x"),), BlockHash(b"p")),
+        BlockRemoved(1, "hbm", (BlockHash(b"x"),)),
+        Cleared(2, "hbm"),
+    ]
+    assert pool.events.drain() == []

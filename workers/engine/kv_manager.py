@@ -104,7 +104,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range(first, end):
             chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
-            self.pool.register(request.block_ids[i], hashes[i], chunk)
+            parent = hashes[i - 1] if i > 0 else None
+            self.pool.register(request.block_ids[i], hashes[i], chunk, parent)
 
     def _root(self, salt: str | None) -> BlockHash:
         key = salt or ""
