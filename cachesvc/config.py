@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 _DTYPES = ("float32", "bfloat16", "float16")
+PREFILL_SCHEMES = ("auto", "naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
 
 
 class ConfigError(ValueError):
@@ -31,6 +32,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # How requests sharing a prefix in one batch are computed (the seed article's schemes);
+    # "auto" picks per batch from its shape and measured costs.
+    prefill_scheme: str = "auto"
     attention_backend: str = "torch"
     max_model_len: int | None = None
     num_threads: int | None = None
@@ -38,6 +42,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.prefill_scheme not in PREFILL_SCHEMES:
+            raise ConfigError(
+                f"prefill_scheme must be one of {PREFILL_SCHEMES}, got {self.prefill_scheme!r}"
+            )
         for name in ("block_size", "kv_cache_mb", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -45,6 +53,11 @@ class EngineConfig:
             raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def in_batch_mode(self) -> str:
+        """What a request does with prefix blocks another request computes in the same step."""
+        return {"naive": "ignore", "split": "defer"}.get(self.prefill_scheme, "share")
 
     @classmethod
     def from_env(cls, **overrides: object) -> EngineConfig:

@@ -78,6 +78,7 @@ class Engine:
             config.block_size,
             model_fingerprint=self.loaded.fingerprint,
             enable_prefix_caching=config.enable_prefix_caching,
+            in_batch=config.in_batch_mode,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -8,14 +8,32 @@ That is in-batch prefix dedup; across steps the same registry gives ordinary pre
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from cachesvc.block_pool import BlockPool
 from cachesvc.hashing import hash_blocks, root_hash
 from cachesvc.types import BlockHash, BlockId
 from workers.engine.request import Request
 
+IN_BATCH_MODES = ("share", "defer", "ignore")
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Result of matching a request against the cache."""
+
+    num_cached_tokens: int
+    stopped_at_in_flight: bool  # the match stopped at a block being computed in this step
+
 
 class KVCacheManager:
-    """Gives each request the blocks its tokens need, reuses cached prefixes, takes blocks back."""
+    """Gives each request the blocks its tokens need, reuses cached prefixes, takes blocks back.
+
+    `in_batch` says what a request does with prefix blocks registered earlier in the *same* step
+    (their KV is being computed by another request of the batch): "share" them (in-batch dedup),
+    "defer" the request to a later step when they are cached (batch split + cache), or "ignore"
+    them and compute its own copy (naive).
+    """
 
     def __init__(
         self,
@@ -23,12 +41,21 @@ class KVCacheManager:
         block_size: int,
         model_fingerprint: str = "",
         enable_prefix_caching: bool = True,
+        in_batch: str = "share",
     ) -> None:
+        if in_batch not in IN_BATCH_MODES:
+            raise ValueError(f"in_batch must be one of {IN_BATCH_MODES}, got {in_batch!r}")
         self.pool = pool
         self.block_size = block_size
         self.model_fingerprint = model_fingerprint
         self.enable_prefix_caching = enable_prefix_caching
+        self.in_batch = in_batch
         self._roots: dict[str, BlockHash] = {}
+        self._in_flight: set[BlockId] = set()
+
+    def begin_step(self) -> None:
+        """Blocks registered from now on belong to the new step's batch."""
+        self._in_flight.clear()
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -49,17 +76,18 @@ class KVCacheManager:
             )
         return hashes
 
-    def match_prefix(self, request: Request) -> int:
+    def match_prefix(self, request: Request) -> PrefixMatch:
         """Reuse the longest cached prefix of a request that holds no blocks yet.
 
-        Takes a reference on each hit block and returns the number of cached tokens. At least one
+        Takes a reference on each hit block and sets the request's computed tokens. At least one
         token is always left to compute, since its logits are needed to sample.
         """
         assert not request.block_ids and request.num_computed_tokens == 0
         if not self.enable_prefix_caching:
-            return 0
+            return PrefixMatch(0, False)
         tokens = request.all_token_ids
         hits: list[BlockId] = []
+        stopped = False
         for i, block_hash in enumerate(self.block_hashes(request)):
             if (i + 1) * self.block_size >= len(tokens):
                 break  # keep the last token (and so its block) to compute
@@ -68,11 +96,14 @@ class KVCacheManager:
             )
             if block_id is None:
                 break
+            if block_id in self._in_flight and self.in_batch != "share":
+                stopped = True
+                break
             hits.append(block_id)
         self.pool.touch(hits)
         request.block_ids = hits
         request.num_computed_tokens = len(hits) * self.block_size
-        return request.num_computed_tokens
+        return PrefixMatch(request.num_computed_tokens, stopped)
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow `request.block_ids` to hold `num_new_tokens` more tokens, and register the
@@ -106,6 +137,7 @@ class KVCacheManager:
             chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
             parent = hashes[i - 1] if i > 0 else None
             self.pool.register(request.block_ids[i], hashes[i], chunk, parent)
+            self._in_flight.add(request.block_ids[i])
 
     def _root(self, salt: str | None) -> BlockHash:
         key = salt or ""

@@ -69,6 +69,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work; allocates blocks and may preempt running requests."""
         budget = self.config.max_num_batched_tokens
+        self.kv.begin_step()
         chunks: list[ScheduledChunk] = []
         preempted: list[RequestId] = []
         scheduled: list[Request] = []
@@ -119,28 +120,37 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            cached = self.kv.match_prefix(request)
-            remaining = request.num_tokens - request.num_computed_tokens
-            if self.config.enable_chunked_prefill:
-                num_new = min(remaining, budget)
-            elif remaining <= budget or not chunks:
-                num_new = remaining  # an oversized prompt still runs, alone in its step
-            else:
+            request = self.waiting.popleft()
+            match = self.kv.match_prefix(request)
+            if match.stopped_at_in_flight and self.kv.in_batch == "defer":
+                # Batch split + cache: wait for the blocks this step computes, then hit them.
                 self._release(request)
-                break
-            if not self.kv.allocate_slots(request, num_new):
+                deferred.append(request)
+                continue
+            num_new = self._num_new_for(request, budget, bool(chunks))
+            if num_new == 0 or not self.kv.allocate_slots(request, num_new):
                 self._release(request)  # give the prefix hits back; retry next step
+                self.waiting.appendleft(request)
                 break
             if request.num_preemptions == 0:
-                request.num_cached_tokens = cached
-            self.waiting.popleft()
+                request.num_cached_tokens = match.num_cached_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
         return budget
+
+    def _num_new_for(self, request: Request, budget: int, batch_has_work: bool) -> int:
+        """Tokens to compute for a newly admitted request; 0 when it must wait."""
+        remaining = request.num_tokens - request.num_computed_tokens
+        if self.config.enable_chunked_prefill:
+            return min(remaining, budget)
+        if remaining <= budget or not batch_has_work:
+            return remaining  # an oversized prompt still runs, alone in its step
+        return 0
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)

@@ -131,3 +131,48 @@ def test_abort_frees_blocks(tiny_llama_dir: Path) -> None:
     assert engine.pool.num_free < engine.pool.num_blocks
     engine.abort(rid)
     _assert_no_leak(engine)
+
+
+def _shared_prefix_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    prefix = torch.randint(0, 320, (37,), generator=gen).tolist()
+    other = torch.randint(0, 320, (21,), generator=gen).tolist()
+    suffixes = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (1, 5, 9, 3, 14)]
+    return [prefix + s for s in suffixes] + [other + s for s in suffixes[:3]]
+
+
+@pytest.fixture(scope="module")
+def shared_reference(tiny_hf_model: Any, hf_greedy: Any) -> list[list[int]]:
+    return [hf_greedy(tiny_hf_model, p, NUM_TOKENS) for p in _shared_prefix_prompts()]
+
+
+@pytest.mark.parametrize("scheme", ["naive", "split", "ragged", "auto"])
+@pytest.mark.parametrize("caching", [True, False], ids=["cache", "nocache"])
+def test_prefill_schemes_match_hf(
+    tiny_llama_dir: Path, shared_reference: list[list[int]], scheme: str, caching: bool
+) -> None:
+    engine = _engine(tiny_llama_dir, prefill_scheme=scheme, enable_prefix_caching=caching)
+    outs = engine.generate(_shared_prefix_prompts(), GREEDY)
+    assert [list(o.token_ids) for o in outs] == shared_reference
+    prompt_lens = [len(p) for p in _shared_prefix_prompts()]
+    for out, n in zip(outs, prompt_lens, strict=True):
+        assert out.num_cached_tokens + out.num_computed_tokens == n
+    cached = sum(o.num_cached_tokens for o in outs)
+    if not caching or scheme == "naive":
+        assert cached == 0
+    else:
+        # Every sharer after the first of its group reuses the full blocks of the prefix
+        # (block size 4): 4 * 36 tokens of group one, 2 * 20 of group two.
+        assert cached == 4 * 36 + 2 * 20
+    _assert_no_leak(engine)
+
+
+def test_cache_salt_isolates_tenants(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir)
+    prompt = _shared_prefix_prompts()[0]
+    engine.generate([prompt], GREEDY, cache_salt="a")
+    [same] = engine.generate([prompt], GREEDY, cache_salt="a")
+    [other] = engine.generate([prompt], GREEDY, cache_salt="b")
+    assert same.num_cached_tokens > 0
+    assert other.num_cached_tokens == 0
+    assert same.token_ids == other.token_ids

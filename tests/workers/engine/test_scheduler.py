@@ -147,3 +147,34 @@ def test_fully_cached_prompt_still_computes_its_last_block() -> None:
     s.add(again)
     out = s.schedule()
     assert again.num_cached_tokens == 4 and out.chunks[0].start_pos == 4
+
+
+def _make_mode(in_batch: str) -> Scheduler:
+    kv = KVCacheManager(BlockPool(64), 4, in_batch=in_batch)
+    return Scheduler(SchedulerConfig(), kv)
+
+
+def test_split_defers_sharers_to_the_next_step() -> None:
+    s = _make_mode("defer")
+    a, b = _req("a", 10, base=0), _req("b", 10, base=0)
+    c = _req("c", 5)  # unrelated: admitted right away, past the deferred one
+    for r in (a, b, c):
+        s.add(r)
+    out = s.schedule()
+    assert [ch.request_id for ch in out.chunks] == ["a", "c"]
+    s.update(out)
+    a.append_token(1, 0.0)
+    c.append_token(1, 0.0)
+    out = s.schedule()
+    assert [(ch.request_id, len(ch.token_ids)) for ch in out.chunks][-1] == ("b", 2)
+    assert b.num_cached_tokens == 8
+
+
+def test_ignore_mode_computes_a_private_copy() -> None:
+    s = _make_mode("ignore")
+    a, b = _req("a", 10, base=0), _req("b", 10, base=0)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert [len(ch.token_ids) for ch in out.chunks] == [10, 10]
+    assert not set(a.block_ids) & set(b.block_ids)
