@@ -1,4 +1,4 @@
-"""`cachesvc` command line: generate, demo, bench.
+"""`cachesvc` command line: generate, demo, bench, serve.
 
 Heavy imports (torch, the model) happen inside the commands, so `cachesvc --help` is instant.
 Bad input exits with status 2 and one line on stderr, never a traceback.
@@ -51,15 +51,31 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    gen.add_argument("--n", type=int, default=1, help="samples per prompt")
+    gen.add_argument("--n", type=int, default=1, help="samples per prompt (share the prompt's KV)")
+    gen.add_argument("--beam-width", type=int, default=1, help="beam search when > 1")
+    gen.add_argument("--length-penalty", type=float, default=1.0)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per output line")
     gen.add_argument("--cache-salt", default=None, help="isolate this tenant's prefix cache")
+    gen.add_argument(
+        "--server", metavar="HOST:PORT", help="send the prompts to a running `cachesvc serve`"
+    )
+    gen.add_argument("--auth-token-file", help="bearer token for --server (a file holding it)")
     _add_engine_args(gen)
 
     demo = sub.add_parser("demo", help="chat with the embedded model on a few prompts")
     demo.add_argument("--max-tokens", type=int, default=48)
     _add_engine_args(demo)
+
+    serve = sub.add_parser("serve", help="the gRPC router over Ray workers, until Ctrl-C")
+    serve.add_argument("--workers", type=int, default=1, help="worker actors to start")
+    serve.add_argument("--ray-address", default=None, help="Ray cluster (default: start one)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--policy", default="prefix_aware", help="routing policy")
+    serve.add_argument("--auth-token-file", help="require this bearer token (a file holding it)")
+    serve.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    _add_engine_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
     bench_sub = bench.add_subparsers(dest="suite", required=True)
@@ -103,6 +119,8 @@ def _engine_config(args: argparse.Namespace) -> Any:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.server:
+        return _generate_remote(args)
     from workers.engine.engine import Engine
     from workers.engine.sampling_params import SamplingParams
 
@@ -116,6 +134,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         n=args.n,
         ignore_eos=args.ignore_eos,
+        beam_width=args.beam_width,
+        length_penalty=args.length_penalty,
     )
     engine = Engine(_engine_config(args))
     if args.chat:
@@ -152,6 +172,64 @@ def _output_json(prompt: str, out: Any) -> dict[str, Any]:
     }
 
 
+def _read_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    file = Path(path)
+    if not file.is_file():
+        raise CliError(f"--auth-token-file: no such file: {file}")
+    token = file.read_text().strip()
+    if not token:
+        raise CliError(f"--auth-token-file: {file} is empty")
+    return token
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    from router.client import RemoteError, RemoteSampling, RouterClient
+
+    sampling = RemoteSampling(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        n=args.n,
+        ignore_eos=args.ignore_eos,
+    )
+    prompts = _read_prompts(args)
+    with RouterClient(args.server, _read_token(args.auth_token_file)) as client:
+        for prompt in prompts:
+            try:
+                outs = client.generate(
+                    prompt, sampling, chat=args.chat, system=args.system, cache_salt=args.cache_salt
+                )
+            except RemoteError as exc:
+                raise CliError(f"--server {args.server}: {exc}") from exc
+            for out in outs:
+                print(json.dumps(out) if args.json else out["text"], flush=True)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from router.config import RouterConfig
+    from router.main import ServeConfig, run_serve
+
+    config = ServeConfig(
+        engine=_engine_config(args),
+        router=RouterConfig(
+            host=args.host,
+            port=args.port,
+            policy=args.policy,
+            auth_token=_read_token(args.auth_token_file),
+        ),
+        num_workers=args.workers,
+        ray_address=args.ray_address,
+        device=args.device,
+    )
+    return run_serve(config)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from cachesvc.demo import run_demo
 
@@ -169,7 +247,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `cachesvc` console script."""
     args = _parser().parse_args(argv)
-    commands = {"generate": _cmd_generate, "demo": _cmd_demo, "bench": _cmd_bench}
+    commands = {
+        "generate": _cmd_generate,
+        "demo": _cmd_demo,
+        "bench": _cmd_bench,
+        "serve": _cmd_serve,
+    }
     try:
         return commands[args.command](args)
     except CliError as exc:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -14,13 +13,17 @@ from cachesvc.block_pool import BlockPool
 from cachesvc.config import EngineConfig
 from cachesvc.types import RequestId
 from workers.attention.base import get_backend
+from workers.engine.beam_search import BeamSearch
+from workers.engine.forking import Forker, sample_params_for
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.outputs import RequestOutput
 from workers.engine.request import FinishReason, Request
 from workers.engine.runner import ModelRunner
+from workers.engine.sampler import sample
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.stop import check_stop
+from workers.engine.tracking import Tracked, snapshot
 from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.loader import LoadedModel, load_model
 from workers.model.tokenizer import Tokenizer
@@ -37,17 +40,6 @@ def _load_tokenizer(path: Path) -> Tokenizer | None:
 
 class PromptError(ValueError):
     """A prompt the engine cannot serve (empty, too long, bad token ids)."""
-
-
-@dataclass
-class _Tracked:
-    """Per-request text state that the engine (not the scheduler) owns."""
-
-    request: Request
-    detok: IncrementalDetokenizer | None
-    text: str = ""
-    stopped_text: str | None = None
-    num_computed: int = field(default=0)
 
 
 class Engine:
@@ -96,8 +88,12 @@ class Engine:
             config.block_size,
             config.device,
         )
-        self._tracked: dict[RequestId, _Tracked] = {}
+        self._tracked: dict[RequestId, Tracked] = {}  # requests whose output a caller sees
+        self._requests: dict[RequestId, Request] = {}  # every live request, beams included
+        self._fork_plans: dict[RequestId, list[tuple[RequestId, SamplingParams]]] = {}
         self._ids = itertools.count()
+        self.forker = Forker(self.scheduler, self.kv, self.runner)
+        self.beams = BeamSearch(self.forker, self._requests, self._drop, self.max_model_len)
 
     def _blocks_for_budget(self, config: EngineConfig) -> int:
         c = self.loaded.config
@@ -147,38 +143,54 @@ class Engine:
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> list[RequestId]:
-        """Queue a prompt; returns one request id per sample (`params.n` of them)."""
+        """Queue a prompt; returns one request id per output (`params.n` of them).
+
+        With `n > 1` the prompt is computed once: the other samples fork from the first when it
+        samples its first token. With `beam_width > 1` one id is returned, for the best beam.
+        """
         ids = self.encode_prompt(prompt)
         base = request_id or f"req-{next(self._ids)}"
-        out: list[RequestId] = []
-        for i in range(params.n):
-            rid = RequestId(base if params.n == 1 else f"{base}-{i}")
-            if rid in self._tracked:
-                raise PromptError(f"request id {rid!r} is already in use")
-            sample_params = (
-                params
-                if params.n == 1
-                else replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            )
-            request = Request(
-                rid,
-                list(ids),
-                sample_params,
-                eos_token_ids=self._eos_ids(),
-                cache_salt=cache_salt,
-            )
-            detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
-            self._tracked[rid] = _Tracked(request, detok)
-            self.scheduler.add(request)
-            out.append(rid)
+        out = [RequestId(base if params.n == 1 else f"{base}-{i}") for i in range(params.n)]
+        if any(rid in self._tracked or rid in self._requests for rid in out):
+            raise PromptError(f"request id {base!r} is already in use")
+        first = Request(
+            out[0],
+            list(ids),
+            params if params.n == 1 else sample_params_for(params, 0),
+            eos_token_ids=self._eos_ids(),
+            cache_salt=cache_salt,
+        )
+        self._requests[first.request_id] = first
+        if params.beam_width > 1:
+            self.beams.start(first)
+        else:
+            self._tracked[first.request_id] = self._track(first)
+        if params.n > 1:
+            self._fork_plans[first.request_id] = [
+                (rid, sample_params_for(params, i)) for i, rid in enumerate(out) if i > 0
+            ]
+        self.scheduler.add(first)
         return out
+
+    def _track(self, request: Request) -> Tracked:
+        detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
+        return Tracked(request, detok)
 
     def abort(self, request_id: RequestId) -> None:
         """Stop a request now and free its blocks; unknown ids are ignored."""
+        self.beams.abort(request_id)
+        for parent, plan in self._fork_plans.items():
+            self._fork_plans[parent] = [(rid, p) for rid, p in plan if rid != request_id]
         tracked = self._tracked.pop(request_id, None)
         if tracked is not None:
-            self.scheduler.finish(tracked.request)
+            self._drop(tracked.request)
             tracked.request.finish(FinishReason.ABORT, time.perf_counter())
+            self._fork_plans.pop(request_id, None)
+
+    def _drop(self, request: Request) -> None:
+        """Forget a live request and free its blocks."""
+        self.scheduler.finish(request)
+        self._requests.pop(request.request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -195,24 +207,53 @@ class Engine:
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
-        requests = {rid: t.request for rid, t in self._tracked.items()}
-        sampled = self.runner.execute(output, requests)
+        keep = set(self._fork_plans) | set(self.beams.group_of)
+        result = self.runner.execute(output, self._requests, keep)
         self.scheduler.update(output)
         now = time.perf_counter()
-        results: list[RequestOutput] = []
+        outputs: list[RequestOutput] = []
         for chunk in output.chunks:
-            tracked = self._tracked[chunk.request_id]
-            # Usage counts prompt tokens only: cached + computed == prompt length (without
-            # preemption; recomputation after one counts again).
-            prompt_end = tracked.request.num_prompt_tokens
-            tracked.num_computed += max(
-                0, min(prompt_end, chunk.start_pos + len(chunk.token_ids)) - chunk.start_pos
-            )
-            if chunk.request_id in sampled:
-                results.append(self._on_token(tracked, sampled[chunk.request_id], now))
-        return results
+            rid = chunk.request_id
+            tracked = self._tracked.get(rid)
+            if tracked is not None:
+                tracked.count_computed(chunk.start_pos, len(chunk.token_ids))
+            if rid not in result.sampled:
+                continue
+            if self.beams.is_beam(rid):
+                self.beams.on_logits(rid, result.logits[rid], now)
+                continue
+            if rid in self._fork_plans:
+                outputs.extend(self._fork_samples(rid, result.logits[rid], now))
+            assert tracked is not None
+            outputs.append(self._on_token(tracked, result.sampled[rid], now))
+        for group in self.beams.ready_groups():
+            finished = self.beams.advance(group, now)
+            if finished is not None:
+                outputs.append(self._beam_output(finished))
+        return outputs
 
-    def _on_token(self, tracked: _Tracked, token_id: int, now: float) -> RequestOutput:
+    def _fork_samples(
+        self, parent_id: RequestId, logits: torch.Tensor, now: float
+    ) -> list[RequestOutput]:
+        """Samples 1..n-1 of a prompt start from the first's KV and logits."""
+        parent = self._requests[parent_id]
+        outputs = []
+        for rid, params in self._fork_plans.pop(parent_id):
+            child = self.forker.fork(parent, rid, params)
+            self._requests[rid] = child
+            tracked = self._tracked[rid] = self._track(child)
+            [token] = sample(logits[None], [params], [child.generator])
+            outputs.append(self._on_token(tracked, token, now))
+        return outputs
+
+    def _beam_output(self, request: Request) -> RequestOutput:
+        tracked = self._track(request)
+        if self.tokenizer is not None:
+            tracked.text = self.tokenizer.decode(request.output_token_ids)
+        tracked.num_computed = request.num_prompt_tokens - request.num_cached_tokens
+        return snapshot(tracked, tracked.text)
+
+    def _on_token(self, tracked: Tracked, token_id: int, now: float) -> RequestOutput:
         request = tracked.request
         request.append_token(token_id, now)
         before = len(tracked.text)
@@ -226,36 +267,10 @@ class Engine:
             if decision.truncate_text_at is not None:
                 tracked.text = tracked.text[: decision.truncate_text_at]
             delta = tracked.text[before:]
-            self.scheduler.finish(request)
+            self._drop(request)
             request.finish(decision.reason, now, decision.stop_reason)
             del self._tracked[request.request_id]
-        return self._snapshot(tracked, delta)
-
-    def _snapshot(self, tracked: _Tracked, delta: str) -> RequestOutput:
-        r = tracked.request
-        ttft = None if r.first_token_time is None else (r.first_token_time - r.arrival_time) * 1e3
-        tps = None
-        if (
-            r.finish_time is not None
-            and r.first_token_time is not None
-            and len(r.output_token_ids) > 1
-            and r.finish_time > r.first_token_time
-        ):
-            tps = (len(r.output_token_ids) - 1) / (r.finish_time - r.first_token_time)
-        return RequestOutput(
-            request_id=r.request_id,
-            prompt_token_ids=tuple(r.prompt_token_ids),
-            token_ids=tuple(r.output_token_ids),
-            text=tracked.text,
-            delta_text=delta,
-            finished=r.is_finished,
-            finish_reason=None if r.finish_reason is None else r.finish_reason.value,
-            ttft_ms=ttft,
-            decode_tokens_per_s=tps,
-            num_cached_tokens=r.num_cached_tokens,
-            num_computed_tokens=tracked.num_computed,
-            num_preemptions=r.num_preemptions,
-        )
+        return snapshot(tracked, delta)
 
     def generate(
         self,

@@ -123,6 +123,28 @@ class KVCacheManager:
             )
         return True
 
+    def fork(self, parent: Request, child: Request) -> list[tuple[BlockId, BlockId]] | None:
+        """Give `child` the parent's KV: full blocks shared, the partial last block copied.
+
+        Sets the child's block table and computed tokens to the parent's. Returns the
+        (src, dst) block copies the caller must perform before the child's next step, or None,
+        changing nothing, when no block is free for the copy.
+        """
+        num_full = parent.num_computed_tokens // self.block_size
+        partial = num_full < len(parent.block_ids)
+        if partial and self.pool.num_free == 0:
+            return None
+        shared = parent.block_ids[:num_full]
+        self.pool.touch(shared)
+        child.block_ids = list(shared)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        if not partial:
+            return []
+        [copy] = self.pool.allocate(1)
+        child.block_ids.append(copy)
+        return [(parent.block_ids[num_full], copy)]
+
     def free(self, request: Request) -> None:
         """Release all of a request's blocks, tail first so the prefix head is evicted last."""
         self.pool.free(list(reversed(request.block_ids)))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,6 +14,14 @@ from workers.engine.request import Request
 from workers.engine.sampler import sample
 from workers.engine.scheduler import SchedulerOutput
 from workers.model.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Sampled tokens, and the raw logits rows that the engine asked to keep."""
+
+    sampled: dict[RequestId, int]
+    logits: dict[RequestId, torch.Tensor] = field(default_factory=dict)  # float32 [vocab]
 
 
 class ModelRunner:
@@ -34,9 +43,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, output: SchedulerOutput, requests: Mapping[RequestId, Request]
-    ) -> dict[RequestId, int]:
-        """Compute every scheduled chunk; returns the sampled token of each finished chunk."""
+        self,
+        output: SchedulerOutput,
+        requests: Mapping[RequestId, Request],
+        keep_logits: Collection[RequestId] = (),
+    ) -> StepResult:
+        """Compute every scheduled chunk; sample the next token of each chunk that reaches the
+        end of its request, and keep the logits of the requests in `keep_logits`."""
         chunks = output.chunks
         token_ids: list[int] = []
         positions: list[int] = []
@@ -62,10 +75,21 @@ class ModelRunner:
             self.backend,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device),
         )
+        logits = logits.float().cpu()
         sampled = [requests[c.request_id] for c in chunks if c.sample]
-        token_out = sample(
-            logits.float().cpu(),
-            [r.params for r in sampled],
-            [r.generator for r in sampled],
-        )
-        return {r.request_id: t for r, t in zip(sampled, token_out, strict=True)}
+        token_out = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+        kept = {
+            r.request_id: logits[i] for i, r in enumerate(sampled) if r.request_id in keep_logits
+        }
+        tokens = {r.request_id: t for r, t in zip(sampled, token_out, strict=True)}
+        return StepResult(tokens, kept)
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy the KV of block `src` into block `dst` in every layer (copy-on-write)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            cache[dst] = cache[src]

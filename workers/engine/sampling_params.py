@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_N = 64
+MAX_BEAM_WIDTH = 32
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,6 +27,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    beam_width: int = 1
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -32,8 +37,12 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}")
+        if self.beam_width > 1 and self.n != 1:
+            raise ValueError("n must be 1 with beam search (beam_width > 1)")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         # Normalise list arguments so the object stays hashable and immutable.

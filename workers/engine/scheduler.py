@@ -77,6 +77,8 @@ class Scheduler:
             if budget == 0 or request not in self.running:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                continue  # a beam waiting for its siblings' logits has nothing to compute
             if not self._allocate_or_preempt(request, num_new, scheduled, preempted):
                 continue
             scheduled.append(request)

@@ -1,0 +1,274 @@
+"""An asyncio front for the Engine: many concurrent streams over one step loop.
+
+The Engine is not thread-safe. A background task runs `engine.step()` in a worker thread
+(`asyncio.to_thread`) only while requests are unfinished, so the event loop stays free to accept
+and stream. Every other touch of the engine (adding, aborting, reading counters) happens on the
+loop thread *between* steps: when no step is running it happens at once, otherwise it is queued
+and applied as soon as the step returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from cachesvc.types import RequestId
+from workers.engine.engine import Engine
+from workers.engine.outputs import RequestOutput
+from workers.engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy the engine is, as of the last step boundary.
+
+    `num_queued_tokens` counts tokens that still need a forward pass (prompt tokens not yet
+    computed, plus one per decoding request): the work ahead of a newly arrived request.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_queued_tokens: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0
+
+
+def _measure(engine: Engine) -> EngineLoad:
+    requests = [*engine.scheduler.waiting, *engine.scheduler.running]
+    return EngineLoad(
+        num_running=len(engine.scheduler.running),
+        num_waiting=len(engine.scheduler.waiting),
+        num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in requests),
+        num_blocks=engine.pool.num_blocks,
+        num_free_blocks=engine.pool.num_free,
+        num_cached_blocks=engine.pool.num_cached,
+    )
+
+
+@dataclass(frozen=True)
+class _Aborted:
+    """Queued for a stream whose request was aborted by `abort` (the engine reports nothing)."""
+
+    request_id: RequestId
+
+
+def _aborted_output(
+    last: RequestOutput | None, request_id: RequestId, prompt: str | Sequence[int]
+) -> RequestOutput:
+    if last is not None:
+        return replace(last, delta_text="", finished=True, finish_reason="abort")
+    prompt_ids = () if isinstance(prompt, str) else tuple(prompt)
+    return RequestOutput(request_id, prompt_ids, (), "", "", True, "abort", None, None, 0, 0, 0)
+
+
+_Item = RequestOutput | _Aborted | BaseException
+
+
+class AsyncEngine:
+    """Serves `generate` streams concurrently over one Engine; create and use on one loop."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._busy = False  # a worker thread is inside the engine
+        self._deferred: deque[tuple[Callable[[], Any], asyncio.Future[Any] | None]] = deque()
+        self._exclusive: deque[tuple[Callable[[], Any], asyncio.Future[Any]]] = deque()
+        self._streams: dict[RequestId, asyncio.Queue[_Item]] = {}
+        self._groups: dict[str, list[RequestId]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._load = _measure(engine)
+
+    @property
+    def load(self) -> EngineLoad:
+        """Counters as of the last step boundary; never blocks."""
+        return self._load
+
+    # ---- public API -------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream snapshots of a request (of each of its `params.n` samples, interleaved).
+
+        Raises the engine's PromptError / ValueError before yielding anything when the prompt is
+        unusable. Closing or cancelling the iterator early aborts the request and frees its
+        blocks.
+        """
+        base = request_id or f"req-{uuid.uuid4().hex[:12]}"
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        rids = await self.call(lambda e: self._add(e, prompt, params, base, cache_salt, queue))
+        remaining = set(rids)
+        last: dict[RequestId, RequestOutput] = {}
+        try:
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, _Aborted):
+                    if item.request_id not in remaining:
+                        continue  # it had finished before the abort arrived
+                    item = _aborted_output(last.get(item.request_id), item.request_id, prompt)
+                if item.finished:
+                    remaining.discard(item.request_id)
+                last[item.request_id] = item
+                yield item
+        finally:
+            for rid in rids:
+                self._streams.pop(rid, None)
+            self._groups.pop(base, None)
+            if remaining:
+                unfinished = sorted(remaining)
+                self._call_soon(lambda: self._abort_all(unfinished))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (all samples of a `generate` call given its id); unknown ids are
+        ignored. Its stream ends with an `abort` finish reason."""
+        rids = self._groups.get(request_id) or [RequestId(request_id)]
+        await self.call(lambda e: self._abort_all(rids))
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run a short `fn(engine)` on the loop thread between steps and return its result."""
+        self._ensure_started()
+        if not self._busy:
+            return fn(self.engine)
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._deferred.append((lambda: fn(self.engine), future))
+        return await future
+
+    async def run_exclusive(self, fn: Callable[[Engine], T]) -> T:
+        """Run a long `fn(engine)` (e.g. a scoring pass) in a worker thread between steps."""
+        self._ensure_started()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._exclusive.append((lambda: fn(self.engine), future))
+        self._wake.set()
+        return await future
+
+    async def shutdown(self) -> None:
+        """Stop the step loop; streams still open raise RuntimeError."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        # A step may still be running in its thread: end the streams without touching the engine.
+        self._fail_all(RuntimeError("the engine was shut down"), abort=False)
+
+    # ---- on the loop thread -----------------------------------------------------------------
+
+    def _add(
+        self,
+        engine: Engine,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        base: str,
+        cache_salt: str | None,
+        queue: asyncio.Queue[_Item],
+    ) -> list[RequestId]:
+        rids = engine.add_request(prompt, params, request_id=base, cache_salt=cache_salt)
+        for rid in rids:
+            self._streams[rid] = queue
+        self._groups[base] = rids
+        self._refresh()
+        self._wake.set()
+        return rids
+
+    def _abort_all(self, rids: Sequence[RequestId]) -> None:
+        for rid in rids:
+            self.engine.abort(rid)
+            queue = self._streams.get(rid)
+            if queue is not None:
+                queue.put_nowait(_Aborted(rid))
+        self._refresh()
+
+    def _call_soon(self, fn: Callable[[], Any]) -> None:
+        # Used from `finally` blocks, which must not await: run now or right after the step.
+        if not self._busy:
+            fn()
+        else:
+            self._deferred.append((fn, None))
+
+    def _ensure_started(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            self._run_deferred()
+            if self._exclusive:
+                fn, future = self._exclusive.popleft()
+                await self._run_one_exclusive(fn, future)
+            elif self.engine.has_unfinished():
+                await self._step()
+            else:
+                self._wake.clear()
+                await self._wake.wait()
+
+    async def _step(self) -> None:
+        try:
+            outputs = await self._in_thread(self.engine.step)
+        except Exception as exc:  # the engine's state is unknown: end every stream with it
+            _log.exception("engine step failed")
+            self._fail_all(exc)
+            return
+        for out in outputs:
+            queue = self._streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        self._refresh()
+
+    async def _run_one_exclusive(self, fn: Callable[[], Any], future: asyncio.Future[Any]) -> None:
+        try:
+            result = await self._in_thread(fn)
+        except Exception as exc:
+            if not future.done():
+                future.set_exception(exc)
+        else:
+            if not future.done():
+                future.set_result(result)
+
+    async def _in_thread(self, fn: Callable[[], T]) -> T:
+        self._busy = True
+        try:
+            return await asyncio.to_thread(fn)
+        finally:
+            self._busy = False
+
+    def _run_deferred(self) -> None:
+        while self._deferred:
+            fn, future = self._deferred.popleft()
+            if future is not None and future.cancelled():
+                continue  # the caller gave up (e.g. a stream cancelled before its add ran)
+            try:
+                result = fn()
+            except Exception as exc:
+                if future is None:
+                    _log.exception("deferred engine call failed")
+                elif not future.done():
+                    future.set_exception(exc)
+            else:
+                if future is not None and not future.done():
+                    future.set_result(result)
+
+    def _fail_all(self, exc: BaseException, abort: bool = True) -> None:
+        for rid, queue in list(self._streams.items()):
+            queue.put_nowait(exc)
+            if abort:
+                self.engine.abort(rid)
+        self._streams.clear()
+        if abort:
+            self._refresh()
+
+    def _refresh(self) -> None:
+        self._load = _measure(self.engine)

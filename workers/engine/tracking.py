@@ -1,0 +1,53 @@
+"""Per-request output state the engine keeps: text, detokenizer, usage counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.engine.outputs import RequestOutput
+from workers.engine.request import Request
+from workers.model.detokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Tracked:
+    """A request whose output a caller sees, with its streamed text."""
+
+    request: Request
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    num_computed: int = 0  # prompt tokens computed by the model for this request
+
+    def count_computed(self, start_pos: int, num_tokens: int) -> None:
+        """Count the prompt tokens of a chunk: cached + computed == prompt length (without
+        preemption; recomputation after one counts again)."""
+        end = min(self.request.num_prompt_tokens, start_pos + num_tokens)
+        self.num_computed += max(0, end - start_pos)
+
+
+def snapshot(tracked: Tracked, delta: str) -> RequestOutput:
+    """The caller-facing view of a tracked request after a step."""
+    r = tracked.request
+    ttft = None if r.first_token_time is None else (r.first_token_time - r.arrival_time) * 1e3
+    tps = None
+    if (
+        r.finish_time is not None
+        and r.first_token_time is not None
+        and len(r.output_token_ids) > 1
+        and r.finish_time > r.first_token_time
+    ):
+        tps = (len(r.output_token_ids) - 1) / (r.finish_time - r.first_token_time)
+    return RequestOutput(
+        request_id=r.request_id,
+        prompt_token_ids=tuple(r.prompt_token_ids),
+        token_ids=tuple(r.output_token_ids),
+        text=tracked.text,
+        delta_text=delta,
+        finished=r.is_finished,
+        finish_reason=None if r.finish_reason is None else r.finish_reason.value,
+        ttft_ms=ttft,
+        decode_tokens_per_s=tps,
+        num_cached_tokens=r.num_cached_tokens,
+        num_computed_tokens=tracked.num_computed,
+        num_preemptions=r.num_preemptions,
+    )
