@@ -41,3 +41,10 @@ test: lint typecheck
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# Regenerates the committed gRPC modules from the wire contract (see proto/README.md); a test
+# fails when they are stale.
+.PHONY: proto
+proto: setup
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
+		proto/cachesvc/v1/cachesvc.proto

@@ -15,6 +15,7 @@ logical request under the kMultiItemScoring mask; custom_mask = the same with a 
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -55,7 +56,7 @@ class BenchConfig:
     page_size: int = 16
     warmup: int = 1
     min_iters: int = 3
-    max_iters: int = 20
+    max_iters: int = 200
     min_seconds: float = 0.3
 
     @property
@@ -70,15 +71,20 @@ class BenchConfig:
 def bench_config(backend: str, quick: bool) -> BenchConfig:
     """float32 on CPU for the torch backend; fp16 on the GPU with the seed's warm-up and iters."""
     if backend == "torch":
-        return BenchConfig(backend, "cpu", torch.float32, min_iters=2 if quick else 3)
+        # More rounds than the minimum while a cell is cheap: medians on a shared machine.
+        seconds = 0.3 if quick else 2.0
+        return BenchConfig(
+            backend, "cpu", torch.float32, min_iters=2 if quick else 3, min_seconds=seconds
+        )
     return BenchConfig(backend, "cuda", torch.float16, warmup=10, min_iters=100, max_iters=100)
 
 
 def median_ms(fns: Mapping[str, Callable[[], object]], cfg: BenchConfig) -> dict[str, float]:
     """Median wall time in ms of each function, after `cfg.warmup` untimed rounds.
 
-    The functions run round-robin, one call each per round, so a machine whose load changes
-    during the run slows all of them alike (this machine is shared and noisy).
+    The functions run in rounds, one call each per round, so a machine whose load changes during
+    the run slows all of them alike (this machine is shared and noisy); each round shuffles the
+    order, so no function always runs with the caches its predecessor warmed.
     """
 
     def sync() -> None:
@@ -88,15 +94,18 @@ def median_ms(fns: Mapping[str, Callable[[], object]], cfg: BenchConfig) -> dict
     for _ in range(cfg.warmup):
         for fn in fns.values():
             fn()
+    order = random.Random(0)
+    names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in fns}
     rounds = 0
     while rounds < cfg.min_iters or (
         sum(map(sum, times.values())) < cfg.min_seconds and rounds < cfg.max_iters
     ):
-        for name, fn in fns.items():
+        order.shuffle(names)
+        for name in names:
             sync()
             start = time.perf_counter()
-            fn()
+            fns[name]()
             sync()
             times[name].append(time.perf_counter() - start)
         rounds += 1

@@ -12,7 +12,7 @@ import torch
 from cachesvc.block_pool import BlockPool
 from cachesvc.config import EngineConfig
 from cachesvc.types import RequestId
-from workers.attention.base import get_backend
+from workers.attention.schemes import make_scheme_backend
 from workers.engine.beam_search import BeamSearch
 from workers.engine.forking import Forker, sample_params_for
 from workers.engine.kv_manager import KVCacheManager
@@ -83,10 +83,11 @@ class Engine:
         )
         self.runner = ModelRunner(
             self.loaded.model,
-            get_backend(config.attention_backend),
+            make_scheme_backend(config.attention_backend),
             kv_caches,
             config.block_size,
             config.device,
+            scheme=config.prefill_scheme,
         )
         self._tracked: dict[RequestId, Tracked] = {}  # requests whose output a caller sees
         self._requests: dict[RequestId, Request] = {}  # every live request, beams included

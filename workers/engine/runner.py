@@ -9,10 +9,11 @@ import torch
 
 from cachesvc.types import RequestId
 from workers.attention.base import AttentionBackend
-from workers.attention.layout import build_layout
+from workers.attention.schemes import SchemeCosts
 from workers.engine.request import Request
 from workers.engine.sampler import sample
 from workers.engine.scheduler import SchedulerOutput
+from workers.engine.scheme_plan import plan_step
 from workers.model.llama import LlamaModel
 
 
@@ -34,9 +35,14 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         block_size: int,
         device: torch.device | str = "cpu",
+        scheme: str = "auto",
+        costs: SchemeCosts | None = None,
     ) -> None:
         self.model = model
-        self.backend = backend
+        self.backend = backend  # a SchemeBackend: it runs whichever scheme the layout names
+        self.scheme = scheme
+        self.costs = costs
+        self.last_scheme = ""  # what the latest step ran, for stats and tests
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
@@ -50,7 +56,16 @@ class ModelRunner:
     ) -> StepResult:
         """Compute every scheduled chunk; sample the next token of each chunk that reaches the
         end of its request, and keep the logits of the requests in `keep_logits`."""
-        chunks = output.chunks
+        plan = plan_step(
+            output.chunks,
+            self.block_size,
+            self.scheme,
+            getattr(self.backend, "inner_name", "torch"),
+            self.costs,
+            str(self.device),
+        )
+        chunks = plan.chunks
+        self.last_scheme = plan.layout.scheme
         token_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
@@ -59,19 +74,13 @@ class ModelRunner:
             positions.extend(range(chunk.start_pos, chunk.start_pos + len(chunk.token_ids)))
             if chunk.sample:
                 logits_rows.append(len(token_ids) - 1)
-        layout = build_layout(
-            qo_lens=[len(c.token_ids) for c in chunks],
-            kv_lens=[c.start_pos + len(c.token_ids) for c in chunks],
-            block_tables=[c.block_ids for c in chunks],
-            page_size=self.block_size,
-            device=self.device,
-        )
-        self.backend.plan(layout)
+        layout = plan.layout
+        self.backend.plan(layout)  # type: ignore[arg-type]
         logits = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             self.kv_caches,
-            layout,
+            layout,  # type: ignore[arg-type]  # the scheme backend reads its scheme layout
             self.backend,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device),
         )

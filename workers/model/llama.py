@@ -143,10 +143,12 @@ class LlamaModel(nn.Module):
         `layout.write_slots`. Does not call `backend.plan`; the backend plans per layout.
         """
         num_tokens = token_ids.shape[0]
-        if positions.shape[0] != num_tokens or layout.num_tokens != num_tokens:
+        # A scheme layout wraps the plain one; either way the plain one counts the new tokens.
+        layout_tokens = getattr(layout, "batch", layout).num_tokens
+        if positions.shape[0] != num_tokens or layout_tokens != num_tokens:
             raise ValueError(
                 f"token_ids ({num_tokens}), positions ({positions.shape[0]}) and layout "
-                f"({layout.num_tokens} tokens) must agree"
+                f"({layout_tokens} tokens) must agree"
             )
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"need {len(self.layers)} kv caches, got {len(kv_caches)}")

@@ -146,7 +146,10 @@ def shared_reference(tiny_hf_model: Any, hf_greedy: Any) -> list[list[int]]:
     return [hf_greedy(tiny_hf_model, p, NUM_TOKENS) for p in _shared_prefix_prompts()]
 
 
-@pytest.mark.parametrize("scheme", ["naive", "split", "ragged", "auto"])
+SCHEMES = ["naive", "split", "ragged", "cascade", "multi_item", "custom_mask", "auto"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("caching", [True, False], ids=["cache", "nocache"])
 def test_prefill_schemes_match_hf(
     tiny_llama_dir: Path, shared_reference: list[list[int]], scheme: str, caching: bool
@@ -176,3 +179,22 @@ def test_cache_salt_isolates_tenants(tiny_llama_dir: Path) -> None:
     assert same.num_cached_tokens > 0
     assert other.num_cached_tokens == 0
     assert same.token_ids == other.token_ids
+
+
+@pytest.mark.parametrize("scheme", ["cascade", "multi_item", "custom_mask"])
+def test_scheme_runs_on_shared_groups_and_decode(
+    tiny_llama_dir: Path, shared_reference: list[list[int]], scheme: str
+) -> None:
+    """The scheme is really used, in prefill and in decode with two prefix groups."""
+    engine = _engine(tiny_llama_dir, prefill_scheme=scheme)
+    seen = set()
+    for prompt in _shared_prefix_prompts():
+        engine.add_request(prompt, GREEDY)
+    results: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            results[out.request_id] = list(out.token_ids)
+        seen.add(engine.runner.last_scheme)
+    assert scheme in seen
+    assert [results[f"req-{i}"] for i in range(len(shared_reference))] == shared_reference
+    _assert_no_leak(engine)

@@ -1,0 +1,199 @@
+"""The router's prefix index: which worker holds which block, in which tier.
+
+A pure function of each worker's event stream (`cachesvc.events`) plus a snapshot to resync from:
+`apply` takes events in sequence order and reports a gap instead of guessing, and `resync`
+replaces a worker's entries with a snapshot. Because a block hash names its whole prefix, a
+request's longest cached prefix on a worker is the run of its leading hashes that worker holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from cachesvc.events import BlockMoved, BlockRemoved, BlockStored, Cleared, Event
+from cachesvc.types import BlockHash, WorkerId
+
+# Fastest first: a block held in several tiers counts in the fastest.
+TIER_ORDER = ("hbm", "dram", "nvme", "redis")
+
+
+def _tier_rank(tier: str) -> int:
+    return TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER)
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """A worker's longest cached prefix of a request: `num_blocks` leading blocks.
+
+    `blocks_by_tier` says where they are (each block counted once, in its fastest tier).
+    """
+
+    worker: WorkerId
+    num_blocks: int
+    blocks_by_tier: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class IndexSnapshot:
+    """Everything a worker holds, as of just before event `next_seq`.
+
+    `incarnation` names one life of the worker process: a restarted worker numbers its events
+    from zero again, so its events only continue a stream of the same incarnation.
+    """
+
+    incarnation: str
+    next_seq: int
+    blocks: Mapping[str, Sequence[BlockHash]]  # tier -> hashes
+
+
+class PrefixIndex(Protocol):
+    """Longest cached prefix per worker, kept from the workers' event streams."""
+
+    def apply(self, worker: WorkerId, incarnation: str, events: Sequence[Event]) -> bool:
+        """Apply events in order; False, applying nothing past it, on a gap or unknown
+        incarnation: the caller must `resync` the worker from a snapshot."""
+        ...
+
+    def resync(self, worker: WorkerId, snapshot: IndexSnapshot) -> None:
+        """Replace everything known about `worker` by the snapshot."""
+        ...
+
+    def drop_worker(self, worker: WorkerId) -> None:
+        """Forget a worker (dead or removed); unknown workers are ignored."""
+        ...
+
+    def longest_prefix(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]:
+        """Each worker holding at least the first block, with its matched prefix; no mutation."""
+        ...
+
+    def num_blocks(self, worker: WorkerId) -> int:
+        """How many distinct blocks `worker` holds in any tier (0 for an unknown worker)."""
+        ...
+
+    def next_seq(self, worker: WorkerId) -> int | None:
+        """The sequence number of the next event expected from `worker`; None if unknown."""
+        ...
+
+
+@dataclass
+class _Stream:
+    incarnation: str
+    next_seq: int
+
+
+class MemoryPrefixIndex:
+    """`PrefixIndex` in one process: hash -> worker -> tiers, plus each worker's hash set."""
+
+    def __init__(self) -> None:
+        self._by_hash: dict[BlockHash, dict[WorkerId, set[str]]] = {}
+        self._by_worker: dict[WorkerId, set[BlockHash]] = {}
+        self._streams: dict[WorkerId, _Stream] = {}
+
+    # ---- updates ----------------------------------------------------------------------------
+
+    def apply(self, worker: WorkerId, incarnation: str, events: Sequence[Event]) -> bool:
+        stream = self._streams.get(worker)
+        if stream is None or stream.incarnation != incarnation:
+            return False
+        for event in events:
+            if event.seq < stream.next_seq:
+                continue  # already covered by the snapshot or an earlier batch
+            if event.seq > stream.next_seq:
+                return False
+            self._apply_one(worker, event)
+            stream.next_seq += 1
+        return True
+
+    def resync(self, worker: WorkerId, snapshot: IndexSnapshot) -> None:
+        self.drop_worker(worker)
+        self._streams[worker] = _Stream(snapshot.incarnation, snapshot.next_seq)
+        self._by_worker[worker] = set()
+        for tier, hashes in snapshot.blocks.items():
+            self._add(worker, tier, hashes)
+
+    def drop_worker(self, worker: WorkerId) -> None:
+        for block_hash in self._by_worker.pop(worker, set()):
+            holders = self._by_hash[block_hash]
+            del holders[worker]
+            if not holders:
+                del self._by_hash[block_hash]
+        self._streams.pop(worker, None)
+
+    def _apply_one(self, worker: WorkerId, event: Event) -> None:
+        if isinstance(event, BlockStored):
+            self._add(worker, event.tier, event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            self._remove(worker, event.tier, event.block_hashes)
+        elif isinstance(event, BlockMoved):
+            self._remove(worker, event.src_tier, event.block_hashes)
+            self._add(worker, event.dst_tier, event.block_hashes)
+        elif isinstance(event, Cleared):
+            held = [
+                h for h in self._by_worker.get(worker, ()) if event.tier in self._tiers(h, worker)
+            ]
+            self._remove(worker, event.tier, held)
+
+    def _tiers(self, block_hash: BlockHash, worker: WorkerId) -> set[str]:
+        return self._by_hash.get(block_hash, {}).get(worker, set())
+
+    def _add(self, worker: WorkerId, tier: str, hashes: Iterable[BlockHash]) -> None:
+        owned = self._by_worker.setdefault(worker, set())
+        for block_hash in hashes:
+            self._by_hash.setdefault(block_hash, {}).setdefault(worker, set()).add(tier)
+            owned.add(block_hash)
+
+    def _remove(self, worker: WorkerId, tier: str, hashes: Iterable[BlockHash]) -> None:
+        for block_hash in hashes:
+            holders = self._by_hash.get(block_hash, {})
+            tiers = holders.get(worker)
+            if tiers is None or tier not in tiers:
+                continue  # removing what was never stored is harmless (e.g. after a resync)
+            tiers.discard(tier)
+            if not tiers:
+                del holders[worker]
+                self._by_worker[worker].discard(block_hash)
+                if not holders:
+                    del self._by_hash[block_hash]
+
+    # ---- queries ----------------------------------------------------------------------------
+
+    def longest_prefix(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]:
+        counts: dict[WorkerId, dict[str, int]] = {}
+        alive: set[WorkerId] | None = None
+        for block_hash in hashes:
+            holders = self._by_hash.get(block_hash, {})
+            alive = set(holders) if alive is None else alive & holders.keys()
+            if not alive:
+                break
+            for worker in alive:
+                fastest = min(holders[worker], key=_tier_rank)
+                per_tier = counts.setdefault(worker, {})
+                per_tier[fastest] = per_tier.get(fastest, 0) + 1
+        return {
+            worker: PrefixMatch(worker, sum(per_tier.values()), per_tier)
+            for worker, per_tier in counts.items()
+        }
+
+    def num_blocks(self, worker: WorkerId) -> int:
+        return len(self._by_worker.get(worker, ()))
+
+    def next_seq(self, worker: WorkerId) -> int | None:
+        stream = self._streams.get(worker)
+        return None if stream is None else stream.next_seq
+
+    def workers(self) -> list[WorkerId]:
+        """Workers with a live event stream, in sorted order."""
+        return sorted(self._streams)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the two maps disagree or hold empty entries."""
+        for block_hash, holders in self._by_hash.items():
+            assert holders, "a hash with no holder is kept"
+            for worker, tiers in holders.items():
+                assert tiers, "a worker entry with no tier is kept"
+                assert block_hash in self._by_worker.get(worker, set()), "worker set is missing"
+        for worker, owned in self._by_worker.items():
+            for block_hash in owned:
+                assert worker in self._by_hash.get(block_hash, {}), "hash map is missing"

@@ -1,0 +1,1 @@
+"""Generated gRPC modules of the cachesvc wire contract; see proto/README.md."""

@@ -1,0 +1,130 @@
+"""A small blocking client of the router, used by `cachesvc generate --server`.
+
+Prints the same objects as offline `generate --json`, plus the worker that served each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from proto.cachesvc.v1 import cachesvc_pb2 as pb
+from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+
+
+class RemoteError(RuntimeError):
+    """The server refused or failed a call; the message has the status code and its text."""
+
+
+@dataclass(frozen=True)
+class RemoteSampling:
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    n: int
+    ignore_eos: bool
+
+    def to_proto(self) -> pb.SamplingParams:
+        msg = pb.SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            stop=list(self.stop),
+            n=self.n,
+            ignore_eos=self.ignore_eos,
+        )
+        if self.seed is not None:
+            msg.seed = self.seed
+        return msg
+
+
+def make_prompt(text: str, chat: bool, system: str | None) -> pb.Prompt:
+    if not chat:
+        return pb.Prompt(text=text)
+    messages = [pb.ChatMessage(role="system", content=system)] if system else []
+    messages.append(pb.ChatMessage(role="user", content=text))
+    return pb.Prompt(chat=pb.ChatMessages(messages=messages))
+
+
+class RouterClient:
+    """Blocking calls to one router; use as a context manager."""
+
+    def __init__(self, address: str, auth_token: str | None = None) -> None:
+        self._channel = grpc.insecure_channel(address)
+        self._metadata = [("authorization", f"Bearer {auth_token}")] if auth_token else []
+        self.inference = pb_grpc.InferenceStub(self._channel)
+
+    def __enter__(self) -> RouterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._channel.close()
+
+    def generate(
+        self,
+        text: str,
+        sampling: RemoteSampling,
+        *,
+        chat: bool = False,
+        system: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """One JSON-ready dict per sample, in sample order."""
+        prompt = make_prompt(text, chat, system)
+        try:
+            ids = self.inference.Tokenize(
+                pb.TokenizeRequest(prompt=prompt), metadata=self._metadata
+            )
+            request = pb.GenerateRequest(prompt=prompt, sampling=sampling.to_proto())
+            if cache_salt is not None:
+                request.cache_salt = cache_salt
+            stream = self.inference.Generate(request, metadata=self._metadata)
+            # Offline `generate --json` reports the prompt as the model saw it (templated).
+            return _collect(ids.text or text, list(ids.token_ids), stream, sampling.n)
+        except grpc.RpcError as exc:
+            raise RemoteError(f"{exc.code().name}: {exc.details()}") from exc  # type: ignore[attr-defined]
+
+
+def _collect(prompt: str, prompt_ids: list[int], stream: Any, n: int) -> list[dict[str, Any]]:
+    samples = [_empty(prompt, prompt_ids) for _ in range(n)]
+    for msg in stream:
+        sample = samples[msg.index]
+        sample["request_id"] = msg.request_id if n == 1 else f"{msg.request_id}-{msg.index}"
+        sample["token_ids"].extend(msg.token_ids)
+        sample["text"] += msg.text
+        if msg.finish_reason:
+            sample["finish_reason"] = msg.finish_reason
+        if msg.HasField("usage"):
+            _apply_usage(sample, msg.usage)
+    return samples
+
+
+def _empty(prompt: str, prompt_ids: Sequence[int]) -> dict[str, Any]:
+    return {
+        "request_id": "",
+        "prompt": prompt,
+        "prompt_token_ids": list(prompt_ids),
+        "token_ids": [],
+        "text": "",
+        "finish_reason": None,
+        "ttft_ms": None,
+        "decode_tokens_per_s": None,
+        "cached_tokens": 0,
+        "computed_tokens": 0,
+        "worker_id": None,
+    }
+
+
+def _apply_usage(sample: dict[str, Any], usage: pb.Usage) -> None:
+    sample["ttft_ms"] = usage.ttft_ms
+    sample["decode_tokens_per_s"] = usage.decode_tokens_per_s or None
+    sample["cached_tokens"] = sum(usage.cached_tokens.values())
+    sample["computed_tokens"] = usage.computed_tokens
+    sample["worker_id"] = usage.worker_id

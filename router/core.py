@@ -1,0 +1,331 @@
+"""What the router decides: tokenize, hash, look up, choose, forward, retry.
+
+Takes and returns the router's own types (`router.domain`, `workers.actor` messages); the gRPC
+edge (`server.py`) translates. Block hashes are computed exactly as the workers compute them
+(same fingerprint, block size and salt), so the routing key is the storage key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import asdict, fields
+from typing import Any
+
+from cachesvc.hashing import hash_blocks, root_hash
+from cachesvc.types import BlockHash, WorkerId
+from router.config import RouterConfig
+from router.domain import (
+    Exhausted,
+    GenerateInput,
+    InvalidInput,
+    PromptInput,
+    RouterError,
+    RouterStats,
+    ScoreInput,
+    ScoreResult,
+    Unavailable,
+    WorkerStatus,
+)
+from router.policy import Candidate, Policy, RouteDecision, RouteRequest
+from router.pool import Health, WorkerDied, WorkerPool, raise_stream_error
+from workers.actor import StreamDelta, StreamError
+from workers.model.tokenizer import Tokenizer, TokenizerError
+
+_log = logging.getLogger(__name__)
+
+
+class Router:
+    """Routes requests over a started `WorkerPool`; one per process."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        tokenizer: Tokenizer | None,
+        policy: Policy,
+        config: RouterConfig,
+    ) -> None:
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.config = config
+        self._stats = RouterStats(policy.name)
+
+    async def start(self) -> None:
+        """Wait for the workers and index what they hold."""
+        model = await self.pool.start()
+        self._stats.block_size = model.block_size
+        self._stats.model_fingerprint = model.model_fingerprint
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    # ---- tokens and hashes ------------------------------------------------------------------
+
+    def encode(self, prompt: PromptInput, field: str = "prompt") -> list[int]:
+        """Token ids of a prompt as the worker will see them; raises InvalidInput naming the
+        field (empty, ids outside the vocabulary, longer than the model's context)."""
+        if prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
+            self._check_vocab(ids, f"{field}.token_ids")
+        else:
+            ids = self._encode_text(self.render(prompt, field), field)
+        if not ids:
+            raise InvalidInput(f"{field} has no tokens")
+        limit = self.pool.model.max_model_len
+        if len(ids) >= limit:
+            raise InvalidInput(
+                f"{field} has {len(ids)} tokens; the model's context is {limit} "
+                "(room for at least one output token needed)"
+            )
+        return ids
+
+    def render(self, prompt: PromptInput, field: str = "prompt") -> str:
+        """The text a text or chat prompt is tokenized from (the chat template applied)."""
+        kind = "text" if prompt.text is not None else "chat"
+        if self.tokenizer is None:
+            raise InvalidInput(f"{field}.{kind}: this model has no tokenizer; send token_ids")
+        if prompt.text is not None:
+            if not prompt.text:
+                raise InvalidInput(f"{field}.text must not be empty")
+            return prompt.text
+        messages = [{"role": m.role, "content": m.content} for m in prompt.messages or ()]
+        if not messages:
+            raise InvalidInput(f"{field}.chat.messages must not be empty")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=prompt.add_generation_prompt
+            )
+        except TokenizerError as exc:
+            raise InvalidInput(f"{field}.chat: {exc}") from exc
+
+    def _encode_text(self, text: str, field: str) -> list[int]:
+        assert self.tokenizer is not None  # render() checked
+        try:
+            return self.tokenizer.encode(text)
+        except TokenizerError as exc:
+            raise InvalidInput(f"{field}: {exc}") from exc
+
+    def _check_vocab(self, ids: Sequence[int], field: str) -> None:
+        vocab = self.pool.model.vocab_size
+        for i, token in enumerate(ids):
+            if not 0 <= token < vocab:
+                raise InvalidInput(f"{field}[{i}] = {token} is outside the vocabulary [0, {vocab})")
+
+    def block_hashes(self, ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
+        model = self.pool.model
+        root = root_hash(model.model_fingerprint, model.block_size, cache_salt or "")
+        return hash_blocks(ids, model.block_size, root)
+
+    def tokenize(self, prompt: PromptInput) -> tuple[list[int], int, str]:
+        """Token ids, the number of full blocks they make, and the text they came from ("" for
+        a token-id prompt)."""
+        ids = self.encode(prompt)
+        text = "" if prompt.token_ids is not None else self.render(prompt)
+        return ids, len(ids) // self.pool.model.block_size, text
+
+    # ---- generate ---------------------------------------------------------------------------
+
+    async def generate(self, req: GenerateInput) -> AsyncGenerator[StreamDelta, None]:
+        """Stream deltas from the worker chosen for the request; retried on another worker
+        when the chosen one dies (or is full) before sending anything."""
+        if self._stats.num_inflight >= self.config.max_inflight:
+            raise Exhausted(f"router is at its limit of {self.config.max_inflight} requests")
+        ids = self.encode(req.prompt)
+        self._check_vocab(req.params.stop_token_ids, "sampling.stop_token_ids")
+        params = asdict(req.params)  # plain data for the worker
+        hashes = self.block_hashes(ids, req.cache_salt)
+        request_id = req.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        self._stats.num_requests += 1
+        self._stats.num_inflight += 1
+        try:
+            async with contextlib.aclosing(
+                self._forward(ids, hashes, params, request_id, req)
+            ) as deltas:
+                async for delta in deltas:
+                    yield delta
+        except (RouterError, WorkerDied):
+            self._stats.num_failed += 1
+            raise
+        finally:
+            self._stats.num_inflight -= 1
+
+    async def _forward(
+        self,
+        ids: list[int],
+        hashes: list[BlockHash],
+        params: dict[str, Any],
+        request_id: str,
+        req: GenerateInput,
+    ) -> AsyncGenerator[StreamDelta, None]:
+        excluded: set[WorkerId] = set()
+        last_error: RouterError = Unavailable("no attempt was made")
+        for attempt in range(self.config.max_retries + 1):
+            decision = self._route(len(ids), hashes, excluded)
+            try:
+                async with contextlib.aclosing(
+                    self._attempt(decision, ids, params, request_id, req)
+                ) as deltas:
+                    async for delta in deltas:
+                        yield delta
+                return
+            except WorkerDied as exc:
+                if exc.started:
+                    raise Unavailable(f"worker {exc.worker} died during the request") from exc
+                last_error = Unavailable(f"worker {exc.worker} died before starting the request")
+            except Exhausted as exc:
+                last_error = exc
+            excluded.add(decision.worker)
+            if not self._candidates_left(excluded):
+                break
+            if attempt < self.config.max_retries:
+                self._stats.num_retries += 1
+        raise last_error
+
+    async def _attempt(
+        self,
+        decision: RouteDecision,
+        ids: list[int],
+        params: dict[str, Any],
+        request_id: str,
+        req: GenerateInput,
+    ) -> AsyncGenerator[StreamDelta, None]:
+        state = self.pool.state(decision.worker)
+        uncached = max(0, len(ids) - decision.matched_blocks * self.pool.model.block_size)
+        state.num_inflight += 1
+        state.num_inflight_tokens += uncached
+        prefilled = False
+        num_finished, n = 0, req.params.n
+        try:
+            stream = self.pool.stream(decision.worker, ids, params, request_id, req.cache_salt)
+            async with contextlib.aclosing(stream) as deltas:
+                async for delta in deltas:
+                    if not prefilled:
+                        prefilled = True
+                        state.num_inflight_tokens -= uncached
+                    if delta.usage is not None:
+                        num_finished += 1
+                        self._record(delta)
+                        if num_finished == n:
+                            # Read-your-writes: once the client has the answer, the blocks it
+                            # computed are visible to routing.
+                            await self._sync_quietly(decision.worker)
+                    yield delta
+        finally:
+            state.num_inflight -= 1
+            if not prefilled:
+                state.num_inflight_tokens -= uncached
+
+    async def _sync_quietly(self, worker: WorkerId) -> None:
+        try:
+            await self.pool.sync(worker)
+        except Exception:  # the answer is complete; the poller will catch up
+            _log.warning("syncing worker %s after a request failed", worker, exc_info=True)
+
+    def _record(self, delta: StreamDelta) -> None:
+        usage = delta.usage
+        assert usage is not None
+        self._stats.prompt_tokens += usage.prompt_tokens
+        self._stats.cached_tokens += sum(usage.cached_tokens.values())
+        decisions = self._stats.decisions
+        decisions[usage.worker_id] = decisions.get(usage.worker_id, 0) + 1
+
+    def _candidates_left(self, excluded: set[WorkerId]) -> bool:
+        return any(s.worker_id not in excluded for s in self.pool.routable())
+
+    def _route(
+        self, num_tokens: int, hashes: list[BlockHash], excluded: set[WorkerId]
+    ) -> RouteDecision:
+        live = [s for s in self.pool.routable() if s.worker_id not in excluded]
+        if not live:
+            raise Unavailable("no live worker to serve the request")
+        matches = self.pool.index.longest_prefix(hashes)
+        candidates = [
+            Candidate(s.worker_id, s.num_requests, s.num_queued_tokens, matches.get(s.worker_id))
+            for s in live
+        ]
+        request = RouteRequest(num_tokens, self.pool.model.block_size)
+        return self.policy.choose(request, candidates)
+
+    # ---- score ------------------------------------------------------------------------------
+
+    async def score(self, req: ScoreInput) -> ScoreResult:
+        """Per item, the log-probs of the label tokens after prefix + item."""
+        prefix = self.encode(req.prefix, "prefix")
+        if not req.items:
+            raise InvalidInput("items must not be empty")
+        items = [self._encode_item(item, f"items[{i}]") for i, item in enumerate(req.items)]
+        if not req.label_token_ids:
+            raise InvalidInput("label_token_ids must not be empty")
+        self._check_vocab(req.label_token_ids, "label_token_ids")
+        limit = self.pool.model.max_model_len
+        for i, item in enumerate(items):
+            if len(prefix) + len(item) > limit:
+                raise InvalidInput(f"prefix + items[{i}] exceed the model's context of {limit}")
+        excluded: set[WorkerId] = set()
+        for _ in range(self.config.max_retries + 1):
+            decision = self._route(len(prefix), self.block_hashes(prefix, req.cache_salt), excluded)
+            try:
+                result = await self.pool.call(
+                    decision.worker, "score", prefix, items, list(req.label_token_ids)
+                )
+            except WorkerDied as exc:
+                excluded.add(exc.worker)
+                continue
+            if isinstance(result, StreamError):
+                raise_stream_error(result)
+            logprobs = tuple(tuple(float(x) for x in row) for row in result)
+            return ScoreResult(logprobs, decision.worker)
+        raise Unavailable("no live worker could score the request")
+
+    def _encode_item(self, item: PromptInput, field: str) -> list[int]:
+        if item.token_ids is not None:
+            ids = list(item.token_ids)
+            self._check_vocab(ids, f"{field}.token_ids")
+        elif item.text and self.tokenizer is not None:
+            ids = self.tokenizer.encode(item.text, add_special_tokens=False)
+        else:
+            raise InvalidInput(f"{field} must be non-empty text or token_ids")
+        if not ids:
+            raise InvalidInput(f"{field} has no tokens")
+        return ids
+
+    # ---- admin ------------------------------------------------------------------------------
+
+    def stats(self) -> RouterStats:
+        """A copy of the counters."""
+        stats = RouterStats(**{f.name: getattr(self._stats, f.name) for f in fields(RouterStats)})
+        stats.num_resyncs = self.pool.num_resyncs
+        stats.decisions = dict(self._stats.decisions)
+        return stats
+
+    def workers(self) -> list[WorkerStatus]:
+        return [
+            WorkerStatus(
+                worker_id=s.worker_id,
+                health=s.health.value,
+                num_running=s.load.num_running,
+                num_waiting=s.load.num_waiting,
+                num_queued_tokens=s.load.num_queued_tokens,
+                blocks={t: (b.total, b.used, b.cached) for t, b in s.load.blocks.items()},
+                num_inflight=s.num_inflight,
+                num_indexed_blocks=self.pool.index.num_blocks(s.worker_id),
+            )
+            for s in self.pool.states()
+        ]
+
+    def is_serving(self) -> bool:
+        return bool(self.pool.routable())
+
+    async def flush(self) -> int:
+        """Drop every unused cached block on every live worker; returns how many."""
+        dropped = 0
+        for state in self.pool.states():
+            if state.health is Health.DEAD:
+                continue
+            with contextlib.suppress(WorkerDied):
+                dropped += int(await self.pool.call(state.worker_id, "flush"))
+                await self.pool.sync(state.worker_id)
+        return dropped

@@ -1,0 +1,106 @@
+"""The router's own request types and errors: what `server.py` translates proto into.
+
+Errors carry a message that names the offending field in the wire's terms
+(`sampling.max_tokens`, `prompt.token_ids[3]`); the server maps each class to one gRPC status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from workers.engine.sampling_params import SamplingParams
+
+
+class RouterError(Exception):
+    """Base of the errors a client can be told about."""
+
+
+class InvalidInput(RouterError):
+    """Bad client input (INVALID_ARGUMENT); the message names the field."""
+
+
+class Exhausted(RouterError):
+    """Every eligible worker (or the router) is full (RESOURCE_EXHAUSTED)."""
+
+
+class Unavailable(RouterError):
+    """No live worker, or one died after it started the request (UNAVAILABLE)."""
+
+
+class Unimplemented(RouterError):
+    """The request needs a feature this deployment lacks (UNIMPLEMENTED)."""
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """Exactly one of `text`, `token_ids`, `messages` is set."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    request_id: str
+    prompt: PromptInput
+    params: SamplingParams
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class ScoreInput:
+    request_id: str
+    prefix: PromptInput
+    items: tuple[PromptInput, ...]
+    label_token_ids: tuple[int, ...]
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    logprobs: tuple[tuple[float, ...], ...]  # per item, per label token
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One worker as the Admin API reports it."""
+
+    worker_id: str
+    health: str  # healthy | unhealthy | dead
+    num_running: int
+    num_waiting: int
+    num_queued_tokens: int
+    blocks: Mapping[str, tuple[int, int, int]]  # tier -> (total, used, cached)
+    num_inflight: int
+    num_indexed_blocks: int
+
+
+@dataclass
+class RouterStats:
+    """Counters since start; mutated by the router only."""
+
+    policy: str
+    block_size: int = 0
+    model_fingerprint: str = ""
+    num_requests: int = 0
+    num_failed: int = 0
+    num_retries: int = 0
+    num_inflight: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    num_resyncs: int = 0
+    decisions: dict[str, int] = field(default_factory=dict)  # worker -> requests routed
+
+    @property
+    def cache_hit_ratio(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0

@@ -1,0 +1,270 @@
+"""The workers as the router sees them: handles, load, health, and their KV event streams.
+
+A background task polls every live worker (`WorkerActor.poll`) for its load and the KV events
+since the last poll and feeds them to the prefix index; a gap or a new incarnation (a restarted
+actor) resyncs the worker from a snapshot. A worker whose calls fail with a Ray actor error is
+dead: it leaves routing and the index. Ray is imported only inside the methods that call it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachesvc.index import PrefixIndex
+from cachesvc.types import WorkerId
+from router.config import RouterConfig
+from router.domain import Exhausted, InvalidInput, Unimplemented
+from workers.actor import PollResult, StreamDelta, StreamError, WorkerInfo, WorkerLoad
+
+_log = logging.getLogger(__name__)
+
+
+class Health(str, enum.Enum):
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"  # missed polls; routed to only when no healthy worker is left
+    DEAD = "dead"
+
+
+class WorkerDied(Exception):
+    """The worker's actor died (or is restarting) during a call."""
+
+    def __init__(self, worker: WorkerId, started: bool) -> None:
+        super().__init__(f"worker {worker} died")
+        self.worker = worker
+        self.started = started  # True once the worker sent back part of the answer
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What every worker must agree on: hashing and validation depend on it."""
+
+    model_fingerprint: str
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass
+class WorkerState:
+    """One worker's handle and what the router knows about it; mutated by the pool only."""
+
+    worker_id: WorkerId
+    actor: Any
+    info: WorkerInfo | None = None
+    health: Health = Health.HEALTHY
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    missed_polls: int = 0
+    # Requests this router has sent and not yet seen finish, and their prompt tokens not yet
+    # prefilled: fresher than the polled load.
+    num_inflight: int = 0
+    num_inflight_tokens: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def num_requests(self) -> int:
+        return max(self.load.num_running + self.load.num_waiting, self.num_inflight)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        return max(self.load.num_queued_tokens, self.num_inflight_tokens)
+
+
+_ERRORS = {"invalid_argument": InvalidInput, "resource_exhausted": Exhausted}
+
+
+def raise_stream_error(error: StreamError) -> None:
+    """Turn a worker's refusal into the router's typed error."""
+    raise _ERRORS.get(error.code, Unimplemented)(error.message)
+
+
+class WorkerPool:
+    """Owns the worker handles and keeps `index` in step with their events."""
+
+    def __init__(
+        self, actors: Mapping[WorkerId, Any], index: PrefixIndex, config: RouterConfig
+    ) -> None:
+        if not actors:
+            raise ValueError("a worker pool needs at least one worker")
+        self.index = index
+        self.config = config
+        self.num_resyncs = 0
+        self._workers = {w: WorkerState(w, a) for w, a in sorted(actors.items())}
+        self._model: ModelInfo | None = None
+        self._poller: asyncio.Task[None] | None = None
+
+    @property
+    def model(self) -> ModelInfo:
+        assert self._model is not None, "call start() first"
+        return self._model
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self, timeout_s: float = 600.0) -> ModelInfo:
+        """Wait for every worker to load its model, check that they agree, index what they
+        hold and start polling. Raises RuntimeError when the workers disagree."""
+        states = list(self._workers.values())
+        infos = await asyncio.wait_for(
+            asyncio.gather(*(s.actor.info.remote() for s in states)), timeout_s
+        )
+        for state, info in zip(states, infos, strict=True):
+            state.info = info
+        self._model = _agree(infos)
+        await asyncio.gather(*(self._resync(s) for s in states))
+        self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+        return self._model
+
+    async def close(self) -> None:
+        """Stop polling; the actors are left running."""
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
+
+    # ---- views ------------------------------------------------------------------------------
+
+    def states(self) -> list[WorkerState]:
+        return list(self._workers.values())
+
+    def state(self, worker: WorkerId) -> WorkerState:
+        return self._workers[worker]
+
+    def routable(self) -> list[WorkerState]:
+        """Healthy workers, or the unhealthy ones when none is healthy; never dead ones."""
+        healthy = [s for s in self._workers.values() if s.health is Health.HEALTHY]
+        if healthy:
+            return healthy
+        return [s for s in self._workers.values() if s.health is Health.UNHEALTHY]
+
+    # ---- calls ------------------------------------------------------------------------------
+
+    async def stream(
+        self,
+        worker: WorkerId,
+        prompt_ids: list[int],
+        params: dict[str, Any],
+        request_id: str,
+        cache_salt: str | None,
+    ) -> AsyncGenerator[StreamDelta, None]:
+        """Forward a request and stream its deltas; raises WorkerDied, or the router's typed
+        error for a refusal. Closing the iterator early cancels the request on the worker."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        state = self._workers[worker]
+        gen = state.actor.generate.options(num_returns="streaming").remote(
+            prompt_ids, params, request_id, cache_salt
+        )
+        started = done = False
+        try:
+            async for ref in gen:
+                item = await ref
+                if isinstance(item, StreamError):
+                    done = True
+                    raise_stream_error(item)
+                started = True
+                yield item
+            done = True
+        except RayActorError as exc:
+            done = True
+            self.mark_dead(worker, exc)
+            raise WorkerDied(worker, started) from exc
+        finally:
+            if not done:
+                ray.cancel(gen)
+                state.actor.abort.remote(request_id)
+
+    async def call(self, worker: WorkerId, method: str, *args: Any) -> Any:
+        """Call a unary actor method; raises WorkerDied when the actor is gone."""
+        from ray.exceptions import RayActorError
+
+        state = self._workers[worker]
+        try:
+            return await getattr(state.actor, method).remote(*args)
+        except RayActorError as exc:
+            self.mark_dead(worker, exc)
+            raise WorkerDied(worker, started=False) from exc
+
+    def mark_dead(self, worker: WorkerId, reason: object = "") -> None:
+        """Take a worker out of routing and the index (an unavailable, restarting actor only
+        becomes unhealthy: its next successful poll brings it back)."""
+        from ray.exceptions import ActorUnavailableError
+
+        state = self._workers[worker]
+        if isinstance(reason, ActorUnavailableError):
+            state.health = Health.UNHEALTHY
+            return
+        if state.health is not Health.DEAD:
+            _log.warning("worker %s is dead: %s", worker, reason)
+        state.health = Health.DEAD
+        self.index.drop_worker(worker)
+
+    # ---- events -----------------------------------------------------------------------------
+
+    async def sync(self, worker: WorkerId) -> None:
+        """Poll one worker now: its load, and its events into the index."""
+        from ray.exceptions import RayActorError
+
+        state = self._workers[worker]
+        if state.health is Health.DEAD:
+            return
+        async with state.lock:  # events of one worker are applied in order
+            since = self.index.next_seq(worker)
+            try:
+                result: PollResult = await asyncio.wait_for(
+                    state.actor.poll.remote(0 if since is None else since),
+                    self.config.call_timeout_s,
+                )
+            except RayActorError as exc:
+                self.mark_dead(worker, exc)
+                return
+            except asyncio.TimeoutError:
+                self._missed(state)
+                return
+            state.load, state.missed_polls, state.health = result.load, 0, Health.HEALTHY
+            if not self.index.apply(worker, result.incarnation, result.events):
+                await self._resync(state)
+
+    async def _resync(self, state: WorkerState) -> None:
+        from ray.exceptions import RayActorError
+
+        try:
+            snapshot = await asyncio.wait_for(
+                state.actor.snapshot.remote(), self.config.call_timeout_s
+            )
+        except RayActorError as exc:
+            self.mark_dead(state.worker_id, exc)
+            return
+        self.index.resync(state.worker_id, snapshot)
+        self.num_resyncs += 1
+
+    def _missed(self, state: WorkerState) -> None:
+        state.missed_polls += 1
+        if state.missed_polls >= self.config.max_missed_polls:
+            state.health = Health.UNHEALTHY
+
+    async def _poll_forever(self) -> None:
+        while True:
+            live = [w for w, s in self._workers.items() if s.health is not Health.DEAD]
+            results = await asyncio.gather(*(self.sync(w) for w in live), return_exceptions=True)
+            for worker, result in zip(live, results, strict=True):
+                if isinstance(result, Exception):
+                    _log.warning("polling worker %s failed: %r", worker, result)
+                    self._missed(self._workers[worker])
+            await asyncio.sleep(self.config.poll_interval_s)
+
+
+def _agree(infos: list[WorkerInfo]) -> ModelInfo:
+    models = {
+        ModelInfo(i.model_fingerprint, i.block_size, i.vocab_size, i.max_model_len) for i in infos
+    }
+    if len(models) != 1:
+        raise RuntimeError(
+            "workers serve different models or block sizes; every worker must load the same "
+            f"model with the same block size: {sorted(map(str, models))}"
+        )
+    return models.pop()

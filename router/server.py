@@ -1,0 +1,222 @@
+"""The gRPC edge: proto <-> router types, status codes, health and reflection.
+
+Servicers translate and delegate to `router.core.Router`; they decide nothing. Request bodies
+are parsed here rather than by grpc, so a body that is not the expected message is an
+INVALID_ARGUMENT like any other bad input (grpc itself would answer INTERNAL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto.cachesvc.v1 import cachesvc_pb2 as pb
+from router import wire
+from router.auth import BearerTokenInterceptor
+from router.config import RouterConfig
+from router.core import Router
+from router.domain import Exhausted, InvalidInput, RouterError, Unavailable, Unimplemented
+
+_log = logging.getLogger(__name__)
+
+INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+ADMIN = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+_CODES: dict[type[RouterError], grpc.StatusCode] = {
+    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
+    Exhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Undecodable:
+    """Stands for a request body that did not parse as `expected`."""
+
+    expected: str
+
+
+def _lenient(cls: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
+    def parse(data: bytes) -> Message | _Undecodable:
+        try:
+            return cls.FromString(data)
+        except (DecodeError, RuntimeWarning):
+            return _Undecodable(cls.DESCRIPTOR.full_name)
+
+    return parse
+
+
+async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+    if isinstance(exc, RouterError):
+        await context.abort(_CODES.get(type(exc), grpc.StatusCode.UNKNOWN), str(exc))
+    _log.exception("internal error", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+    raise AssertionError("unreachable")  # context.abort always raises
+
+
+async def _decoded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    if isinstance(request, _Undecodable):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request body is not a valid {request.expected} message",
+        )
+    return request
+
+
+class InferenceService:
+    """cachesvc.v1.Inference."""
+
+    def __init__(self, router: Router, config: RouterConfig) -> None:
+        self._router = router
+        self._config = config
+
+    async def generate(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        msg: pb.GenerateRequest = await _decoded(request, context)
+        try:
+            req = wire.generate_from_proto(msg, self._config)
+            if not req.request_id:
+                req = dataclasses.replace(req, request_id=f"req-{uuid.uuid4().hex[:16]}")
+            async with contextlib.aclosing(self._router.generate(req)) as deltas:
+                async for delta in deltas:
+                    yield wire.delta_to_proto(req.request_id, delta)
+        except Exception as exc:
+            await _fail(context, exc)
+
+    async def score(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        msg: pb.ScoreRequest = await _decoded(request, context)
+        try:
+            result = await self._router.score(wire.score_from_proto(msg))
+        except Exception as exc:
+            await _fail(context, exc)
+        return wire.score_to_proto(result)
+
+    async def tokenize(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        msg: pb.TokenizeRequest = await _decoded(request, context)
+        try:
+            ids, num_blocks, text = self._router.tokenize(wire.prompt_from_proto(msg.prompt))
+        except Exception as exc:
+            await _fail(context, exc)
+        return pb.TokenizeResponse(token_ids=ids, num_blocks=num_blocks, text=text)
+
+
+class AdminService:
+    """cachesvc.v1.Admin."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    async def list_workers(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> pb.ListWorkersResponse:
+        await _decoded(request, context)
+        return pb.ListWorkersResponse(
+            workers=[wire.worker_to_proto(w) for w in self._router.workers()]
+        )
+
+    async def stats(self, request: Any, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        await _decoded(request, context)
+        return wire.stats_to_proto(self._router.stats())
+
+    async def flush(self, request: Any, context: grpc.aio.ServicerContext) -> pb.FlushResponse:
+        await _decoded(request, context)
+        try:
+            dropped = await self._router.flush()
+        except Exception as exc:
+            await _fail(context, exc)
+        return pb.FlushResponse(num_blocks_dropped=dropped)
+
+
+def _unary(fn: Any, req: type[Message], resp: type[Message]) -> grpc.RpcMethodHandler:
+    return grpc.unary_unary_rpc_method_handler(
+        fn, request_deserializer=_lenient(req), response_serializer=resp.SerializeToString
+    )
+
+
+def _handlers(router: Router, config: RouterConfig) -> list[grpc.GenericRpcHandler]:
+    inference = InferenceService(router, config)
+    admin = AdminService(router)
+    return [
+        grpc.method_handlers_generic_handler(
+            INFERENCE,
+            {
+                "Generate": grpc.unary_stream_rpc_method_handler(
+                    inference.generate,
+                    request_deserializer=_lenient(pb.GenerateRequest),
+                    response_serializer=pb.GenerateResponse.SerializeToString,
+                ),
+                "Score": _unary(inference.score, pb.ScoreRequest, pb.ScoreResponse),
+                "Tokenize": _unary(inference.tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
+            },
+        ),
+        grpc.method_handlers_generic_handler(
+            ADMIN,
+            {
+                "ListWorkers": _unary(
+                    admin.list_workers, pb.ListWorkersRequest, pb.ListWorkersResponse
+                ),
+                "Stats": _unary(admin.stats, pb.StatsRequest, pb.StatsResponse),
+                "Flush": _unary(admin.flush, pb.FlushRequest, pb.FlushResponse),
+            },
+        ),
+    ]
+
+
+class RouterServer:
+    """A grpc.aio server around a started Router, with health checking and reflection."""
+
+    def __init__(self, router: Router, config: RouterConfig) -> None:
+        interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+        self.server = grpc.aio.server(interceptors=interceptors)
+        self.server.add_generic_rpc_handlers(_handlers(router, config))
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (INFERENCE, ADMIN, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {config.host}:{config.port}")
+        self._router = router
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self._publish_health()
+        self._watch = asyncio.get_running_loop().create_task(self._watch_health())
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Report NOT_SERVING, let running calls finish for `grace_s`, then stop."""
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+    async def _publish_health(self) -> None:
+        serving = self._router.is_serving()
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", INFERENCE):
+            await self.health.set(name, status)
+        await self.health.set(ADMIN, health_pb2.HealthCheckResponse.SERVING)
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await self._publish_health()

@@ -1,0 +1,191 @@
+"""Proto messages <-> the router's own types; structural checks that name the wire field.
+
+Only this module and `server.py` import the generated proto modules.
+"""
+
+from __future__ import annotations
+
+import math
+
+from proto.cachesvc.v1 import cachesvc_pb2 as pb
+from router.config import RouterConfig
+from router.domain import (
+    ChatMessage,
+    GenerateInput,
+    InvalidInput,
+    PromptInput,
+    RouterStats,
+    ScoreInput,
+    ScoreResult,
+    WorkerStatus,
+)
+from workers.actor import StreamDelta
+from workers.engine.sampling_params import SamplingParams
+
+_MAX_ID_LEN = 256
+_MAX_STOP_STRINGS = 16
+_HEALTH = {
+    "healthy": pb.WorkerInfo.HEALTHY,
+    "unhealthy": pb.WorkerInfo.UNHEALTHY,
+    "dead": pb.WorkerInfo.DEAD,
+}
+
+
+def prompt_from_proto(msg: pb.Prompt, field: str = "prompt") -> PromptInput:
+    kind = msg.WhichOneof("kind")
+    if kind == "text":
+        return PromptInput(text=msg.text)
+    if kind == "token_ids":
+        if not msg.token_ids.ids:
+            raise InvalidInput(f"{field}.token_ids must not be empty")
+        return PromptInput(token_ids=tuple(msg.token_ids.ids))
+    if kind == "chat":
+        messages = tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages)
+        for i, m in enumerate(messages):
+            if not m.role:
+                raise InvalidInput(f"{field}.chat.messages[{i}].role must not be empty")
+        return PromptInput(
+            messages=messages, add_generation_prompt=not msg.chat.no_generation_prompt
+        )
+    raise InvalidInput(f"{field} must be set: text, token_ids or chat")
+
+
+def sampling_from_proto(msg: pb.SamplingParams, config: RouterConfig) -> SamplingParams:
+    """Engine sampling parameters; unset optional fields take their defaults."""
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else 16
+    temperature = msg.temperature if msg.HasField("temperature") else 1.0
+    top_p = msg.top_p if msg.HasField("top_p") else 1.0
+    n = msg.n if msg.HasField("n") else 1
+    beam_width = msg.beam_width if msg.HasField("beam_width") else 1
+    _check(max_tokens >= 1, f"sampling.max_tokens must be >= 1, got {max_tokens}")
+    _check(
+        math.isfinite(temperature) and temperature >= 0,
+        f"sampling.temperature must be a finite number >= 0, got {temperature}",
+    )
+    _check(msg.top_k >= 0, f"sampling.top_k must be >= 0 (0 is off), got {msg.top_k}")
+    _check(0 < top_p <= 1, f"sampling.top_p must be in (0, 1], got {top_p:g}")
+    _check(1 <= n <= config.max_n, f"sampling.n must be in [1, {config.max_n}], got {n}")
+    _check(
+        1 <= beam_width <= config.max_beam_width,
+        f"sampling.beam_width must be in [1, {config.max_beam_width}], got {beam_width}",
+    )
+    _check(
+        len(msg.stop) <= _MAX_STOP_STRINGS,
+        f"sampling.stop has {len(msg.stop)} strings; at most {_MAX_STOP_STRINGS}",
+    )
+    for i, stop in enumerate(msg.stop):
+        _check(bool(stop), f"sampling.stop[{i}] must not be empty")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=msg.top_k,
+            top_p=top_p,
+            seed=msg.seed if msg.HasField("seed") else None,
+            stop=tuple(msg.stop),
+            stop_token_ids=tuple(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+            n=n,
+            beam_width=beam_width,
+        )
+    except ValueError as exc:  # a rule of the engine's that the checks above do not cover
+        raise InvalidInput(f"sampling: {exc}") from exc
+
+
+def generate_from_proto(msg: pb.GenerateRequest, config: RouterConfig) -> GenerateInput:
+    _check_id(msg.request_id, "request_id")
+    params = sampling_from_proto(msg.sampling, config)
+    salt = msg.cache_salt if msg.HasField("cache_salt") else None
+    _check_id(salt or "", "cache_salt")
+    return GenerateInput(
+        request_id=msg.request_id,
+        prompt=prompt_from_proto(msg.prompt),
+        params=params,
+        cache_salt=salt,
+    )
+
+
+def score_from_proto(msg: pb.ScoreRequest) -> ScoreInput:
+    _check_id(msg.request_id, "request_id")
+    salt = msg.cache_salt if msg.HasField("cache_salt") else None
+    _check_id(salt or "", "cache_salt")
+    items = []
+    for i, item in enumerate(msg.items):
+        if item.WhichOneof("kind") not in ("text", "token_ids"):
+            raise InvalidInput(f"items[{i}] must be text or token_ids")
+        items.append(prompt_from_proto(item, f"items[{i}]"))
+    prefix = prompt_from_proto(msg.prefix, "prefix")
+    return ScoreInput(msg.request_id, prefix, tuple(items), tuple(msg.label_token_ids), salt)
+
+
+def delta_to_proto(request_id: str, delta: StreamDelta) -> pb.GenerateResponse:
+    out = pb.GenerateResponse(
+        request_id=request_id,
+        index=delta.index,
+        token_ids=delta.token_ids,
+        text=delta.text,
+        finish_reason=delta.finish_reason or "",
+    )
+    if delta.usage is not None:
+        u = delta.usage
+        out.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                cached_tokens=dict(u.cached_tokens),
+                computed_tokens=u.computed_tokens,
+                worker_id=u.worker_id,
+                ttft_ms=u.ttft_ms,
+                decode_tokens_per_s=u.decode_tokens_per_s or 0.0,
+            )
+        )
+    return out
+
+
+def score_to_proto(result: ScoreResult) -> pb.ScoreResponse:
+    return pb.ScoreResponse(
+        scores=[pb.ItemScores(logprobs=row) for row in result.logprobs],
+        worker_id=result.worker_id,
+    )
+
+
+def worker_to_proto(status: WorkerStatus) -> pb.WorkerInfo:
+    return pb.WorkerInfo(
+        worker_id=status.worker_id,
+        health=_HEALTH.get(status.health, pb.WorkerInfo.HEALTH_UNSPECIFIED),
+        num_running=status.num_running,
+        num_waiting=status.num_waiting,
+        num_queued_tokens=status.num_queued_tokens,
+        blocks={
+            tier: pb.TierBlocks(total=total, used=used, cached=cached)
+            for tier, (total, used, cached) in status.blocks.items()
+        },
+        num_inflight=status.num_inflight,
+        num_indexed_blocks=status.num_indexed_blocks,
+    )
+
+
+def stats_to_proto(stats: RouterStats) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        policy=stats.policy,
+        num_requests=stats.num_requests,
+        num_failed=stats.num_failed,
+        num_retries=stats.num_retries,
+        num_inflight=stats.num_inflight,
+        prompt_tokens=stats.prompt_tokens,
+        cached_tokens=stats.cached_tokens,
+        cache_hit_ratio=stats.cache_hit_ratio,
+        num_resyncs=stats.num_resyncs,
+        block_size=stats.block_size,
+        model_fingerprint=stats.model_fingerprint,
+    )
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidInput(message)
+
+
+def _check_id(value: str, field: str) -> None:
+    if len(value) > _MAX_ID_LEN:
+        raise InvalidInput(f"{field} is {len(value)} characters; at most {_MAX_ID_LEN}")

@@ -1,0 +1,281 @@
+"""The Ray actor of one worker: a thin async wrapper around AsyncEngine.
+
+Everything that crosses the process boundary is a plain frozen dataclass defined here (no proto
+and no torch types), so the router imports this module without importing torch or ray: the
+engine is imported inside the actor, and ray only inside `spawn_worker`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cachesvc.config import EngineConfig
+from cachesvc.events import TIER_HBM, Event
+from cachesvc.index import IndexSnapshot
+from cachesvc.types import BlockHash, BlockId
+
+if TYPE_CHECKING:
+    from workers.engine.async_engine import AsyncEngine
+    from workers.engine.engine import Engine
+    from workers.engine.outputs import RequestOutput
+
+# ---- messages ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker is; fixed for its lifetime (one incarnation)."""
+
+    worker_id: str
+    incarnation: str
+    model_fingerprint: str
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+    device: str
+
+
+@dataclass(frozen=True)
+class TierBlocks:
+    total: int
+    used: int  # held by running requests
+    cached: int  # registered under a hash
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """How busy a worker is; `num_queued_tokens` is the work ahead of a new request."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_queued_tokens: int = 0
+    blocks: Mapping[str, TierBlocks] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PollResult:
+    """The worker's load and its KV events with `seq >= since`, oldest first."""
+
+    incarnation: str
+    load: WorkerLoad
+    events: tuple[Event, ...]
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: Mapping[str, int]  # per tier
+    computed_tokens: int
+    ttft_ms: float
+    decode_tokens_per_s: float | None
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """New tokens of one sample; `finish_reason` and `usage` are set on its last delta."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class StreamError:
+    """A request the worker refused; `code` is invalid_argument | resource_exhausted |
+    unimplemented."""
+
+    code: str
+    message: str
+
+
+# ---- the actor ---------------------------------------------------------------------------------
+
+_MAX_BUFFERED_EVENTS = 65536
+
+
+class WorkerActor:
+    """One model replica. Create it through `spawn_worker`; every method is async."""
+
+    def __init__(self, worker_id: str, config: EngineConfig, max_queued_requests: int) -> None:
+        from workers.engine.async_engine import AsyncEngine
+        from workers.engine.engine import Engine
+
+        engine = Engine(config)
+        self._engine: AsyncEngine = AsyncEngine(engine)
+        self._max_queued = max_queued_requests
+        # Events are kept (not drained away) so that several routers can follow one worker.
+        self._events: deque[Event] = deque(maxlen=_MAX_BUFFERED_EVENTS)
+        self._info = WorkerInfo(
+            worker_id=worker_id,
+            incarnation=uuid.uuid4().hex,
+            model_fingerprint=engine.loaded.fingerprint,
+            block_size=config.block_size,
+            vocab_size=engine.loaded.config.vocab_size,
+            max_model_len=engine.max_model_len,
+            device=config.device,
+        )
+
+    async def info(self) -> WorkerInfo:
+        return self._info
+
+    async def health(self) -> bool:
+        """True while the engine loop answers."""
+        await self._engine.call(lambda e: None)
+        return True
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: dict[str, Any],
+        request_id: str,
+        cache_salt: str | None,
+    ) -> AsyncIterator[StreamDelta | StreamError]:
+        """Stream deltas of every sample (call with num_returns="streaming").
+
+        Refusals are yielded as one StreamError, never raised, so the router can tell a bad
+        request from a dead worker.
+        """
+        from workers.engine.engine import PromptError
+        from workers.engine.sampling_params import SamplingParams
+
+        load = self._engine.load
+        if load.num_running + load.num_waiting >= self._max_queued:
+            yield StreamError("resource_exhausted", f"worker queue is full ({self._max_queued})")
+            return
+        try:
+            sampling = SamplingParams(**params)
+        except (TypeError, ValueError) as exc:
+            yield StreamError("invalid_argument", f"sampling: {exc}")
+            return
+        sent: dict[int, int] = {}
+        try:
+            async for out in self._engine.generate(prompt_ids, sampling, request_id, cache_salt):
+                yield self._delta(out, request_id, sampling.n, sent)
+        except PromptError as exc:
+            yield StreamError("invalid_argument", f"prompt: {exc}")
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    async def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text` with the worker's own tokenizer (as `generate` would see it)."""
+        return await self._engine.call(lambda e: e.encode_prompt(text))
+
+    async def score(
+        self, prefix_ids: list[int], items_ids: list[list[int]], label_token_ids: list[int]
+    ) -> list[list[float]] | StreamError:
+        """Log-probs of each label token after prefix + item, per item.
+
+        `Engine.score` is assumed to run its own forward passes without stepping the shared
+        scheduler; it runs exclusively, between steps."""
+        score = getattr(self._engine.engine, "score", None)
+        if score is None:
+            return StreamError("unimplemented", "this worker's engine has no scoring API yet")
+        try:
+            return await self._engine.run_exclusive(
+                lambda e: score(prefix_ids, items_ids, label_token_ids)
+            )
+        except ValueError as exc:
+            return StreamError("invalid_argument", str(exc))
+
+    async def poll(self, since_seq: int) -> PollResult:
+        """Load and KV events numbered `since_seq` and later (a gap tells the caller to
+        resync from `snapshot`)."""
+        await self._engine.call(self._collect_events)
+        newer: list[Event] = []
+        for event in reversed(self._events):  # newest first: a poll asks for few events
+            if event.seq < since_seq:
+                break
+            newer.append(event)
+        return PollResult(self._info.incarnation, self._load(), tuple(reversed(newer)))
+
+    async def snapshot(self) -> IndexSnapshot:
+        """Every block hash held, per tier, consistent with the event numbering."""
+        return await self._engine.call(self._snapshot)
+
+    async def flush(self) -> int:
+        """Drop every cached block no running request uses; returns how many were dropped."""
+        return await self._engine.call(lambda e: e.pool.reset_cache())
+
+    async def stats(self) -> WorkerLoad:
+        return self._load()
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _collect_events(self, engine: Engine) -> None:
+        self._events.extend(engine.pool.events.drain())
+
+    def _snapshot(self, engine: Engine) -> IndexSnapshot:
+        self._collect_events(engine)
+        pool = engine.pool
+        held = (pool.block_hash(BlockId(i)) for i in range(pool.num_blocks))
+        hashes: list[BlockHash] = [h for h in held if h is not None]
+        return IndexSnapshot(
+            self._info.incarnation, pool.events.next_seq, {TIER_HBM: tuple(hashes)}
+        )
+
+    def _load(self) -> WorkerLoad:
+        load = self._engine.load
+        hbm = TierBlocks(
+            total=load.num_blocks,
+            used=load.num_blocks - load.num_free_blocks,
+            cached=load.num_cached_blocks,
+        )
+        return WorkerLoad(
+            load.num_running, load.num_waiting, load.num_queued_tokens, {TIER_HBM: hbm}
+        )
+
+    def _delta(
+        self, out: RequestOutput, request_id: str, n: int, sent: dict[int, int]
+    ) -> StreamDelta:
+        index = 0 if n == 1 else int(out.request_id[len(request_id) + 1 :])
+        start = sent.get(index, 0)
+        sent[index] = len(out.token_ids)
+        usage = None
+        if out.finished:
+            usage = Usage(
+                prompt_tokens=len(out.prompt_token_ids),
+                completion_tokens=len(out.token_ids),
+                cached_tokens={TIER_HBM: out.num_cached_tokens},
+                computed_tokens=out.num_computed_tokens,
+                ttft_ms=out.ttft_ms or 0.0,
+                decode_tokens_per_s=out.decode_tokens_per_s,
+                worker_id=self._info.worker_id,
+            )
+        return StreamDelta(
+            index, tuple(out.token_ids[start:]), out.delta_text, out.finish_reason, usage
+        )
+
+
+def spawn_worker(
+    worker_id: str,
+    config: EngineConfig,
+    *,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    max_restarts: int = 2,
+    max_queued_requests: int = 256,
+) -> Any:
+    """Start a WorkerActor on the connected Ray cluster and return its handle (not waiting
+    for the model to load: the first call does)."""
+    import ray
+
+    remote_cls = ray.remote(WorkerActor)
+    return remote_cls.options(  # type: ignore[attr-defined]
+        name=f"cachesvc-{worker_id}-{uuid.uuid4().hex[:6]}",
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        max_restarts=max_restarts,
+        # A request never reruns by itself: the router decides whether a retry is safe.
+        max_task_retries=0,
+        # Streams are long-lived coroutines, not threads: allow many at once.
+        max_concurrency=1000,
+    ).remote(worker_id, config, max_queued_requests)
