@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cachesvc.cli_score import add_score_parser, run_score_command
+from cachesvc.cli_types import CliError
 
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
+__all__ = ["CliError", "main"]
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +33,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument(
         "--no-prefix-cache", action="store_true", help="compute every prompt from scratch"
+    )
+    p.add_argument(
+        "--prefill-scheme",
+        default="auto",
+        choices=("auto", "naive", "split", "ragged", "cascade", "multi_item", "custom_mask"),
+        help="how requests sharing a prefix in one batch are computed (default: chosen per batch)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
@@ -84,6 +91,24 @@ def _parser() -> argparse.ArgumentParser:
     eng.add_argument("--quick", action="store_true", help="a small run, under a minute or two")
     eng.add_argument("--model", default=None)
     eng.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    for name, help_text in (
+        ("prefill-schemes", "the seed's P x S x M grid: every shared-prefix prefill scheme"),
+        ("decode-cascade", "cascade vs batch decode over shared prefixes"),
+        ("prefix-cache", "TTFT and throughput: caching off, split, in-batch dedup"),
+    ):
+        b = bench_sub.add_parser(name, help=help_text)
+        b.add_argument("--json", dest="json_path", help="also write the results to this file")
+        b.add_argument("--quick", action="store_true", help="a small run, under a minute")
+        b.add_argument("--backend", default="torch", help="attention backend (torch, flashinfer)")
+        if name == "prefix-cache":
+            b.add_argument("--model", default=None)
+            b.add_argument("--groups", type=int, default=4, help="prefix groups")
+            b.add_argument("--requests", type=int, default=4, help="requests per group")
+            b.add_argument("--system-len", type=int, default=512, help="shared prefix tokens")
+            b.add_argument("--question-len", type=int, default=32, help="own suffix tokens")
+            b.add_argument("--output-len", type=int, default=16, help="generated tokens")
+
+    add_score_parser(sub, _add_engine_args)
     return parser
 
 
@@ -114,6 +139,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         max_num_batched_tokens=args.max_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_prefix_cache,
+        prefill_scheme=args.prefill_scheme,
         num_threads=args.threads,
     )
 
@@ -237,11 +263,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from cachesvc.bench.engine import run_engine_bench
+    if args.suite == "engine":
+        from cachesvc.bench.engine import run_engine_bench
 
-    return run_engine_bench(
-        model=args.model, quick=args.quick, json_path=args.json_path, with_hf=not args.no_hf
-    )
+        return run_engine_bench(
+            model=args.model, quick=args.quick, json_path=args.json_path, with_hf=not args.no_hf
+        )
+    if args.suite == "prefill-schemes":
+        from cachesvc.bench.prefill_schemes import run_prefill_schemes_bench
+
+        return run_prefill_schemes_bench(args.quick, args.json_path, backend=args.backend)
+    if args.suite == "decode-cascade":
+        from cachesvc.bench.decode_cascade import run_decode_cascade_bench
+
+        return run_decode_cascade_bench(args.quick, args.json_path, backend=args.backend)
+    if args.suite == "prefix-cache":
+        from cachesvc.bench.prefix_cache import run_prefix_cache_bench
+
+        return run_prefix_cache_bench(args)
+    raise CliError(f"unknown benchmark {args.suite!r}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -252,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo": _cmd_demo,
         "bench": _cmd_bench,
         "serve": _cmd_serve,
+        "score": lambda a: run_score_command(a, _engine_config(a)),
     }
     try:
         return commands[args.command](args)

@@ -22,6 +22,8 @@ from workers.engine.runner import ModelRunner
 from workers.engine.sampler import sample
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.engine.scoring import ScoreError, ScoreInput, validate
+from workers.engine.scoring import score as run_score
 from workers.engine.stop import check_stop
 from workers.engine.tracking import Tracked, snapshot
 from workers.model.detokenizer import IncrementalDetokenizer
@@ -272,6 +274,36 @@ class Engine:
             request.finish(decision.reason, now, decision.stop_reason)
             del self._tracked[request.request_id]
         return snapshot(tracked, delta)
+
+    def score(
+        self,
+        prefix: str | Sequence[int],
+        items: Sequence[str | Sequence[int]],
+        label_token_ids: Sequence[int],
+    ) -> list[list[float]]:
+        """For each item, the log-probs of `label_token_ids` right after `prefix + item`.
+
+        One forward pass with the multi-item mask; equal to scoring each `prefix + item` alone.
+        Raises ScoreError (a ValueError) naming the bad field. Run it between steps.
+        """
+        inp = ScoreInput(
+            tuple(self._score_ids(prefix, "prefix", special=True)),
+            tuple(tuple(self._score_ids(it, f"items[{i}]")) for i, it in enumerate(items)),
+            tuple(int(t) for t in label_token_ids),
+        )
+        validate(inp, self.loaded.config.vocab_size, self.max_model_len)
+        return run_score(self.runner, self.pool, self.config.block_size, inp)
+
+    def _score_ids(
+        self, text_or_ids: str | Sequence[int], field: str, special: bool = False
+    ) -> list[int]:
+        # The prefix is encoded as a prompt (BOS where the model adds one), items as
+        # continuations of it.
+        if not isinstance(text_or_ids, str):
+            return [int(t) for t in text_or_ids]
+        if self.tokenizer is None:
+            raise ScoreError(f"{field}: this model has no tokenizer; give token ids")
+        return self.tokenizer.encode(text_or_ids, add_special_tokens=special)
 
     def generate(
         self,

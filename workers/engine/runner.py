@@ -94,6 +94,26 @@ class ModelRunner:
         return StepResult(tokens, kept)
 
     @torch.inference_mode()
+    def forward_layout(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        layout: object,
+        logits_rows: Sequence[int],
+    ) -> torch.Tensor:
+        """One model pass over a prepared (scheme) layout; float32 logits of `logits_rows`."""
+        self.backend.plan(layout)  # type: ignore[arg-type]
+        logits = self.model(
+            torch.tensor(list(token_ids), dtype=torch.long, device=self.device),
+            torch.tensor(list(positions), dtype=torch.long, device=self.device),
+            self.kv_caches,
+            layout,  # type: ignore[arg-type]
+            self.backend,
+            torch.tensor(list(logits_rows), dtype=torch.long, device=self.device),
+        )
+        return logits.float().cpu()
+
+    @torch.inference_mode()
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy the KV of block `src` into block `dst` in every layer (copy-on-write)."""
         if not pairs:

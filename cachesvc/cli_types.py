@@ -1,0 +1,5 @@
+"""Types shared by the CLI's command modules."""
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
