@@ -62,6 +62,9 @@ def get_backend(name: str) -> AttentionBackend:
     if name not in _REGISTRY:
         # Importing the module registers the built-in backends.
         import workers.attention.torch_backend  # noqa: F401
+    if name == "flashinfer" and name not in _REGISTRY:
+        # Imports flashinfer only when a backend is built, which raises without CUDA.
+        import workers.attention.flashinfer_backend  # noqa: F401
 
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_REGISTRY)}")
