@@ -60,7 +60,7 @@ class ModelRunner:
             output.chunks,
             self.block_size,
             self.scheme,
-            getattr(self.backend, "inner_name", "torch"),
+            getattr(getattr(self.backend, "inner", None), "name", "torch"),
             self.costs,
             str(self.device),
         )
