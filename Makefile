@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 run: setup
-	$(VENV)/bin/cachesvc demo
+	$(VENV)/bin/cachesvc demo-serve
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -48,3 +48,27 @@ clean:
 proto: setup
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
 		proto/cachesvc/v1/cachesvc.proto
+
+# The FlashInfer backend's check on a lent GPU (docs/gpu.md). It runs with the machine's own
+# python3 and torch, the wheels `make gpu-wheels` put in .whl/, and this repo on PYTHONPATH;
+# kernels are compiled into .cache/ (kept on a warm machine, so a rerun skips the build).
+GPU_SITE ?= /tmp/gpu-site
+.PHONY: gpu-wheels gpu-check
+gpu-wheels:
+	scripts/fetch-gpu-wheels.sh
+
+gpu-check: SHELL := /bin/bash
+gpu-check:
+	set -o pipefail; out=$${OUT:-gpu-check-out}; mkdir -p "$$out"; \
+	if ls .whl/*.whl >/dev/null 2>&1; then \
+		python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+			--target $(GPU_SITE) .whl/*.whl || exit 1; \
+	fi; \
+	export PYTHONPATH="$(GPU_SITE):$$PWD" PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a \
+		FLASHINFER_WORKSPACE_BASE="$$PWD" MAX_JOBS=$$(nproc) \
+		FLASHINFER_JIT_PREBUILD_MAX_JOBS=$$(nproc); \
+	python3 -m cachesvc.gpu_check --out "$$out" 2>&1 | tee "$$out/gpu_check.log"; \
+	status=$$?; \
+	timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu \
+		tests/workers/attention/test_flashinfer_backend.py 2>&1 | tee "$$out/pytest-gpu.log"; \
+	exit $$status

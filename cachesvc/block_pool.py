@@ -9,7 +9,7 @@ recently freed first. No I/O and no policy live here.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cachesvc.events import TIER_HBM, EventLog
@@ -25,6 +25,12 @@ class _Block:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] = ()  # kept to confirm a hash hit (collision guard)
+    parent: BlockHash | None = None  # hash of the block before it, for the tiers' chains
+
+
+# Called with (block id, hash, token ids, parent hash) just before a cached block loses its hash,
+# while its KV is still intact: the tiers copy it out (demotion) before the block is reused.
+EvictHook = Callable[[BlockId, BlockHash, tuple[int, ...], "BlockHash | None"], None]
 
 
 class BlockPool:
@@ -41,6 +47,7 @@ class BlockPool:
         )
         self._by_hash: dict[BlockHash, BlockId] = {}
         self.events = events if events is not None else EventLog()
+        self.on_evict: EvictHook | None = None
 
     @property
     def num_free(self) -> int:
@@ -109,6 +116,7 @@ class BlockPool:
             return
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
+        block.parent = parent
         self._by_hash[block_hash] = block_id
         self.events.stored(TIER_HBM, (block_hash,), parent)
 
@@ -118,6 +126,10 @@ class BlockPool:
         if block_id is None or self._blocks[block_id].token_ids != tuple(token_ids):
             return None
         return block_id
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        """Whether some block is registered under `block_hash` (no collision check)."""
+        return block_hash in self._by_hash
 
     def block_hash(self, block_id: BlockId) -> BlockHash | None:
         return self._blocks[block_id].block_hash
@@ -136,10 +148,13 @@ class BlockPool:
     def _evict(self, block_id: BlockId) -> None:
         block = self._blocks[block_id]
         if block.block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict(block_id, block.block_hash, block.token_ids, block.parent)
             del self._by_hash[block.block_hash]
             self.events.removed(TIER_HBM, (block.block_hash,))
             block.block_hash = None
             block.token_ids = ()
+            block.parent = None
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the pool is broken."""

@@ -14,12 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from cachesvc.cli_score import add_score_parser, run_score_command
+from cachesvc.cli_serving import (
+    add_demo_serve_parser,
+    add_routing_bench_parser,
+    add_serve_flags,
+    router_options,
+    run_demo_serve_command,
+    run_routing_bench_command,
+)
 from cachesvc.cli_types import CliError
 
 __all__ = ["CliError", "main"]
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, redis: bool = True) -> None:
     p.add_argument("--model", help="GGUF file or Hugging Face folder (default: embedded SmolLM2)")
     p.add_argument("--kv-cache-mb", type=int, default=None, help="KV pool size in MiB")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
@@ -41,6 +49,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="how requests sharing a prefix in one batch are computed (default: chosen per batch)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--dram-mb", type=float, default=None, help="DRAM tier below the KV pool, MiB")
+    p.add_argument("--nvme-path", default=None, help="NVMe tier: a folder for KV block files")
+    p.add_argument("--nvme-mb", type=float, default=None, help="NVMe tier size budget, MiB")
+    if redis:
+        # Password: CACHESVC_REDIS_PASSWORD, never a flag (it would show in `ps`).
+        p.add_argument(
+            "--redis-url",
+            dest="kv_redis_url",
+            default=None,
+            help="Redis tier shared by workers (redis:// or rediss://)",
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -82,7 +101,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--policy", default="prefix_aware", help="routing policy")
     serve.add_argument("--auth-token-file", help="require this bearer token (a file holding it)")
     serve.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    _add_engine_args(serve)
+    serve.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML/JSON file of ServeConfig fields (as the Helm chart writes it); flags whose "
+        "value differs from their default override it",
+    )
+    _add_engine_args(serve, redis=False)  # serve's --redis-url is the router's index
+    add_serve_flags(serve)
 
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
     bench_sub = bench.add_subparsers(dest="suite", required=True)
@@ -108,7 +134,15 @@ def _parser() -> argparse.ArgumentParser:
             b.add_argument("--question-len", type=int, default=32, help="own suffix tokens")
             b.add_argument("--output-len", type=int, default=16, help="generated tokens")
 
+    tiers = bench_sub.add_parser("tiers", help="TTFT with the prefix in each tier vs recompute")
+    tiers.add_argument("--json", dest="json_path", help="also write the results to this file")
+    tiers.add_argument("--quick", action="store_true", help="contexts 256/512, fewer caps")
+    tiers.add_argument("--model", default=None)
+    tiers.add_argument("--redis-url", default=None, help="default: a local redis-server")
+
     add_score_parser(sub, _add_engine_args)
+    add_routing_bench_parser(bench_sub)
+    add_demo_serve_parser(sub, _add_engine_args)
     return parser
 
 
@@ -141,6 +175,19 @@ def _engine_config(args: argparse.Namespace) -> Any:
         enable_prefix_caching=not args.no_prefix_cache,
         prefill_scheme=args.prefill_scheme,
         num_threads=args.threads,
+        tiers=_tier_config(args),
+    )
+
+
+def _tier_config(args: argparse.Namespace) -> Any:
+    from cachesvc.config import TierConfig
+
+    nvme_mb = args.nvme_mb if args.nvme_mb is not None else (1024 if args.nvme_path else 0)
+    return TierConfig(
+        dram_mb=args.dram_mb or 0,
+        nvme_path=args.nvme_path,
+        nvme_mb=nvme_mb,
+        redis_url=getattr(args, "kv_redis_url", None),
     )
 
 
@@ -237,22 +284,49 @@ def _generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
+def _serve_config(args: argparse.Namespace) -> Any:
     from router.config import RouterConfig
-    from router.main import ServeConfig, run_serve
+    from router.main import ServeConfig
 
-    config = ServeConfig(
+    return ServeConfig(
         engine=_engine_config(args),
         router=RouterConfig(
             host=args.host,
             port=args.port,
             policy=args.policy,
             auth_token=_read_token(args.auth_token_file),
+            **router_options(args),
         ),
         num_workers=args.workers,
         ray_address=args.ray_address,
         device=args.device,
     )
+
+
+def _serve_config_file(path: str, flags: Any) -> Any:
+    """The ServeConfig in `path` with the flags that differ from their defaults on top; the
+    engine then takes CACHESVC_* variables where the file leaves a field unset (from_env)."""
+    import dataclasses
+
+    from cachesvc.config import EngineConfig
+    from cachesvc.config_file import changed_fields, load_config_file, with_overrides
+    from router.main import ServeConfig
+
+    defaults = _serve_config(_parser().parse_args(["serve"]))
+    config = with_overrides(load_config_file(path, ServeConfig), changed_fields(flags, defaults))
+    fields = {f.name: getattr(config.engine, f.name) for f in dataclasses.fields(config.engine)}
+    return dataclasses.replace(config, engine=EngineConfig.from_env(**fields))
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from router.logs import configure_logging
+    from router.main import run_serve
+
+    configure_logging(args.log_format)
+
+    config = _serve_config(args)
+    if args.config:
+        config = _serve_config_file(args.config, config)
     return run_serve(config)
 
 
@@ -263,6 +337,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.suite == "routing":
+        return run_routing_bench_command(args)
     if args.suite == "engine":
         from cachesvc.bench.engine import run_engine_bench
 
@@ -277,6 +353,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from cachesvc.bench.decode_cascade import run_decode_cascade_bench
 
         return run_decode_cascade_bench(args.quick, args.json_path, backend=args.backend)
+    if args.suite == "tiers":
+        from cachesvc.bench.tiers import run_tiers_bench
+
+        return run_tiers_bench(args.model, args.quick, args.json_path, args.redis_url)
     if args.suite == "prefix-cache":
         from cachesvc.bench.prefix_cache import run_prefix_cache_bench
 
@@ -292,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo": _cmd_demo,
         "bench": _cmd_bench,
         "serve": _cmd_serve,
+        "demo-serve": lambda a: run_demo_serve_command(a, _engine_config(a)),
         "score": lambda a: run_score_command(a, _engine_config(a)),
     }
     try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 _DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_SCHEMES = ("auto", "naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
@@ -11,6 +11,71 @@ PREFILL_SCHEMES = ("auto", "naive", "split", "ragged", "cascade", "multi_item", 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message says how to fix it."""
+
+
+TIER_CODECS = ("raw", "lz4", "shuffle_lz4")
+PLAN_MODES = ("auto", "fetch", "split", "recompute")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The tiers below the device pool; all off by default (`enabled` is False).
+
+    DRAM takes blocks the device evicts (`dram_mb`), NVMe takes what DRAM evicts (`nvme_path`,
+    `nvme_mb`), Redis shares blocks reused at least `redis_min_reuse` times between workers
+    (`redis_url`, rediss:// for TLS). `*_cap_mbps` throttle a tier's reads, for tests and
+    benchmarks. `plan` forces the planner's choice ("auto" lets the cost model decide).
+    """
+
+    dram_mb: float = 0
+    nvme_path: str | None = None
+    nvme_mb: float = 0
+    redis_url: str | None = None
+    redis_password: str | None = None
+    redis_tls_ca_file: str | None = None
+    redis_min_reuse: int = 2
+    redis_ttl_s: int | None = 24 * 3600
+    redis_timeout_s: float = 0.5
+    redis_retry_s: float = 2.0
+    dram_codec: str = "raw"
+    nvme_codec: str = "shuffle_lz4"
+    redis_codec: str = "shuffle_lz4"
+    dram_cap_mbps: float | None = None
+    nvme_cap_mbps: float | None = None
+    redis_cap_mbps: float | None = None
+    plan: str = "auto"
+    calibrate: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("dram_mb", "nvme_mb", "redis_min_reuse"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"tiers.{name} must be >= 0, got {getattr(self, name)}")
+        if self.nvme_path is not None and self.nvme_mb <= 0:
+            raise ConfigError("tiers.nvme_mb must be positive when nvme_path is set (--nvme-mb)")
+        if self.nvme_mb > 0 and not self.nvme_path:
+            raise ConfigError("tiers.nvme_mb needs tiers.nvme_path, the folder (--nvme-path)")
+        if self.redis_url is not None and not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ConfigError(
+                f"tiers.redis_url must start with redis://, rediss:// or unix://, "
+                f"got {self.redis_url!r}"
+            )
+        for name in ("dram_codec", "nvme_codec", "redis_codec"):
+            if getattr(self, name) not in TIER_CODECS:
+                raise ConfigError(f"tiers.{name} must be one of {TIER_CODECS}")
+        for name in ("dram_cap_mbps", "nvme_cap_mbps", "redis_cap_mbps", "redis_ttl_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"tiers.{name} must be positive or None (no cap), got {value}")
+        if self.redis_timeout_s <= 0 or self.redis_retry_s < 0:
+            raise ConfigError("tiers.redis_timeout_s must be > 0 and tiers.redis_retry_s >= 0")
+        if self.plan not in PLAN_MODES:
+            raise ConfigError(f"tiers.plan must be one of {PLAN_MODES}, got {self.plan!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.dram_mb > 0 or self.nvme_path is not None or self.redis_url is not None
 
 
 @dataclass(frozen=True)
@@ -38,6 +103,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     max_model_len: int | None = None
     num_threads: int | None = None
+    tiers: TierConfig = field(default_factory=TierConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -69,6 +135,12 @@ class EngineConfig:
             env["device"] = os.environ["CACHESVC_DEVICE"]
         if "CACHESVC_KV_CACHE_MB" in os.environ:
             env["kv_cache_mb"] = _env_int("CACHESVC_KV_CACHE_MB")
+        tiers = overrides.pop("tiers", None)
+        if isinstance(tiers, TierConfig) or "CACHESVC_REDIS_PASSWORD" in os.environ:
+            # The Redis password comes from the environment, never from a command line.
+            base = tiers if isinstance(tiers, TierConfig) else TierConfig()
+            password = os.environ.get("CACHESVC_REDIS_PASSWORD", base.redis_password)
+            env["tiers"] = replace(base, redis_password=password)
         env.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**env)  # type: ignore[arg-type]
 

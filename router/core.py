@@ -7,6 +7,7 @@ edge (`server.py`) translates. Block hashes are computed exactly as the workers 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import uuid
@@ -29,9 +30,11 @@ from router.domain import (
     Unavailable,
     WorkerStatus,
 )
+from router.metrics import RequestOutcome, RouterMetrics
 from router.policy import Candidate, Policy, RouteDecision, RouteRequest
 from router.pool import Health, WorkerDied, WorkerPool, raise_stream_error
-from workers.actor import StreamDelta, StreamError
+from router.resume import StreamProgress
+from workers.actor import StreamDelta, StreamError, Usage
 from workers.model.tokenizer import Tokenizer, TokenizerError
 
 _log = logging.getLogger(__name__)
@@ -52,6 +55,8 @@ class Router:
         self.policy = policy
         self.config = config
         self._stats = RouterStats(policy.name)
+        self.metrics = RouterMetrics()
+        self.metrics.watch(pool)
 
     async def start(self) -> None:
         """Wait for the workers and index what they hold."""
@@ -129,52 +134,69 @@ class Router:
     # ---- generate ---------------------------------------------------------------------------
 
     async def generate(self, req: GenerateInput) -> AsyncGenerator[StreamDelta, None]:
-        """Stream deltas from the worker chosen for the request; retried on another worker
-        when the chosen one dies (or is full) before sending anything."""
+        """Stream deltas from the worker chosen for the request. A worker that dies (or is
+        full) before sending anything is replaced; one that dies mid-stream is resumed on
+        another (see `router.resume`), so the client sees one stream."""
         if self._stats.num_inflight >= self.config.max_inflight:
             raise Exhausted(f"router is at its limit of {self.config.max_inflight} requests")
         ids = self.encode(req.prompt)
         self._check_vocab(req.params.stop_token_ids, "sampling.stop_token_ids")
-        params = asdict(req.params)  # plain data for the worker
-        hashes = self.block_hashes(ids, req.cache_salt)
-        request_id = req.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        progress = StreamProgress(ids, asdict(req.params), self.tokenizer)
+        outcome = RequestOutcome(req.request_id or f"req-{uuid.uuid4().hex[:16]}", self.policy.name)
         self._stats.num_requests += 1
         self._stats.num_inflight += 1
         try:
-            async with contextlib.aclosing(
-                self._forward(ids, hashes, params, request_id, req)
-            ) as deltas:
+            async with contextlib.aclosing(self._forward(progress, outcome, req)) as deltas:
                 async for delta in deltas:
+                    if delta.token_ids:
+                        outcome.first_token(self.metrics)
                     yield delta
-        except (RouterError, WorkerDied):
+            outcome.status = "ok"
+        except (RouterError, WorkerDied) as exc:
             self._stats.num_failed += 1
+            outcome.status = type(exc).__name__.lower()
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome.status = "cancelled"
             raise
         finally:
             self._stats.num_inflight -= 1
+            outcome.num_resumes = progress.num_resumes
+            outcome.done(self.metrics)
 
     async def _forward(
-        self,
-        ids: list[int],
-        hashes: list[BlockHash],
-        params: dict[str, Any],
-        request_id: str,
-        req: GenerateInput,
+        self, progress: StreamProgress, outcome: RequestOutcome, req: GenerateInput
     ) -> AsyncGenerator[StreamDelta, None]:
         excluded: set[WorkerId] = set()
         last_error: RouterError = Unavailable("no attempt was made")
         for attempt in range(self.config.max_retries + 1):
-            decision = self._route(len(ids), hashes, excluded)
+            prompt = progress.next_prompt()
+            hashes = self.block_hashes(prompt, req.cache_salt)
+            decision = self._route(len(prompt), hashes, excluded)
+            self.metrics.decisions.labels(decision.policy, decision.worker).inc()
+            params = progress.next_params()
             try:
                 async with contextlib.aclosing(
-                    self._attempt(decision, ids, params, request_id, req)
+                    self._attempt(decision, prompt, params, outcome.request_id, req)
                 ) as deltas:
-                    async for delta in deltas:
+                    async for raw in deltas:
+                        delta = progress.forward(raw, decision.worker)
+                        if delta.usage is not None:
+                            self._record(delta.usage, outcome)
                         yield delta
+                        if progress.ended:
+                            return
                 return
             except WorkerDied as exc:
-                if exc.started:
+                if exc.started and not progress.resumable:
                     raise Unavailable(f"worker {exc.worker} died during the request") from exc
-                last_error = Unavailable(f"worker {exc.worker} died before starting the request")
+                last_error = Unavailable(f"worker {exc.worker} died during the request")
+                if progress.started:
+                    progress.resume()
+                    _log.warning(
+                        "worker died mid-stream; resuming elsewhere",
+                        extra={"request_id": outcome.request_id, "worker": exc.worker},
+                    )
             except Exhausted as exc:
                 last_error = exc
             excluded.add(decision.worker)
@@ -182,6 +204,8 @@ class Router:
                 break
             if attempt < self.config.max_retries:
                 self._stats.num_retries += 1
+                kind = "mid_stream" if progress.started else "before_start"
+                self.metrics.retries.labels(kind).inc()
         raise last_error
 
     async def _attempt(
@@ -207,7 +231,6 @@ class Router:
                         state.num_inflight_tokens -= uncached
                     if delta.usage is not None:
                         num_finished += 1
-                        self._record(delta)
                         if num_finished == n:
                             # Read-your-writes: once the client has the answer, the blocks it
                             # computed are visible to routing.
@@ -224,13 +247,13 @@ class Router:
         except Exception:  # the answer is complete; the poller will catch up
             _log.warning("syncing worker %s after a request failed", worker, exc_info=True)
 
-    def _record(self, delta: StreamDelta) -> None:
-        usage = delta.usage
-        assert usage is not None
+    def _record(self, usage: Usage, outcome: RequestOutcome) -> None:
         self._stats.prompt_tokens += usage.prompt_tokens
         self._stats.cached_tokens += sum(usage.cached_tokens.values())
         decisions = self._stats.decisions
         decisions[usage.worker_id] = decisions.get(usage.worker_id, 0) + 1
+        self.metrics.record_usage(usage)
+        outcome.usage(usage)
 
     def _candidates_left(self, excluded: set[WorkerId]) -> bool:
         return any(s.worker_id not in excluded for s in self.pool.routable())
@@ -241,6 +264,11 @@ class Router:
         live = [s for s in self.pool.routable() if s.worker_id not in excluded]
         if not live:
             raise Unavailable("no live worker to serve the request")
+        limit = self.config.max_queued_per_worker
+        if limit is not None:
+            live = [s for s in live if s.num_requests < limit]
+            if not live:
+                raise Exhausted(f"every worker's queue is full ({limit} requests each)")
         matches = self.pool.index.longest_prefix(hashes)
         candidates = [
             Candidate(s.worker_id, s.num_requests, s.num_queued_tokens, matches.get(s.worker_id))

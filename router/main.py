@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cachesvc.config import ConfigError, EngineConfig
-from cachesvc.index import MemoryPrefixIndex
+from cachesvc.index import MemoryPrefixIndex, PrefixIndex
 from cachesvc.types import WorkerId
 from router.config import RouterConfig
 from router.core import Router
@@ -54,6 +54,15 @@ def load_router_tokenizer(model: str | None) -> Tokenizer | None:
     return Tokenizer.from_path(path)
 
 
+def make_index(config: RouterConfig) -> PrefixIndex:
+    """The prefix index the config asks for: in Redis when `redis_url` is set, else in memory."""
+    if config.redis_url is None:
+        return MemoryPrefixIndex()
+    from cachesvc.index_redis import RedisPrefixIndex
+
+    return RedisPrefixIndex.from_url(config.redis_url, config.redis_namespace)
+
+
 async def build_router(
     actors: Mapping[WorkerId, Any], config: RouterConfig, model: str | None
 ) -> Router:
@@ -64,7 +73,7 @@ async def build_router(
         abs_threshold=config.balance_abs_threshold,
         rel_threshold=config.balance_rel_threshold,
     )
-    pool = WorkerPool(actors, MemoryPrefixIndex(), config)
+    pool = WorkerPool(actors, make_index(config), config)
     router = Router(pool, load_router_tokenizer(model), policy, config)
     await router.start()
     return router
@@ -120,6 +129,8 @@ def run_serve(config: ServeConfig) -> int:
     import ray
 
     make_policy(config.router.policy)  # fail on a bad name before starting anything
+    if config.router.redis_url is not None:
+        make_index(config.router)  # and on an unreachable Redis (ConnectionError)
     ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=True)
     actors: dict[WorkerId, Any] = {}
     try:

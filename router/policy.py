@@ -128,21 +128,47 @@ class PrefixAware:
     A worker whose request count exceeds the least-loaded worker's by more than `abs_threshold`
     and by a factor above `rel_threshold` is left out, so one hot prefix cannot pile every
     request onto the worker that holds it (SGLang's cache-aware router uses the same test).
+    The same bound holds over recent traffic (a decayed count of the requests this policy
+    routed), and a request that no worker holds any of goes where recent traffic is lowest:
+    with fast requests the queues of one instant are short, and groups would otherwise pile up
+    on whichever worker happened to be idle when each group began.
     """
 
     name = "prefix_aware"
+
+    # Each decision multiplies every worker's recent traffic by this: a half-life of about 35.
+    TRAFFIC_DECAY = 0.98
+    # A worker whose recent traffic exceeds the least's by this factor plus this many requests
+    # gets no more for now, however well its cache matches.
+    TRAFFIC_REL_SLACK = 1.2
+    TRAFFIC_ABS_SLACK = 2.0
 
     def __init__(self, abs_threshold: int = 8, rel_threshold: float = 1.5) -> None:
         self.abs_threshold = abs_threshold
         self.rel_threshold = rel_threshold
         self._recency = _Recency()
+        self._traffic: dict[WorkerId, float] = {}  # decayed count of requests routed
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
         eligible = self._within_bound(candidates)
         costs = {c.worker: estimated_cost(request, c) for c in eligible}
+        bounded = len(eligible) < len(candidates)
+        reason = "lowest estimated ttft"
+        new_prefix = all(_matched(c) == 0 for c in eligible)
+        if new_prefix:
+            # Likely the first request of a new group: its followers will go where it goes.
+            # Among the workers that would start it about as soon as the fastest (within one
+            # prompt of queued work), take the one with the least recent traffic, so groups
+            # spread evenly rather than by the queue lengths of one instant (SGLang sends such
+            # requests to the worker with the smallest cache for the same reason).
+            floor = min(costs.values())
+            limit = floor + request.num_prompt_tokens
+            eligible = [c for c in eligible if costs[c.worker] <= limit]
+            reason = "no cached prefix: least recent traffic"
         pick = min(
             eligible,
             key=lambda c: (
+                self._traffic.get(c.worker, 0.0) if new_prefix else 0.0,
                 costs[c.worker],
                 c.num_requests,
                 self._recency.age_key(c.worker),
@@ -150,19 +176,26 @@ class PrefixAware:
             ),
         )
         self._recency.chosen(pick.worker)
-        reason = "lowest estimated ttft"
-        if len(eligible) < len(candidates):
+        for worker in self._traffic:
+            self._traffic[worker] *= self.TRAFFIC_DECAY
+        self._traffic[pick.worker] = self._traffic.get(pick.worker, 0.0) + 1.0
+        if bounded:
             reason += " within the load-imbalance bound"
         return RouteDecision(pick.worker, self.name, _matched(pick), costs[pick.worker], reason)
 
     def _within_bound(self, candidates: Sequence[Candidate]) -> list[Candidate]:
         least = min(c.num_requests for c in candidates)
-        return [
+        now = [
             c
             for c in candidates
             if c.num_requests - least <= self.abs_threshold
             or c.num_requests <= least * self.rel_threshold
         ]
+        # The same bound over recent traffic: queues of one instant are short when requests
+        # are fast, yet a worker that keeps winning its prefixes ends up with most requests.
+        traffic = {c.worker: self._traffic.get(c.worker, 0.0) for c in now}
+        ceiling = min(traffic.values()) * self.TRAFFIC_REL_SLACK + self.TRAFFIC_ABS_SLACK
+        return [c for c in now if traffic[c.worker] <= ceiling]
 
 
 def _matched(candidate: Candidate) -> int:

@@ -114,7 +114,7 @@ class WorkerPool:
         for state, info in zip(states, infos, strict=True):
             state.info = info
         self._model = _agree(infos)
-        await asyncio.gather(*(self._resync(s) for s in states))
+        await asyncio.gather(*(self._catch_up(s) for s in states))
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
         return self._model
 
@@ -228,6 +228,16 @@ class WorkerPool:
             state.load, state.missed_polls, state.health = result.load, 0, Health.HEALTHY
             if not self.index.apply(worker, result.incarnation, result.events):
                 await self._resync(state)
+
+    async def _catch_up(self, state: WorkerState) -> None:
+        """At start: a shared index that already follows this life of the worker (another
+        router, or this one before a restart, kept it in Redis) only needs the newer events;
+        otherwise take a snapshot."""
+        assert state.info is not None
+        if self.index.apply(state.worker_id, state.info.incarnation, ()):
+            await self.sync(state.worker_id)
+        else:
+            await self._resync(state)
 
     async def _resync(self, state: WorkerState) -> None:
         from ray.exceptions import RayActorError

@@ -26,6 +26,7 @@ from router.auth import BearerTokenInterceptor
 from router.config import RouterConfig
 from router.core import Router
 from router.domain import Exhausted, InvalidInput, RouterError, Unavailable, Unimplemented
+from router.metrics import MetricsHttpServer
 
 _log = logging.getLogger(__name__)
 
@@ -56,9 +57,15 @@ def _lenient(cls: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
     return parse
 
 
+def _status_of(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, RouterError):
+        return _CODES.get(type(exc), grpc.StatusCode.UNKNOWN)
+    return grpc.StatusCode.INTERNAL
+
+
 async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
     if isinstance(exc, RouterError):
-        await context.abort(_CODES.get(type(exc), grpc.StatusCode.UNKNOWN), str(exc))
+        await context.abort(_status_of(exc), str(exc))
     _log.exception("internal error", exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
     raise AssertionError("unreachable")  # context.abort always raises
@@ -84,6 +91,7 @@ class InferenceService:
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         msg: pb.GenerateRequest = await _decoded(request, context)
+        code = grpc.StatusCode.OK
         try:
             req = wire.generate_from_proto(msg, self._config)
             if not req.request_id:
@@ -91,15 +99,26 @@ class InferenceService:
             async with contextlib.aclosing(self._router.generate(req)) as deltas:
                 async for delta in deltas:
                     yield wire.delta_to_proto(req.request_id, delta)
+        except (asyncio.CancelledError, GeneratorExit):
+            code = grpc.StatusCode.CANCELLED
+            raise
         except Exception as exc:
+            code = _status_of(exc)
             await _fail(context, exc)
+        finally:
+            self._count("Generate", code)
+
+    def _count(self, method: str, code: grpc.StatusCode) -> None:
+        self._router.metrics.requests.labels(method, code.name).inc()
 
     async def score(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         msg: pb.ScoreRequest = await _decoded(request, context)
         try:
             result = await self._router.score(wire.score_from_proto(msg))
         except Exception as exc:
+            self._count("Score", _status_of(exc))
             await _fail(context, exc)
+        self._count("Score", grpc.StatusCode.OK)
         return wire.score_to_proto(result)
 
     async def tokenize(
@@ -109,7 +128,9 @@ class InferenceService:
         try:
             ids, num_blocks, text = self._router.tokenize(wire.prompt_from_proto(msg.prompt))
         except Exception as exc:
+            self._count("Tokenize", _status_of(exc))
             await _fail(context, exc)
+        self._count("Tokenize", grpc.StatusCode.OK)
         return pb.TokenizeResponse(token_ids=ids, num_blocks=num_blocks, text=text)
 
 
@@ -191,8 +212,14 @@ class RouterServer:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
         self._router = router
         self._watch: asyncio.Task[None] | None = None
+        self._metrics_port = config.metrics_port
+        self.metrics: MetricsHttpServer | None = None
 
     async def start(self) -> None:
+        """Start serving gRPC, and Prometheus metrics when a metrics port is configured."""
+        port, registry = self._metrics_port, self._router.metrics.registry
+        if port is not None:
+            self.metrics = MetricsHttpServer(registry, self._router.config.host, port)
         await self.server.start()
         await self._publish_health()
         self._watch = asyncio.get_running_loop().create_task(self._watch_health())
@@ -204,6 +231,8 @@ class RouterServer:
             await asyncio.gather(self._watch, return_exceptions=True)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.metrics is not None:
+            self.metrics.close()
 
     async def _publish_health(self) -> None:
         serving = self._router.is_serving()

@@ -129,6 +129,8 @@ class ServerThread:
         return grpc.insecure_channel(self.address)
 
     def stop(self) -> None:
+        if self.loop.is_closed():
+            return  # stopped already (a test may stop a router to restart it)
         self.run(self._stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)

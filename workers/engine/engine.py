@@ -6,6 +6,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from workers.engine.tracking import Tracked, snapshot
 from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.loader import LoadedModel, load_model
 from workers.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from workers.engine.tiering import KVTiering
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,8 +99,29 @@ class Engine:
         self._requests: dict[RequestId, Request] = {}  # every live request, beams included
         self._fork_plans: dict[RequestId, list[tuple[RequestId, SamplingParams]]] = {}
         self._ids = itertools.count()
+        self.tiering = self._start_tiers(config, kv_caches)
         self.forker = Forker(self.scheduler, self.kv, self.runner)
         self.beams = BeamSearch(self.forker, self._requests, self._drop, self.max_model_len)
+
+    def _start_tiers(self, config: EngineConfig, kv_caches: list[torch.Tensor]) -> KVTiering | None:
+        """DRAM / NVMe / Redis below the device pool, when configured (config.tiers)."""
+        if not config.tiers.enabled:
+            return None
+        from workers.engine.tier_setup import calibrate
+        from workers.engine.tiering import KVTiering
+
+        tiering = KVTiering(
+            config.tiers, self.pool, kv_caches, config.block_size, self.loaded.fingerprint
+        )
+        self.kv.tiering = tiering
+        if config.tiers.calibrate:
+            calibrate(tiering, self.runner, config.max_num_batched_tokens)
+        return tiering
+
+    def close(self) -> None:
+        """Flush the tiers' background writes and close them (an NVMe folder is then complete)."""
+        if self.tiering is not None:
+            self.tiering.close()
 
     def _blocks_for_budget(self, config: EngineConfig) -> int:
         c = self.loaded.config
@@ -211,8 +236,12 @@ class Engine:
         if output.is_empty:
             return []
         keep = set(self._fork_plans) | set(self.beams.group_of)
+        start = time.perf_counter()
         result = self.runner.execute(output, self._requests, keep)
-        self.scheduler.update(output)
+        compute_s = time.perf_counter() - start
+        self.scheduler.update(output)  # may land a fetch that ran during the compute (Cake)
+        if self.tiering is not None:
+            self.tiering.after_step(output, compute_s)
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
         for chunk in output.chunks:

@@ -8,7 +8,9 @@ That is in-batch prefix dedup; across steps the same registry gives ordinary pre
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from cachesvc.block_pool import BlockPool
 from cachesvc.hashing import hash_blocks, root_hash
@@ -24,6 +26,29 @@ class PrefixMatch:
 
     num_cached_tokens: int
     stopped_at_in_flight: bool  # the match stopped at a block being computed in this step
+
+
+class TieringHooks(Protocol):
+    """The lower tiers, as the KV manager sees them (`workers.engine.tiering.KVTiering`)."""
+
+    def extend_match(
+        self, request: Request, hashes: Sequence[BlockHash], num_device_blocks: int, max_blocks: int
+    ) -> int:
+        """After a device match of `num_device_blocks`, bring following blocks (up to
+        `max_blocks` in all) from lower tiers; returns the tokens added or planned."""
+        ...
+
+    def num_computable(self, request: Request, num_left: int) -> int:
+        """Tokens the request may compute before a planned fetch lands (at most `num_left`)."""
+        ...
+
+    def on_computed(self, request: Request) -> None:
+        """The request's computed tokens advanced: land a planned fetch that is due."""
+        ...
+
+    def release(self, request: Request) -> None:
+        """The request gives its blocks back: drop its planned fetch."""
+        ...
 
 
 class KVCacheManager:
@@ -52,6 +77,7 @@ class KVCacheManager:
         self.in_batch = in_batch
         self._roots: dict[str, BlockHash] = {}
         self._in_flight: set[BlockId] = set()
+        self.tiering: TieringHooks | None = None  # lower tiers (DRAM, NVMe, Redis), when on
 
     def begin_step(self) -> None:
         """Blocks registered from now on belong to the new step's batch."""
@@ -103,7 +129,23 @@ class KVCacheManager:
         self.pool.touch(hits)
         request.block_ids = hits
         request.num_computed_tokens = len(hits) * self.block_size
-        return PrefixMatch(request.num_computed_tokens, stopped)
+        num_device = len(hits)
+        extra = 0
+        if self.tiering is not None and not stopped:
+            max_blocks = (len(tokens) - 1) // self.block_size
+            hashes = self.block_hashes(request)
+            extra = self.tiering.extend_match(request, hashes, num_device, max_blocks)
+        return PrefixMatch(num_device * self.block_size + extra, stopped)
+
+    def num_computable(self, request: Request) -> int:
+        """Tokens the request may compute now: all it has left, unless a fetch lands midway."""
+        left = request.num_tokens - request.num_computed_tokens
+        return left if self.tiering is None else self.tiering.num_computable(request, left)
+
+    def on_computed(self, request: Request) -> None:
+        """Called after the request's computed tokens advanced."""
+        if self.tiering is not None:
+            self.tiering.on_computed(request)
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow `request.block_ids` to hold `num_new_tokens` more tokens, and register the
@@ -147,6 +189,8 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release all of a request's blocks, tail first so the prefix head is evicted last."""
+        if self.tiering is not None:
+            self.tiering.release(request)
         self.pool.free(list(reversed(request.block_ids)))
         request.block_ids = []
 

@@ -28,7 +28,10 @@ def sample(
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    scaled = logits.float() / p.temperature
+    # Shifted so the largest logit is 0: a tiny temperature then gives -inf, never inf (whose
+    # softmax is NaN); softmax is unchanged by the shift.
+    logits = logits.float()
+    scaled = (logits - logits.max()) / p.temperature
     if 0 < p.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -76,7 +76,7 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0 or request not in self.running:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self.kv.num_computable(request), budget)
             if num_new == 0:
                 continue  # a beam waiting for its siblings' logits has nothing to compute
             if not self._allocate_or_preempt(request, num_new, scheduled, preempted):
@@ -94,6 +94,7 @@ class Scheduler:
         for chunk in output.chunks:
             request = by_id[chunk.request_id]
             request.num_computed_tokens += len(chunk.token_ids)
+            self.kv.on_computed(request)  # a fetch planned to land here lands now
 
     def finish(self, request: Request) -> None:
         """Take a finished or aborted request out and free its blocks."""
@@ -147,7 +148,7 @@ class Scheduler:
 
     def _num_new_for(self, request: Request, budget: int, batch_has_work: bool) -> int:
         """Tokens to compute for a newly admitted request; 0 when it must wait."""
-        remaining = request.num_tokens - request.num_computed_tokens
+        remaining = self.kv.num_computable(request)
         if self.config.enable_chunked_prefill:
             return min(remaining, budget)
         if remaining <= budget or not batch_has_work:

@@ -1,0 +1,296 @@
+"""`cachesvc bench routing`: every routing policy on the same workload, over real Ray workers
+and a real gRPC router, one policy after another with the workers' caches flushed in between.
+
+Reports, per policy: prefix-cache hit ratio, prompt tokens computed, TTFT p50/p99 (seen by the
+client, from sending a request to its first token), output throughput, and load imbalance
+(max / mean requests per worker). Greedy, fixed-length outputs (`ignore_eos`), so every policy
+does the same work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cachesvc.bench.routing_report import format_results, plot_results, to_json
+from cachesvc.bench.table import write_json
+from cachesvc.bench.workloads import (
+    Session,
+    TraceScale,
+    groups_workload,
+    load_mooncake,
+    multiturn_workload,
+    trace_workload,
+)
+from cachesvc.types import WorkerId
+
+WORKLOADS = ("groups", "multiturn", "trace")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request as the client saw it."""
+
+    worker: str
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    output_tokens: int
+    ttft_s: float
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    policy: str
+    workload: str
+    num_requests: int
+    num_errors: int
+    hit_ratio: float
+    computed_tokens: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    throughput_tok_s: float
+    imbalance: float  # max / mean requests per worker; 1.0 is perfectly even
+    requests_per_worker: Mapping[str, int]
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def summarize(
+    policy: str,
+    workload: str,
+    records: Sequence[RequestRecord],
+    workers: Sequence[str],
+    num_errors: int,
+    wall_s: float,
+) -> PolicyResult:
+    """Aggregate the records of one policy's run (pure)."""
+    per_worker = {w: 0 for w in workers}
+    for r in records:
+        per_worker[r.worker] = per_worker.get(r.worker, 0) + 1
+    mean = statistics.fmean(per_worker.values()) if per_worker else 0.0
+    prompt = sum(r.prompt_tokens for r in records)
+    ttfts = [r.ttft_s * 1e3 for r in records]
+    return PolicyResult(
+        policy=policy,
+        workload=workload,
+        num_requests=len(records),
+        num_errors=num_errors,
+        hit_ratio=sum(r.cached_tokens for r in records) / prompt if prompt else 0.0,
+        computed_tokens=sum(r.computed_tokens for r in records),
+        ttft_p50_ms=_percentile(ttfts, 0.50),
+        ttft_p99_ms=_percentile(ttfts, 0.99),
+        throughput_tok_s=sum(r.output_tokens for r in records) / wall_s if wall_s > 0 else 0.0,
+        imbalance=max(per_worker.values()) / mean if mean else 0.0,
+        requests_per_worker=per_worker,
+    )
+
+
+# ---- one policy over live workers -----------------------------------------------------------
+
+
+async def _run_session(
+    stub: Any, session: Session, start: float
+) -> tuple[list[RequestRecord], int]:
+    from proto.cachesvc.v1 import cachesvc_pb2 as pb
+
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, start + session.arrival_s - loop.time()))
+    history = list(session.prefix_ids)
+    records: list[RequestRecord] = []
+    for turn in session.turns:
+        prompt = history + list(turn.question_ids)
+        request = pb.GenerateRequest(
+            prompt=pb.Prompt(token_ids=pb.TokenIds(ids=prompt)),
+            sampling=pb.SamplingParams(
+                max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True
+            ),
+        )
+        sent, ttft, tokens, usage = loop.time(), None, [], None
+        try:
+            async for msg in stub.Generate(request, timeout=600):
+                if ttft is None and msg.token_ids:
+                    ttft = loop.time() - sent
+                tokens.extend(msg.token_ids)
+                if msg.HasField("usage"):
+                    usage = msg.usage
+        except Exception as exc:  # a failed request is counted, the run goes on
+            print(f"request failed: {exc!r}"[:200], file=sys.stderr)
+            return records, 1
+        assert usage is not None and ttft is not None
+        records.append(
+            RequestRecord(
+                worker=usage.worker_id,
+                prompt_tokens=usage.prompt_tokens,
+                cached_tokens=sum(usage.cached_tokens.values()),
+                computed_tokens=usage.computed_tokens,
+                output_tokens=len(tokens),
+                ttft_s=ttft,
+                latency_s=loop.time() - sent,
+            )
+        )
+        history = prompt + tokens
+        await asyncio.sleep(session.think_s)
+    return records, 0
+
+
+async def run_policy(
+    actors: Mapping[WorkerId, Any],
+    model: str | None,
+    policy: str,
+    sessions: Sequence[Session],
+    workload: str = "custom",
+    **router_options: Any,
+) -> PolicyResult:
+    """Serve `sessions` through a fresh router with `policy` over existing workers (their
+    caches flushed first) and summarize what the client saw."""
+    import grpc
+
+    from proto.cachesvc.v1 import cachesvc_pb2 as pb
+    from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+    from router.config import RouterConfig
+    from router.main import build_router
+    from router.server import RouterServer
+
+    config = RouterConfig(policy=policy, port=0, **router_options)
+    router = await build_router(actors, config, model)
+    server = RouterServer(router, config)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            await pb_grpc.AdminStub(channel).Flush(pb.FlushRequest())
+            start = asyncio.get_running_loop().time()
+            began = time.perf_counter()
+            done = await asyncio.gather(*(_run_session(stub, s, start) for s in sessions))
+            wall_s = time.perf_counter() - began
+    finally:
+        await server.stop(grace_s=1.0)
+        await router.close()
+    records = [r for rs, _ in done for r in rs]
+    errors = sum(e for _, e in done)
+    return summarize(policy, workload, records, sorted(actors), errors, wall_s)
+
+
+async def run_all_policies(
+    actors: Mapping[WorkerId, Any],
+    model: str | None,
+    sessions: Sequence[Session],
+    workload: str,
+    policies: Sequence[str],
+) -> list[PolicyResult]:
+    """A short warm-up (first calls are slow), then each policy in turn on the same workload."""
+    warmup = [Session(0.0, tuple(range(40, 72)), sessions[0].turns[:1]) for _ in actors]
+    await run_policy(actors, model, "round_robin", warmup, "warmup")
+    results = []
+    for policy in policies:
+        result = await run_policy(actors, model, policy, sessions, workload)
+        print(f"  {policy}: done ({result.num_requests} requests)", file=sys.stderr, flush=True)
+        results.append(result)
+    return results
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoutingBenchArgs:
+    workers: int = 2
+    workload: str = "groups"
+    trace: str | None = None
+    json_path: str | None = None
+    plot_path: str | None = None
+    quick: bool = False
+    model: str | None = None
+    tiny: bool = False
+    rate: float | None = None
+    num_blocks: int = 128
+    trace_scale: TraceScale = TraceScale()
+
+
+def build_workload(args: RoutingBenchArgs, workload: str, vocab_size: int) -> list[Session]:
+    """The sessions of `workload` at the sizes `args` asks for, arriving at a rate that fits
+    the model (a tiny one, or SmolLM2 on two CPU cores)."""
+    rate = args.rate if args.rate is not None else (20.0 if args.tiny else 1.5)
+    if workload == "groups":
+        size = {"num_groups": 6, "prompts_per_group": 4} if args.quick else {}
+        out_len = 4 if args.quick else 8
+        return groups_workload(vocab_size, system_len=128, output_len=out_len, rate=rate, **size)
+    if workload == "multiturn":
+        size = {"num_users": 6, "num_turns": 3} if args.quick else {"num_users": 8, "num_turns": 4}
+        return multiturn_workload(vocab_size, output_len=4, rate=rate / 2, **size)
+    assert workload == "trace" and args.trace is not None, "checked by run_routing_bench"
+    scale = args.trace_scale
+    if args.quick:
+        scale = dataclasses.replace(scale, max_requests=min(scale.max_requests, 24))
+    return trace_workload(load_mooncake(args.trace), vocab_size, scale)
+
+
+def run_routing_bench(args: RoutingBenchArgs) -> int:
+    """Blocking entry point of `cachesvc bench routing`; prints the table, returns 0."""
+    import ray
+
+    from cachesvc.config import EngineConfig
+    from router.config import RouterConfig
+    from router.main import ServeConfig, spawn_workers
+    from router.policy import policy_names
+
+    workloads = _workloads(args)
+    with tempfile.TemporaryDirectory(prefix="cachesvc-bench-") as tmp:
+        model = args.model
+        if args.tiny:
+            from cachesvc.bench.tiny_model import write_tiny_llama
+
+            model = str(write_tiny_llama(Path(tmp) / "tiny-llama"))
+        engine = EngineConfig.from_env(
+            model=model, block_size=16, num_blocks=args.num_blocks, num_threads=1
+        )
+        serve = ServeConfig(engine, RouterConfig(port=0), args.workers, device="cpu")
+        ray.init(include_dashboard=False, log_to_driver=False)
+        actors: dict[WorkerId, Any] = {}
+        results: list[PolicyResult] = []
+        try:
+            actors = spawn_workers(serve)
+            vocab = ray.get(next(iter(actors.values())).info.remote()).vocab_size
+            for workload in workloads:
+                sessions = build_workload(args, workload, vocab)
+                num = sum(s.num_requests for s in sessions)
+                print(f"{workload}: {num} requests, {args.workers} workers", file=sys.stderr)
+                results += asyncio.run(
+                    run_all_policies(actors, model, sessions, workload, policy_names())
+                )
+        finally:
+            for actor in actors.values():
+                ray.kill(actor)
+            ray.shutdown()
+    for workload in workloads:
+        print(f"\nworkload {workload}:")
+        print(format_results([r for r in results if r.workload == workload]))
+    write_json(args.json_path, [to_json(r) for r in results])
+    if args.plot_path:
+        plot_results(results, args.plot_path)
+    return 0
+
+
+def _workloads(args: RoutingBenchArgs) -> list[str]:
+    if args.workload == "all":
+        return ["groups", "multiturn"] + (["trace"] if args.trace else [])
+    if args.workload not in WORKLOADS:
+        raise ValueError(f"--workload must be one of {WORKLOADS} or all, got {args.workload!r}")
+    if args.workload == "trace" and args.trace is None:
+        raise ValueError("--workload trace needs --trace FILE (a Mooncake JSONL trace)")
+    return [args.workload]

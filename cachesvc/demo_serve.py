@@ -1,0 +1,187 @@
+"""`make run`: the whole service on the embedded defaults, driven by a short demo workload.
+
+Starts a local Ray cluster, worker actors (SmolLM2 unless `--model`), and the gRPC router on a
+free loopback port; sends two assistants' users (each assistant a shared system prompt) through
+the generated gRPC client; prints every answer with its cached / computed prompt tokens and the
+worker that served it; then stops everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cachesvc.config import EngineConfig
+
+SYSTEM_PROMPTS = {
+    "travel": (
+        "You are Atlas, a friendly travel assistant for a small tour company. Answer in two or "
+        "three short sentences. Suggest concrete places, foods and timings; mention one budget "
+        "tip when it fits; never invent prices; and keep a warm, practical tone."
+    ),
+    "kitchen": (
+        "You are Basil, a patient cooking assistant for home cooks with little time. Answer in "
+        "two or three short sentences. Prefer simple ingredients found in any supermarket, give "
+        "quantities for two people, and say how long each step takes."
+    ),
+}
+
+
+@dataclass(frozen=True)
+class DemoRequest:
+    assistant: str
+    user: str
+    question: str
+
+
+# Two rounds: first one user per assistant (each system prompt computed once), then the rest,
+# which the router sends to the worker that already holds their assistant's prompt.
+DEMO_ROUNDS: tuple[tuple[DemoRequest, ...], ...] = (
+    (
+        DemoRequest("travel", "alice", "What should I see in Paris in one day?"),
+        DemoRequest("kitchen", "bob", "How do I make a quick tomato soup?"),
+    ),
+    (
+        DemoRequest("travel", "carol", "Is Lisbon good for a weekend trip?"),
+        DemoRequest("kitchen", "dave", "What can I cook with eggs and spinach?"),
+        DemoRequest("travel", "erin", "Where should I eat in Rome?"),
+        DemoRequest("kitchen", "frank", "How long should I boil pasta?"),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class DemoAnswer:
+    request: DemoRequest
+    text: str
+    worker: str
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    completion_tokens: int
+    ttft_ms: float
+
+
+async def _ask(stub: Any, req: DemoRequest, max_tokens: int) -> DemoAnswer:
+    from proto.cachesvc.v1 import cachesvc_pb2 as pb
+
+    messages = [
+        pb.ChatMessage(role="system", content=SYSTEM_PROMPTS[req.assistant]),
+        pb.ChatMessage(role="user", content=req.question),
+    ]
+    request = pb.GenerateRequest(
+        request_id=f"demo-{req.user}",
+        prompt=pb.Prompt(chat=pb.ChatMessages(messages=messages)),
+        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
+    text, usage = "", None
+    async for msg in stub.Generate(request, timeout=300):
+        text += msg.text
+        if msg.HasField("usage"):
+            usage = msg.usage
+    assert usage is not None, "a finished stream carries usage"
+    return DemoAnswer(
+        req,
+        text.strip(),
+        usage.worker_id,
+        usage.prompt_tokens,
+        sum(usage.cached_tokens.values()),
+        usage.computed_tokens,
+        usage.completion_tokens,
+        usage.ttft_ms,
+    )
+
+
+def _print_answer(a: DemoAnswer) -> None:
+    r = a.request
+    print(f"\n[{r.assistant}] {r.user}: {r.question}")
+    print(f"  {a.text}")
+    print(
+        f"  -> {a.worker} | prompt {a.prompt_tokens} tokens: {a.cached_tokens} cached, "
+        f"{a.computed_tokens} computed | {a.completion_tokens} generated | "
+        f"TTFT {a.ttft_ms:.0f} ms",
+        flush=True,
+    )
+
+
+async def _drive(actors: dict[Any, Any], engine: EngineConfig, max_tokens: int) -> list[DemoAnswer]:
+    import grpc
+
+    from proto.cachesvc.v1 import cachesvc_pb2 as pb
+    from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+    from router.config import RouterConfig
+    from router.main import build_router
+    from router.server import RouterServer
+
+    config = RouterConfig(port=0, policy="prefix_aware")
+    router = await build_router(actors, config, engine.model)
+    server = RouterServer(router, config)
+    await server.start()
+    print(f"router on 127.0.0.1:{server.port}, policy prefix_aware, {len(actors)} workers")
+    answers: list[DemoAnswer] = []
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            for round_ in DEMO_ROUNDS:
+                done = await asyncio.gather(*(_ask(stub, r, max_tokens) for r in round_))
+                for answer in done:
+                    _print_answer(answer)
+                answers.extend(done)
+            stats = await pb_grpc.AdminStub(channel).Stats(pb.StatsRequest())
+            print(
+                f"\nrouter: {stats.num_requests} requests, {stats.cached_tokens} of "
+                f"{stats.prompt_tokens} prompt tokens from the cache "
+                f"(hit ratio {stats.cache_hit_ratio:.2f})"
+            )
+    finally:
+        await server.stop(grace_s=1.0)
+        await router.close()
+    return answers
+
+
+def _threads_per_worker(engine: EngineConfig, num_workers: int) -> EngineConfig:
+    # Workers share the machine's cores; torch would otherwise take all of them in each.
+    if engine.num_threads is not None:
+        return engine
+    return dataclasses.replace(engine, num_threads=max(1, (os.cpu_count() or 1) // num_workers))
+
+
+def run_demo_serve(engine: EngineConfig, num_workers: int = 2, max_tokens: int = 24) -> int:
+    """Start, drive and stop the service; returns the exit status (0 when every request was
+    answered)."""
+    import ray
+
+    from router.config import RouterConfig
+    from router.main import ServeConfig, spawn_workers
+
+    started = time.perf_counter()
+    engine = _threads_per_worker(engine, num_workers)
+    serve = ServeConfig(engine, RouterConfig(port=0), num_workers)
+    ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    actors: dict[Any, Any] = {}
+    try:
+        actors = spawn_workers(serve)
+        print(f"starting {num_workers} workers (the model loads in each) ...", flush=True)
+        answers = asyncio.run(_drive(actors, engine, max_tokens))
+    finally:
+        for actor in actors.values():
+            ray.kill(actor)
+        ray.shutdown()
+    _summary(answers, time.perf_counter() - started)
+    return 0 if len(answers) == sum(len(r) for r in DEMO_ROUNDS) else 1
+
+
+def _summary(answers: Sequence[DemoAnswer], wall_s: float) -> None:
+    per_worker: dict[str, list[str]] = {}
+    for a in answers:
+        per_worker.setdefault(a.worker, []).append(a.request.assistant)
+    for worker, assistants in sorted(per_worker.items()):
+        print(f"{worker} served: {', '.join(assistants)}")
+    print(f"done in {wall_s:.0f} s; service stopped", file=sys.stderr)

@@ -1,0 +1,303 @@
+"""`PrefixIndex` in Redis, so several routers share one view and a restarted router is not blind.
+
+The same semantics as `MemoryPrefixIndex`, kept by Lua scripts so that every call is one round
+trip and atomic: routers that poll the same worker apply the same events concurrently, and the
+per-worker sequence number stored next to the entries makes a repeat a no-op and a gap a
+resync. Keys (all under one hash tag, so a Redis Cluster keeps them in one slot):
+
+    {ns}:{index}:h:<hash hex>   hash  worker -> bitmask of the tiers holding the block
+    {ns}:{index}:w:<worker>     set   hash hexes the worker holds
+    {ns}:{index}:s:<worker>     hash  incarnation, next_seq
+    {ns}:{index}:workers        set   workers with a stream
+
+Redis failing never raises into the request path: a lookup answers "nothing cached", updates are
+dropped (the stored sequence number does not move, so the events are fetched again once Redis is
+back) and `num_errors` counts them. Calls are synchronous: on a loopback or in-zone Redis a
+round trip is well under a millisecond, cheaper than an executor hop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from cachesvc.events import BlockMoved, BlockRemoved, BlockStored, Cleared, Event
+from cachesvc.index import TIER_ORDER, IndexSnapshot, PrefixMatch
+from cachesvc.types import BlockHash, WorkerId
+
+_log = logging.getLogger(__name__)
+
+# Shared by every script: tier bit helpers over the block entries of one worker.
+_LUA_HELPERS = """
+local p = ARGV[1]
+local function add(w, wkey, b, hashes)
+  for _, h in ipairs(hashes) do
+    local hk = p .. 'h:' .. h
+    local m = tonumber(redis.call('HGET', hk, w) or '0')
+    redis.call('HSET', hk, w, bit.bor(m, b))
+    redis.call('SADD', wkey, h)
+  end
+end
+local function remove(w, wkey, b, hashes)
+  for _, h in ipairs(hashes) do
+    local hk = p .. 'h:' .. h
+    local m = tonumber(redis.call('HGET', hk, w) or '0')
+    if bit.band(m, b) ~= 0 then
+      m = bit.band(m, bit.bnot(b))
+      if m == 0 then
+        redis.call('HDEL', hk, w)
+        redis.call('SREM', wkey, h)
+      else
+        redis.call('HSET', hk, w, m)
+      end
+    end
+  end
+end
+local function drop(w)
+  local wkey = p .. 'w:' .. w
+  for _, h in ipairs(redis.call('SMEMBERS', wkey)) do
+    redis.call('HDEL', p .. 'h:' .. h, w)
+  end
+  redis.call('DEL', wkey, p .. 's:' .. w)
+  redis.call('SREM', p .. 'workers', w)
+end
+"""
+
+# ARGV: prefix, worker, incarnation, events as JSON [[seq, kind, bit_a, bit_b, [hex...]], ...].
+# Returns 1 when every event was applied or already covered, 0 on a gap or unknown stream.
+_APPLY = (
+    _LUA_HELPERS
+    + """
+local w, inc = ARGV[2], ARGV[3]
+local skey = p .. 's:' .. w
+local cur = redis.call('HMGET', skey, 'incarnation', 'next_seq')
+if not cur[1] or cur[1] ~= inc then return 0 end
+local nxt = tonumber(cur[2])
+local wkey = p .. 'w:' .. w
+local ok = 1
+for _, e in ipairs(cjson.decode(ARGV[4])) do
+  local seq, kind = e[1], e[2]
+  if seq > nxt then ok = 0 break end
+  if seq == nxt then
+    if kind == 'S' then add(w, wkey, e[3], e[5])
+    elseif kind == 'R' then remove(w, wkey, e[3], e[5])
+    elseif kind == 'M' then remove(w, wkey, e[3], e[5]) add(w, wkey, e[4], e[5])
+    elseif kind == 'C' then remove(w, wkey, e[3], redis.call('SMEMBERS', wkey))
+    end
+    nxt = nxt + 1
+  end
+end
+redis.call('HSET', skey, 'next_seq', nxt)
+return ok
+"""
+)
+
+# ARGV: prefix, worker, incarnation, next_seq, blocks as JSON [[bit, [hex...]], ...].
+# A snapshot older than what the index already follows (same life, lower next_seq) is ignored:
+# another router got there first. Returns 1 when applied.
+_RESYNC = (
+    _LUA_HELPERS
+    + """
+local w, inc, nxt = ARGV[2], ARGV[3], tonumber(ARGV[4])
+local skey = p .. 's:' .. w
+local cur = redis.call('HMGET', skey, 'incarnation', 'next_seq')
+if cur[1] == inc and tonumber(cur[2]) > nxt then return 0 end
+drop(w)
+local wkey = p .. 'w:' .. w
+for _, tier in ipairs(cjson.decode(ARGV[5])) do add(w, wkey, tier[1], tier[2]) end
+redis.call('HSET', skey, 'incarnation', inc, 'next_seq', nxt)
+redis.call('SADD', p .. 'workers', w)
+return 1
+"""
+)
+
+_DROP = _LUA_HELPERS + "drop(ARGV[2])\nreturn 1\n"
+
+# ARGV: prefix, num_tiers, hex... Returns {worker, count of tier 0, ..., count of tier k-1, ...}
+# for every worker holding the first block, counting each block in its fastest tier.
+_LOOKUP = """
+local p, k = ARGV[1], tonumber(ARGV[2])
+local counts, alive = {}, nil
+for i = 3, #ARGV do
+  local flat = redis.call('HGETALL', p .. 'h:' .. ARGV[i])
+  local masks = {}
+  for j = 1, #flat, 2 do masks[flat[j]] = tonumber(flat[j + 1]) end
+  local next_alive = {}
+  local any = false
+  if alive == nil then
+    for w, _ in pairs(masks) do next_alive[w] = true any = true end
+  else
+    for w, _ in pairs(alive) do
+      if masks[w] then next_alive[w] = true any = true end
+    end
+  end
+  if not any then break end
+  alive = next_alive
+  for w, _ in pairs(alive) do
+    local c = counts[w]
+    if c == nil then c = {} for t = 1, k + 1 do c[t] = 0 end counts[w] = c end
+    local rank = k
+    for t = 0, k - 1 do
+      if bit.band(masks[w], bit.lshift(1, t)) ~= 0 then rank = t break end
+    end
+    c[rank + 1] = c[rank + 1] + 1
+  end
+end
+local out = {}
+for w, c in pairs(counts) do
+  table.insert(out, w)
+  for t = 1, k do table.insert(out, c[t]) end
+end
+return out
+"""
+
+
+def _tier_bit(tier: str) -> int:
+    if tier not in TIER_ORDER:
+        raise ValueError(f"unknown tier {tier!r}; the Redis index knows {TIER_ORDER}")
+    return 1 << TIER_ORDER.index(tier)
+
+
+def _encode_event(event: Event) -> list[Any]:
+    if isinstance(event, BlockStored):
+        return [event.seq, "S", _tier_bit(event.tier), 0, [h.hex() for h in event.block_hashes]]
+    if isinstance(event, BlockRemoved):
+        return [event.seq, "R", _tier_bit(event.tier), 0, [h.hex() for h in event.block_hashes]]
+    if isinstance(event, BlockMoved):
+        hexes = [h.hex() for h in event.block_hashes]
+        return [event.seq, "M", _tier_bit(event.src_tier), _tier_bit(event.dst_tier), hexes]
+    assert isinstance(event, Cleared)
+    return [event.seq, "C", _tier_bit(event.tier), 0, []]
+
+
+def _json(value: Any) -> str:
+    # cjson decodes an empty JSON array as an empty table either way; no special case needed.
+    return json.dumps(value, separators=(",", ":"))
+
+
+class RedisPrefixIndex:
+    """`PrefixIndex` kept in Redis; every method is one round trip.
+
+    `namespace` separates deployments sharing one Redis: routers of the same workers must use
+    the same namespace, and two deployments whose worker ids overlap must not.
+    """
+
+    def __init__(self, client: Any, namespace: str = "cachesvc") -> None:
+        self._client = client
+        self._prefix = f"{namespace}:{{index}}:"
+        self._apply = client.register_script(_APPLY)
+        self._resync = client.register_script(_RESYNC)
+        self._drop = client.register_script(_DROP)
+        self._lookup = client.register_script(_LOOKUP)
+        self._known_seq: dict[WorkerId, int | None] = {}
+        self.num_errors = 0
+        self._last_warning = 0.0
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str = "cachesvc") -> RedisPrefixIndex:
+        """Connect to `url` (redis://host:port/db); raises ConnectionError when it is not
+        reachable, so a misconfigured router fails at start rather than routing blind."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # No retries with backoff: a router must not stall its requests on a Redis outage.
+        client = redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=1.0,
+            socket_connect_timeout=1.0,
+            retry=Retry(NoBackoff(), 0),
+        )
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            raise ConnectionError(f"--redis-url {url}: Redis is not reachable: {exc}") from exc
+        return cls(client, namespace)
+
+    # ---- updates ----------------------------------------------------------------------------
+
+    def apply(self, worker: WorkerId, incarnation: str, events: Sequence[Event]) -> bool:
+        args = [self._prefix, worker, incarnation, _json([_encode_event(e) for e in events])]
+        result = self._call(self._apply, args, default=1)
+        return bool(result)
+
+    def resync(self, worker: WorkerId, snapshot: IndexSnapshot) -> None:
+        blocks = [[_tier_bit(t), [h.hex() for h in hs]] for t, hs in snapshot.blocks.items()]
+        args = [self._prefix, worker, snapshot.incarnation, snapshot.next_seq, _json(blocks)]
+        self._call(self._resync, args, default=0)
+
+    def drop_worker(self, worker: WorkerId) -> None:
+        self._call(self._drop, [self._prefix, worker], default=0)
+        self._known_seq.pop(worker, None)
+
+    # ---- queries ----------------------------------------------------------------------------
+
+    def longest_prefix(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]:
+        if not hashes:
+            return {}
+        args = [self._prefix, len(TIER_ORDER), *(h.hex() for h in hashes)]
+        flat = self._call(self._lookup, args, default=[])
+        width = len(TIER_ORDER) + 1
+        out: dict[WorkerId, PrefixMatch] = {}
+        for i in range(0, len(flat), width):
+            worker = WorkerId(flat[i])
+            counts = [int(c) for c in flat[i + 1 : i + width]]
+            per_tier = {tier: c for tier, c in zip(TIER_ORDER, counts, strict=True) if c}
+            out[worker] = PrefixMatch(worker, sum(counts), per_tier)
+        return out
+
+    def num_blocks(self, worker: WorkerId) -> int:
+        return int(self._run(lambda: self._client.scard(f"{self._prefix}w:{worker}"), default=0))
+
+    def next_seq(self, worker: WorkerId) -> int | None:
+        # On a Redis error, the last value read: asking the worker again for events the index
+        # already has is harmless, asking from zero would ship its whole event buffer.
+        raw = self._run(
+            lambda: self._client.hget(f"{self._prefix}s:{worker}", "next_seq"),
+            default=self._known_seq.get(worker),
+        )
+        value = None if raw is None else int(raw)
+        self._known_seq[worker] = value
+        return value
+
+    def workers(self) -> list[WorkerId]:
+        """Workers with a live event stream, in sorted order."""
+        members = self._run(lambda: self._client.smembers(f"{self._prefix}workers"), default=())
+        return sorted(WorkerId(w) for w in members)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the hash entries and the worker sets disagree (scans every
+        key of the namespace: for tests)."""
+        client, p = self._client, self._prefix
+        for key in client.scan_iter(match=f"{p}h:*"):
+            holders = client.hgetall(key)
+            assert holders, "a hash with no holder is kept"
+            for worker, mask in holders.items():
+                assert int(mask) != 0, "a worker entry with no tier is kept"
+                assert client.sismember(f"{p}w:{worker}", key[len(p) + 2 :]), "set is missing"
+        for key in client.scan_iter(match=f"{p}w:*"):
+            worker = key[len(p) + 2 :]
+            for hex_hash in client.smembers(key):
+                assert client.hexists(f"{p}h:{hex_hash}", worker), "hash entry is missing"
+
+    # ---- errors -----------------------------------------------------------------------------
+
+    def _call(self, script: Any, args: list[Any], default: Any) -> Any:
+        return self._run(lambda: script(keys=[], args=args), default)
+
+    def _run(self, fn: Any, default: Any) -> Any:
+        import redis
+
+        try:
+            return fn()
+        except redis.RedisError as exc:
+            self.num_errors += 1
+            now = time.monotonic()
+            if now - self._last_warning > 10.0:  # one line per outage, not one per call
+                self._last_warning = now
+                _log.warning("Redis prefix index unavailable, routing without it: %s", exc)
+            return default

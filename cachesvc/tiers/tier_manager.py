@@ -1,0 +1,408 @@
+"""Moves blocks between the tiers below the device pool: demote, look up, fetch, share.
+
+Worker-local tiers (DRAM, then NVMe) form a chain: a block evicted from the device lands in the
+first that takes it; a tier that needs room pushes its victims one tier down, and the last one
+drops them. Victims are picked least recently used *among leaves* (blocks none of whose children
+is held), and a block that leaves every tier takes its held descendants with it: a suffix never
+outlives its prefix, since nothing could ever reach it (LMCache's cost-aware policy admits it has
+no such rule). The device pool counts as holding a parent, through `device_has`.
+
+The shared tier (Redis) is written only for blocks reused at least `min_reuse` times, and is only
+ever asked, never managed: other workers write it and Redis evicts by itself.
+
+Every change is an event in the worker's `EventLog`: stored / moved / removed, naming the tier.
+State lives on the caller's thread; only `read` (the fetch itself) may run on another thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from cachesvc.codec import Codec, KVBlock
+from cachesvc.events import EventLog
+from cachesvc.tiers.base import Tier, TierItem
+from cachesvc.types import BlockHash
+
+_VICTIM_SCAN = 64  # how many of a tier's oldest blocks to scan for a leaf
+_MAX_TRACKED = 1 << 20  # reuse counters kept (least recently counted forgotten first)
+
+
+@dataclass(frozen=True)
+class TierHit:
+    """`hashes[start:end]` of a lookup are held by `tier` (a run, fastest tier first)."""
+
+    tier: str
+    start: int
+    end: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One measured read, for the planner's cost model."""
+
+    tier: str
+    num_bytes: int
+    seconds: float
+    num_blocks: int
+
+
+@dataclass
+class FetchResult:
+    """The leading blocks of a fetch that read back valid; what failed, to settle later."""
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    bad: list[tuple[str, BlockHash]] = field(default_factory=list)
+    transfers: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class ManagerStats:
+    demoted: int = 0  # blocks taken from the device into a tier
+    dropped: int = 0  # blocks that left every local tier
+    shared: int = 0  # blocks written to the shared tier
+    fetched: dict[str, int] = field(default_factory=dict)  # blocks read back, per tier
+    failed: dict[str, int] = field(default_factory=dict)  # planned reads that missed, per tier
+
+
+class _Payload:
+    """A block on its way into a tier: its KV or a blob, encoded lazily per codec."""
+
+    def __init__(
+        self,
+        block_hash: BlockHash,
+        parent: BlockHash | None,
+        *,
+        block: KVBlock | None = None,
+        blob: bytes | None = None,
+    ) -> None:
+        self.block_hash = block_hash
+        self.parent = parent
+        self._block = block
+        self._blob = blob
+
+    def encoded(self, codec: Codec) -> bytes | None:
+        if self._block is not None:
+            b = self._block
+            return codec.encode(b.block_hash, b.parent, b.dtype, b.array)
+        assert self._blob is not None
+        return codec.transcode(self._blob, self.block_hash)
+
+
+class TierManager:
+    """The local tiers (fastest first), the optional shared tier, and where each block is."""
+
+    def __init__(
+        self,
+        local: Sequence[Tier],
+        shared: Tier | None,
+        codecs: Mapping[str, Codec],
+        events: EventLog,
+        min_reuse: int = 2,
+        device_has: Callable[[BlockHash], bool] = lambda h: False,
+    ) -> None:
+        self.local = list(local)
+        self.shared = shared
+        self.codecs = dict(codecs)
+        self.events = events
+        self.min_reuse = min_reuse
+        self.device_has = device_has
+        self.stats = ManagerStats()
+        self._where: dict[BlockHash, set[str]] = {}
+        self._parent: dict[BlockHash, BlockHash | None] = {}
+        self._children: dict[BlockHash, set[BlockHash]] = {}
+        self._reuse: OrderedDict[BlockHash, int] = OrderedDict()
+        self._shared_sent: OrderedDict[BlockHash, None] = OrderedDict()  # not to send twice
+        self._shared_errors = 0
+        self._by_name = {t.name: t for t in self.all_tiers}
+        self._rebuild()
+
+    @property
+    def all_tiers(self) -> list[Tier]:
+        return self.local + ([self.shared] if self.shared is not None else [])
+
+    def tier(self, name: str) -> Tier:
+        return self._by_name[name]
+
+    def held_locally(self, block_hash: BlockHash) -> frozenset[str]:
+        return frozenset(self._where.get(block_hash, ()))
+
+    def _rebuild(self) -> None:
+        """Adopt what local tiers already hold (an NVMe folder after a restart), minus orphans."""
+        for tier in self.local:
+            for h, parent in tier.entries().items():
+                self._record(h, parent, tier.name)
+        for h in [h for h, p in self._parent.items() if p is not None and p not in self._where]:
+            if h in self._where:
+                self._remove_everywhere(h)
+        for tier in self.local:
+            held = [h for h in tier.entries() if h in self._where]
+            for h in held:
+                self.events.stored(tier.name, (h,), self._parent[h])
+
+    # ---- demotion ---------------------------------------------------------------------------
+
+    def demote(self, block: KVBlock) -> bool:
+        """Take a block leaving the device (its KV copied out); False when no tier took it, in
+        which case its held descendants are dropped too."""
+        self.poll()
+        payload = _Payload(block.block_hash, block.parent, block=block)
+        landed = self._admit(0, payload) if block.block_hash not in self._where else "held"
+        if self._reuse.get(block.block_hash, 0) >= self.min_reuse:
+            self.share(block)
+        if landed is None:
+            self._drop_descendants(block.block_hash)
+            return False
+        if landed != "held":
+            self.stats.demoted += 1
+            self.events.stored(landed, (block.block_hash,), block.parent)
+        return True
+
+    def _admit(self, level: int, payload: _Payload) -> str | None:
+        """Store in local tier `level` or a slower one; the name of the tier, None if none."""
+        for tier in self.local[level:]:
+            codec = self.codecs[tier.name]
+            data = payload.encoded(codec)
+            if data is None:
+                return None  # a corrupt blob is not demoted, it is dropped
+            if not tier.fits_at_all(len(data)) or not self._make_room(tier, len(data)):
+                continue
+            if payload.parent is not None and not self._is_held(payload.parent):
+                return None  # making room dropped its prefix: it would be an orphan
+            if tier.put([TierItem(payload.block_hash, payload.parent, data)]):
+                self._record(payload.block_hash, payload.parent, tier.name)
+                return tier.name
+        return None
+
+    def _make_room(self, tier: Tier, num_bytes: int) -> bool:
+        while not tier.room_for(num_bytes):
+            victim = self._victim(tier)
+            if victim is None:
+                return False
+            self._evict(tier, victim)
+        return True
+
+    def _victim(self, tier: Tier) -> BlockHash | None:
+        """The least recently used unpinned leaf, else the least recently used unpinned."""
+        candidates = [h for h in tier.oldest(_VICTIM_SCAN) if not tier.is_pinned(h)]
+        for h in candidates:
+            if not self._children.get(h):
+                return h
+        return candidates[0] if candidates else None
+
+    def _evict(self, tier: Tier, block_hash: BlockHash) -> None:
+        """Push a block one tier down (or drop it from the last)."""
+        level = self.local.index(tier)
+        [blob] = tier.pop([block_hash])
+        self._unrecord(block_hash, tier.name)
+        lower = {t.name for t in self.local[level + 1 :]}
+        if self._where.get(block_hash, set()) & lower or blob is None:
+            landed = None  # already held below (or unreadable): nothing to copy
+        else:
+            payload = _Payload(block_hash, self._parent.get(block_hash), blob=blob)
+            landed = self._admit(level + 1, payload)
+            self._maybe_share_blob(block_hash, blob)
+        if landed is not None:
+            self.events.moved((block_hash,), tier.name, landed)
+            return
+        self.events.removed(tier.name, (block_hash,))
+        if block_hash not in self._where:
+            self.stats.dropped += 1
+            self._drop_descendants(block_hash)
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+
+    def _record(self, h: BlockHash, parent: BlockHash | None, tier: str) -> None:
+        self._where.setdefault(h, set()).add(tier)
+        self._parent[h] = parent
+        if parent is not None:
+            self._children.setdefault(parent, set()).add(h)
+
+    def _unrecord(self, h: BlockHash, tier: str) -> None:
+        held = self._where.get(h)
+        if held is None:
+            return
+        held.discard(tier)
+        if held:
+            return
+        del self._where[h]
+        parent = self._parent.pop(h, None)
+        siblings = self._children.get(parent) if parent is not None else None
+        if siblings is not None:
+            siblings.discard(h)
+            if not siblings:
+                del self._children[parent]  # type: ignore[arg-type]
+
+    def _is_held(self, h: BlockHash) -> bool:
+        return h in self._where or self.device_has(h)
+
+    def _remove_everywhere(self, h: BlockHash) -> None:
+        for name in sorted(self._where.get(h, ())):
+            self.tier(name).remove([h])
+            self._unrecord(h, name)
+            self.events.removed(name, (h,))
+        self.stats.dropped += 1
+        self._drop_descendants(h)
+
+    def _drop_descendants(self, h: BlockHash) -> None:
+        """`h` is gone from every tier (device included): its held descendants go too."""
+        for child in sorted(self._children.get(h, ())):
+            if child in self._where:
+                self._remove_everywhere(child)
+
+    def poll(self) -> None:
+        """Account for blocks a tier lost in the background (a failed NVMe write), and forget
+        what was shared once the shared tier failed (a restarted Redis kept nothing)."""
+        if self.shared is not None and self.shared.stats.errors != self._shared_errors:
+            self._shared_errors = self.shared.stats.errors
+            self._shared_sent.clear()
+        for tier in self.local:
+            for h in tier.drain_lost():
+                if tier.name in self._where.get(h, ()):
+                    self._unrecord(h, tier.name)
+                    self.events.removed(tier.name, (h,))
+                    if not self._is_held(h):
+                        self.stats.dropped += 1
+                        self._drop_descendants(h)
+
+    # ---- lookup and fetch -------------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[TierHit]:
+        """Runs of leading `hashes` held below the device, each in the fastest tier holding it."""
+        self.poll()
+        hits: list[TierHit] = []
+        pos = 0
+        while pos < len(hashes):
+            for tier in self.all_tiers:
+                n = tier.contains_prefix(hashes[pos:])
+                if n:
+                    hits.append(TierHit(tier.name, pos, pos + n))
+                    pos += n
+                    break
+            else:
+                break
+        return hits
+
+    def pin(self, ranges: Sequence[tuple[str, Sequence[BlockHash]]]) -> None:
+        for name, hashes in ranges:
+            self.tier(name).pin(hashes)
+
+    def unpin(self, ranges: Sequence[tuple[str, Sequence[BlockHash]]]) -> None:
+        for name, hashes in ranges:
+            self.tier(name).unpin(hashes)
+
+    def read(self, ranges: Sequence[tuple[str, Sequence[BlockHash]]]) -> FetchResult:
+        """Read and verify runs of blocks in order, stopping at the first that fails.
+
+        Thread-safe (it only reads tiers); apply the result with `settle` on the owner's thread.
+        """
+        result = FetchResult()
+        for name, hashes in ranges:
+            start = time.perf_counter()
+            blobs = self.tier(name).get(hashes)
+            codec = self.codecs[name]
+            ok = 0
+            for h, blob in zip(hashes, blobs, strict=True):
+                block = None if blob is None else codec.decode(blob, h)
+                if block is None:
+                    result.bad.append((name, h))
+                    break
+                result.blocks.append(block)
+                ok += 1
+            num_bytes = sum(len(b) for b in blobs[:ok] if b is not None)
+            result.transfers.append(Transfer(name, num_bytes, time.perf_counter() - start, ok))
+            if ok < len(hashes):
+                break
+        return result
+
+    def settle(self, result: FetchResult) -> None:
+        """Count a fetch and forget the blocks that read back missing or corrupt."""
+        for t in result.transfers:
+            self.stats.fetched[t.tier] = self.stats.fetched.get(t.tier, 0) + t.num_blocks
+        for name, h in result.bad:
+            self.stats.failed[name] = self.stats.failed.get(name, 0) + 1
+            tier = self.tier(name)
+            if tier.shared:
+                tier.remove([h])  # garbage under the key: delete it for every worker
+            elif name in self._where.get(h, ()):
+                tier.remove([h])
+                self._unrecord(h, name)
+                self.events.removed(name, (h,))
+                if not self._is_held(h):
+                    self.stats.dropped += 1
+                    self._drop_descendants(h)
+
+    # ---- reuse and the shared tier ----------------------------------------------------------
+
+    def note_reuse(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Count one reuse of each block; returns those that just became worth sharing."""
+        ready: list[BlockHash] = []
+        for h in hashes:
+            count = self._reuse.pop(h, 0) + 1
+            self._reuse[h] = count
+            if count >= self.min_reuse and h not in self._shared_sent:
+                ready.append(h)
+        while len(self._reuse) > _MAX_TRACKED:
+            self._reuse.popitem(last=False)
+        return ready if self.shared is not None else []
+
+    def share(self, block: KVBlock) -> bool:
+        """Write a block to the shared tier (once); False when there is none or it failed."""
+        if self.shared is None or block.block_hash in self._shared_sent:
+            return False
+        codec = self.codecs[self.shared.name]
+        data = codec.encode(block.block_hash, block.parent, block.dtype, block.array)
+        return self._put_shared(block.block_hash, block.parent, data)
+
+    def share_held(self, block_hash: BlockHash) -> bool:
+        """Share a block held in a local tier (read from the fastest that has it)."""
+        for name in [t.name for t in self.local if t.name in self._where.get(block_hash, ())]:
+            [blob] = self.tier(name).get([block_hash])
+            if blob is not None:
+                return self._maybe_share_blob(block_hash, blob, force=True)
+        return False
+
+    def _maybe_share_blob(self, h: BlockHash, blob: bytes, force: bool = False) -> bool:
+        if self.shared is None or h in self._shared_sent:
+            return False
+        if not force and self._reuse.get(h, 0) < self.min_reuse:
+            return False
+        data = self.codecs[self.shared.name].transcode(blob, h)
+        return data is not None and self._put_shared(h, self._parent.get(h), data)
+
+    def _put_shared(self, h: BlockHash, parent: BlockHash | None, data: bytes) -> bool:
+        assert self.shared is not None
+        if not self.shared.put([TierItem(h, parent, data)]):
+            return False
+        self._shared_sent[h] = None
+        while len(self._shared_sent) > _MAX_TRACKED:
+            self._shared_sent.popitem(last=False)
+        self.stats.shared += 1
+        self.events.stored(self.shared.name, (h,), parent)
+        return True
+
+    # ---- checks and shutdown ----------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the maps disagree with the tiers or a suffix is orphaned."""
+        for tier in self.local:
+            held = set(tier.entries())
+            mine = {h for h, names in self._where.items() if tier.name in names}
+            assert held == mine, f"{tier.name}: tier and manager disagree"
+        for h, names in self._where.items():
+            assert names, f"empty location set for {h.hex()}"
+            parent = self._parent[h]
+            assert parent is None or self._is_held(parent), f"orphaned block {h.hex()}"
+            assert parent is None or h in self._children.get(parent, set())
+        for parent, children in self._children.items():
+            assert children and all(self._parent.get(c) == parent for c in children)
+
+    def close(self) -> None:
+        for tier in self.all_tiers:
+            tier.close()

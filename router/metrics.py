@@ -1,0 +1,230 @@
+"""Prometheus metrics of one router, and the HTTP endpoint that serves them.
+
+Each router owns a `CollectorRegistry` (not the process-global one), so several routers in one
+process — tests, the routing benchmark — count separately. Counters and histograms are updated
+on the request path; per-worker gauges (queue depth, blocks per tier, indexed blocks) are read
+from the pool when scraped, so they are never stale and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from router.pool import WorkerPool
+    from workers.actor import Usage
+
+_request_log = logging.getLogger("router.requests")
+
+# Seconds; CPU workers with long prompts reach tens of seconds, GPU ones stay in milliseconds.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class RouterMetrics:
+    """Every metric of one router. Mutators never raise and never block."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "cachesvc_requests",
+            "RPCs by method and final gRPC status",
+            ["method", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "cachesvc_ttft_seconds",
+            "Time from a Generate call's arrival to its first token, seen by the router",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "cachesvc_request_latency_seconds",
+            "Time from a Generate call's arrival to its last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "cachesvc_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.cached_tokens = Counter(
+            "cachesvc_cached_tokens", "Prompt tokens served from a cache tier", ["tier"], registry=r
+        )
+        self.computed_tokens = Counter(
+            "cachesvc_computed_tokens", "Prompt tokens the workers computed", registry=r
+        )
+        self.completion_tokens = Counter(
+            "cachesvc_completion_tokens", "Tokens generated", registry=r
+        )
+        self.decisions = Counter(
+            "cachesvc_routing_decisions",
+            "Requests routed, by policy and chosen worker",
+            ["policy", "worker"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "cachesvc_retries",
+            "Requests sent again: before_start (never started) or mid_stream (resumed)",
+            ["kind"],
+            registry=r,
+        )
+        self._hits: dict[str, float] = {}
+        self._prompt_total = 0.0
+        self._lock = threading.Lock()  # scrapes run on the HTTP server's thread
+
+    def watch(self, pool: WorkerPool) -> None:
+        """Export the pool's per-worker state at scrape time (call once)."""
+        self.registry.register(_PoolCollector(pool, self))
+
+    def record_usage(self, usage: Usage) -> None:
+        """Token counters of one finished sample."""
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.computed_tokens.inc(usage.computed_tokens)
+        self.completion_tokens.inc(usage.completion_tokens)
+        with self._lock:
+            self._prompt_total += usage.prompt_tokens
+            for tier, num in usage.cached_tokens.items():
+                self.cached_tokens.labels(tier).inc(num)
+                self._hits[tier] = self._hits.get(tier, 0.0) + num
+
+    def hit_ratios(self) -> dict[str, float]:
+        """Cached prompt tokens over all prompt tokens, per tier."""
+        with self._lock:
+            total = self._prompt_total
+            return {tier: (hits / total if total else 0.0) for tier, hits in self._hits.items()}
+
+
+@dataclass
+class RequestOutcome:
+    """One Generate call as metrics and the request log see it; mutated by the router."""
+
+    request_id: str
+    policy: str
+    status: str = "error"  # ok | invalidinput | exhausted | unavailable | cancelled | ...
+    num_resumes: int = 0
+    started_s: float = field(default_factory=time.perf_counter)
+    ttft_s: float | None = None
+    worker: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    completion_tokens: int = 0
+
+    def first_token(self, metrics: RouterMetrics) -> None:
+        """Call on every delta with tokens; only the first is timed."""
+        if self.ttft_s is None:
+            self.ttft_s = time.perf_counter() - self.started_s
+            metrics.ttft.observe(self.ttft_s)
+
+    def usage(self, usage: Usage) -> None:
+        """Add one finished sample's usage."""
+        self.worker = usage.worker_id
+        self.prompt_tokens = usage.prompt_tokens
+        self.cached_tokens += sum(usage.cached_tokens.values())
+        self.computed_tokens += usage.computed_tokens
+        self.completion_tokens += usage.completion_tokens
+
+    def done(self, metrics: RouterMetrics) -> None:
+        """Observe the latency of a completed stream and write the request's log line."""
+        latency_s = time.perf_counter() - self.started_s
+        if self.status == "ok":
+            metrics.latency.observe(latency_s)
+        _request_log.info(
+            "request finished",
+            extra={
+                "request_id": self.request_id,
+                "status": self.status,
+                "policy": self.policy,
+                "worker": self.worker,
+                "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
+                "computed_tokens": self.computed_tokens,
+                "completion_tokens": self.completion_tokens,
+                "ttft_ms": None if self.ttft_s is None else round(self.ttft_s * 1e3, 2),
+                "latency_ms": round(latency_s * 1e3, 2),
+                "num_resumes": self.num_resumes,
+            },
+        )
+
+
+class _PoolCollector:
+    """Gauges read from the worker pool when Prometheus scrapes."""
+
+    def __init__(self, pool: WorkerPool, metrics: RouterMetrics) -> None:
+        self._pool = pool
+        self._metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []  # names are only known at scrape time; skip registry duplicate checks
+
+    def collect(self) -> Iterator[Metric]:
+        hit = GaugeMetricFamily(
+            "cachesvc_cache_hit_ratio", "Cached prompt tokens / prompt tokens", labels=["tier"]
+        )
+        for tier, ratio in sorted(self._metrics.hit_ratios().items()):
+            hit.add_metric([tier], ratio)
+        yield hit
+        gauges = {
+            name: GaugeMetricFamily(f"cachesvc_worker_{name}", doc, labels=["worker"])
+            for name, doc in _WORKER_GAUGES.items()
+        }
+        blocks = GaugeMetricFamily(
+            "cachesvc_worker_blocks",
+            "KV blocks per worker and tier: total, used (running requests), cached (reusable)",
+            labels=["worker", "tier", "state"],
+        )
+        for state in list(self._pool.states()):  # a copy: the loop thread may mutate it
+            worker = str(state.worker_id)
+            values = {
+                "up": 1.0 if state.health.value == "healthy" else 0.0,
+                "queue_depth": state.num_requests,
+                "inflight": state.num_inflight,
+                "queued_tokens": state.num_queued_tokens,
+                "indexed_blocks": self._pool.index.num_blocks(state.worker_id),
+            }
+            for name, value in values.items():
+                gauges[name].add_metric([worker], float(value))
+            for tier, tb in dict(state.load.blocks).items():
+                for kind in ("total", "used", "cached"):
+                    blocks.add_metric([worker, tier, kind], float(getattr(tb, kind)))
+        yield from gauges.values()
+        yield blocks
+        resyncs = CounterMetricFamily(
+            "cachesvc_index_resyncs", "Prefix index resyncs from a worker snapshot"
+        )
+        resyncs.add_metric([], float(self._pool.num_resyncs))
+        yield resyncs
+
+
+_WORKER_GAUGES = {
+    "up": "1 while the worker is healthy",
+    "queue_depth": "Requests running or waiting on the worker",
+    "inflight": "Requests this router has forwarded and not seen finish",
+    "queued_tokens": "Tokens still to compute ahead of a new request",
+    "indexed_blocks": "Blocks the prefix index attributes to the worker",
+}
+
+
+class MetricsHttpServer:
+    """Serves `registry` as Prometheus text on http://host:port/metrics (port 0: any free one)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        from prometheus_client import start_http_server
+
+        self._server: Any
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.port: int = self._server.server_port
+
+    def close(self) -> None:
+        """Stop serving and free the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,124 @@
+"""Mid-stream failover: what a client has received of a stream, and how to continue it elsewhere.
+
+When a worker dies after it started streaming, the router sends the prompt plus the tokens
+already sent to another worker, asking for the remaining `max_tokens`, and splices the new
+stream onto the old one, so the client sees one uninterrupted stream.
+
+- Greedy decoding continues exactly as the undisturbed run would have (same model, same
+  prefix). Sampling continues correctly *in distribution*, but a `seed` restarts at the resume
+  point, so a seeded stream is not the one an undisturbed run would have produced.
+- Only single-sample streams resume (`n == 1`, no beam search); others fail with UNAVAILABLE.
+- After a resume the new worker sees the sent tokens as prompt, so the router derives the text
+  from the token ids itself (one detokenizer over the whole output: no broken character or lost
+  leading space at the seam) and checks the stop strings on the whole text (a stop string
+  straddling the seam is still found).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachesvc.types import WorkerId
+from workers.actor import StreamDelta, Usage
+from workers.model.detokenizer import IncrementalDetokenizer
+from workers.model.tokenizer import Tokenizer
+
+
+@dataclass
+class StreamProgress:
+    """One request's stream as the client has received it; mutated by `forward` only."""
+
+    prompt_ids: list[int]
+    params: dict[str, Any]  # the request's SamplingParams as plain data
+    tokenizer: Tokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    num_resumes: int = 0
+    ended: bool = False  # the router ended the stream itself (a stop string at the seam)
+    _detok: IncrementalDetokenizer | None = None
+    _pending_text: str = ""
+
+    @property
+    def resumable(self) -> bool:
+        """Whether a stream cut here can continue on another worker."""
+        return self.params.get("n", 1) == 1 and self.params.get("beam_width", 1) == 1
+
+    @property
+    def started(self) -> bool:
+        return bool(self.token_ids)
+
+    def next_prompt(self) -> list[int]:
+        """What the next worker is asked to continue: the prompt plus every token sent."""
+        return self.prompt_ids + self.token_ids
+
+    def next_params(self) -> dict[str, Any]:
+        """The sampling parameters for the rest of the stream."""
+        if not self.token_ids:
+            return self.params
+        remaining = self.params["max_tokens"] - len(self.token_ids)
+        assert remaining >= 1, "a stream with every token sent has finished"
+        return {**self.params, "max_tokens": remaining}
+
+    def resume(self) -> None:
+        """Prepare to splice a new worker's stream onto what was sent (call before it starts)."""
+        assert self.resumable
+        self.num_resumes += 1
+        if self.tokenizer is None:
+            return
+        self._detok = IncrementalDetokenizer(self.tokenizer)
+        # One token at a time, as the worker fed its own: the same text comes out, and the
+        # same unfinished character at the end is held back, to come out with the next token.
+        primed = "".join(self._detok.add(token) for token in self.token_ids)
+        self._pending_text = primed[len(self.text) :] if primed.startswith(self.text) else ""
+
+    def forward(self, delta: StreamDelta, worker: WorkerId) -> StreamDelta:
+        """The delta to send the client for `delta` from `worker`; after a resume, with text,
+        finish and usage relative to the whole stream. When `ended` is True afterwards the
+        router found a stop string: stop reading (closing the stream aborts it on the worker)."""
+        if not self.resumable:
+            return delta
+        if self.num_resumes == 0:
+            self._record(delta.token_ids, delta.text)
+            return delta
+        text, finish = self._resumed_text(delta)
+        self._record(delta.token_ids, text)
+        usage = delta.usage
+        if finish is not None:
+            usage = self._usage(usage, worker)
+            self.ended = delta.finish_reason is None
+        return dataclasses.replace(delta, text=text, finish_reason=finish, usage=usage)
+
+    def _record(self, token_ids: tuple[int, ...], text: str) -> None:
+        self.token_ids.extend(token_ids)
+        self.text += text
+
+    def _resumed_text(self, delta: StreamDelta) -> tuple[str, str | None]:
+        if self._detok is None:  # no tokenizer: the worker has none either, text is empty
+            return delta.text, delta.finish_reason
+        text = self._pending_text + self._detok.add(delta.token_ids)
+        self._pending_text = ""
+        before = len(self.text)
+        full = self.text + text
+        stops = [
+            at
+            for stop in self.params.get("stop", ())
+            if (at := full.find(stop, max(0, before - len(stop) + 1))) >= 0
+        ]
+        if stops:
+            return full[before : min(stops)], "stop"
+        if delta.finish_reason is not None:
+            text += self._detok.finish()
+        return text, delta.finish_reason
+
+    def _usage(self, usage: Usage | None, worker: WorkerId) -> Usage:
+        """Usage of the whole stream: the original prompt and every generated token; cached
+        and computed tokens are the last worker's."""
+        if usage is None:  # the router ended the stream on a stop string
+            usage = Usage(0, 0, {}, 0, 0.0, None, worker)
+        return dataclasses.replace(
+            usage,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.token_ids),
+        )

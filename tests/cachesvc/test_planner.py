@@ -1,0 +1,134 @@
+"""Planner: tables of cases, the fetch -> split -> recompute sweep as a tier slows down, and the
+Cake property (the plan is never predicted slower than fetching all or recomputing all)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachesvc.calibration import CostTracker, fit_compute
+from cachesvc.planner import ComputeCost, CostModel, TierCost, plan_load
+from cachesvc.tiers.tier_manager import TierHit, Transfer
+
+BS = 16
+BLOCK_BYTES = 1_000_000
+COMPUTE = ComputeCost(alpha_s=0.01, beta_s=1e-3, gamma_s=1e-7)  # ~16 ms per block
+
+
+def model(**mb_per_s: float) -> CostModel:
+    tiers = {
+        name: TierCost(
+            latency_s=1e-3, seconds_per_byte=1 / (rate * 1e6), bytes_per_block=BLOCK_BYTES
+        )
+        for name, rate in mb_per_s.items()
+    }
+    return CostModel(COMPUTE, tiers)
+
+
+def test_no_hits_is_nothing_to_plan() -> None:
+    plan = plan_load([], 2, 200, BS, model(dram=1000))
+    assert plan.kind == "none" and plan.fetch == () and plan.split_block == 2
+
+
+@pytest.mark.parametrize(
+    ("rate", "kind"),
+    [(10_000, "fetch"), (60, "split"), (0.1, "recompute")],
+)
+def test_kind_follows_the_tier_speed(rate: float, kind: str) -> None:
+    plan = plan_load([TierHit("nvme", 0, 60)], 0, 60 * BS + 5, BS, model(nvme=rate))
+    assert plan.kind == kind
+    assert plan.predicted_s <= min(plan.fetch_only_s, plan.recompute_only_s) + 1e-12
+    if kind == "recompute":
+        assert plan.bypassed == ("nvme",) and plan.fetch == ()
+
+
+def test_sweep_moves_fetch_split_recompute_as_the_cap_drops() -> None:
+    order = {"fetch": 0, "split": 1, "recompute": 2}
+    kinds, splits = [], []
+    for rate in (10_000, 1000, 300, 100, 60, 40, 20, 5, 1, 0.1):
+        plan = plan_load([TierHit("redis", 0, 60)], 0, 60 * BS + 5, BS, model(redis=rate))
+        kinds.append(plan.kind)
+        splits.append(plan.split_block)
+    assert kinds[0] == "fetch" and "split" in kinds and kinds[-1] == "recompute"
+    assert [order[k] for k in kinds] == sorted(order[k] for k in kinds)
+    fetching = [s for s, k in zip(splits, kinds, strict=True) if k != "recompute"]
+    assert fetching == sorted(fetching)  # a slower tier: more is recomputed from the front
+
+
+def test_split_balances_front_compute_and_back_fetch() -> None:
+    m = model(nvme=60)
+    plan = plan_load([TierHit("nvme", 0, 60)], 0, 60 * BS + 5, BS, m)
+    assert plan.kind == "split"
+    front = COMPUTE.prefill_s(plan.split_block * BS, 0)
+    back = m.tiers["nvme"].fetch_s(plan.num_fetch_blocks)
+    one_block = max(COMPUTE.prefill_s(BS, plan.split_block * BS), m.tiers["nvme"].fetch_s(1))
+    assert abs(front - back) <= one_block  # both finish together, to within one block
+
+
+def test_a_slow_tail_tier_is_bypassed() -> None:
+    runs = [TierHit("dram", 3, 20), TierHit("redis", 20, 50)]
+    plan = plan_load(runs, 3, 50 * BS + 7, BS, model(dram=10_000, redis=0.5))
+    assert plan.kind == "fetch" and plan.fetch_end == 20
+    assert [f.tier for f in plan.fetch] == ["dram"] and plan.bypassed == ("redis",)
+
+
+def test_mixed_tiers_are_fetched_together() -> None:
+    runs = [TierHit("dram", 0, 10), TierHit("nvme", 10, 30)]
+    plan = plan_load(runs, 0, 30 * BS + 1, BS, model(dram=10_000, nvme=5000))
+    assert plan.kind == "fetch"
+    assert [(f.tier, f.start, f.end) for f in plan.fetch] == [("dram", 0, 10), ("nvme", 10, 30)]
+
+
+@pytest.mark.parametrize("mode", ["fetch", "split", "recompute"])
+def test_forced_modes(mode: str) -> None:
+    plan = plan_load([TierHit("dram", 2, 12)], 2, 12 * BS + 3, BS, model(dram=10_000), mode)
+    assert plan.kind == mode
+    if mode == "split":
+        assert 2 < plan.split_block < 12 == plan.fetch_end
+    with pytest.raises(ValueError):
+        plan_load([], 0, 10, BS, model(), "sometimes")
+
+
+@given(
+    rate=st.floats(0.01, 1e5),
+    latency=st.floats(0, 0.5),
+    first=st.integers(0, 10),
+    num_hit=st.integers(1, 40),
+    suffix=st.integers(1, 100),
+)
+@settings(max_examples=200, deadline=None)
+def test_plan_is_never_predicted_slower_than_either_extreme(
+    rate: float, latency: float, first: int, num_hit: int, suffix: int
+) -> None:
+    costs = CostModel(COMPUTE, {"nvme": TierCost(latency, 1 / (rate * 1e6), BLOCK_BYTES)})
+    end = first + num_hit
+    plan = plan_load([TierHit("nvme", first, end)], first, end * BS + suffix, BS, costs)
+    assert plan.predicted_s <= min(plan.fetch_only_s, plan.recompute_only_s) + 1e-9
+    assert first <= plan.split_block <= plan.fetch_end <= end
+    assert sum(f.end - f.start for f in plan.fetch) == plan.num_fetch_blocks
+
+
+# ---- calibration ------------------------------------------------------------------------------
+
+
+def test_fit_compute_recovers_coefficients() -> None:
+    truth = ComputeCost(0.02, 5e-4, 2e-7)
+    samples = [(k, c, truth.prefill_s(k, c)) for k, c in [(32, 0), (128, 0), (32, 128), (64, 512)]]
+    fit = fit_compute(samples)
+    assert fit.alpha_s == pytest.approx(truth.alpha_s, rel=1e-3)
+    assert fit.beta_s == pytest.approx(truth.beta_s, rel=1e-3)
+    assert fit.gamma_s == pytest.approx(truth.gamma_s, rel=1e-3)
+
+
+def test_tracker_follows_a_slower_tier_and_a_faster_device() -> None:
+    tracker = CostTracker(COMPUTE, dict(model(nvme=1000).tiers))
+    before = tracker.model().tiers["nvme"].seconds_per_byte
+    for _ in range(20):  # reads now run at 10 MB/s
+        tracker.observe_transfer(Transfer("nvme", 4 * BLOCK_BYTES, 1e-3 + 0.4, 4))
+    after = tracker.model().tiers["nvme"].seconds_per_byte
+    assert after > 10 * before
+    assert after == pytest.approx(1 / 10e6, rel=0.1)
+    for _ in range(10):  # the device computes twice as fast as predicted
+        tracker.observe_compute([(64, 0)], COMPUTE.prefill_s(64, 0) / 2)
+    assert tracker.compute.beta_s == pytest.approx(COMPUTE.beta_s / 2, rel=0.05)

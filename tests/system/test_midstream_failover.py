@@ -1,0 +1,73 @@
+"""A worker killed with ray.kill while it streams: the router resumes the request on the other
+worker from the prompt plus the tokens already sent, and the client's one stream ends with the
+same tokens and text as an undisturbed greedy run."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from proto.cachesvc.v1 import cachesvc_pb2 as pb
+from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.system
+MAX_TOKENS = 200
+
+
+def _request(ids: list[int]) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt=pb.Prompt(token_ids=pb.TokenIds(ids=ids)),
+        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+    )
+
+
+def _serving_worker(admin: pb_grpc.AdminStub) -> str:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        workers = admin.ListWorkers(pb.ListWorkersRequest()).workers
+        busy = [w.worker_id for w in workers if w.num_inflight]
+        if busy:
+            return busy[0]
+        time.sleep(0.01)
+    raise AssertionError("no worker is serving the stream")
+
+
+def test_killed_mid_stream_the_client_sees_one_stream(make_server: Any, worker_pair: Any) -> None:
+    import ray
+
+    server = make_server(policy="prefix_aware")
+    stub = pb_grpc.InferenceStub(server.channel())
+    admin = pb_grpc.AdminStub(server.channel())
+    ids = [5, 17, 33, 99, 250, 3, 8, 64, 120, 7, 11]
+
+    undisturbed = list(stub.Generate(_request(ids), timeout=120))
+    expected_ids = [t for m in undisturbed for t in m.token_ids]
+    expected_text = "".join(m.text for m in undisturbed)
+    assert len(expected_ids) == MAX_TOKENS
+
+    stream = stub.Generate(_request(ids), timeout=120)
+    received = [next(stream) for _ in range(3)]
+    victim = _serving_worker(admin)
+    ray.kill(worker_pair[victim])
+    received += list(stream)
+
+    tokens = [t for m in received for t in m.token_ids]
+    assert len(tokens) == MAX_TOKENS
+    assert tokens == expected_ids, "greedy continuation must be identical"
+    assert "".join(m.text for m in received) == expected_text
+    finals = [m for m in received if m.finish_reason]
+    assert len(finals) == 1 and finals[0] is received[-1]
+    usage = received[-1].usage
+    assert received[-1].finish_reason == "length"
+    assert usage.prompt_tokens == len(ids) and usage.completion_tokens == MAX_TOKENS
+    assert usage.worker_id != victim
+
+    stats = admin.Stats(pb.StatsRequest())
+    assert stats.num_failed == 0 and stats.num_retries == 1
+    workers = {w.worker_id: w for w in admin.ListWorkers(pb.ListWorkersRequest()).workers}
+    assert workers[victim].health == pb.WorkerInfo.DEAD
+    assert workers[victim].num_indexed_blocks == 0, "the dead worker's blocks leave the index"
+    metrics = server.router.metrics
+    assert metrics.retries.labels("mid_stream")._value.get() == 1

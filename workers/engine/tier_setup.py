@@ -1,0 +1,124 @@
+"""Building the tiers an engine is configured with, and calibrating the planner's cost model.
+
+Calibration runs once at start: a few synthetic blocks through each tier, and three forward
+passes over scratch blocks (short, long, short after long) to fit the prefill cost.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from cachesvc.calibration import fit_compute, probe_tier
+from cachesvc.config import TierConfig
+from cachesvc.tiers.base import Tier, TierStats, make_tier
+from cachesvc.types import BlockHash, BlockId, RequestId
+from workers.engine.runner import ModelRunner
+from workers.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+if TYPE_CHECKING:
+    from workers.engine.tiering import KVTiering
+
+
+def build_tiers(
+    config: TierConfig, fingerprint: str, block_bytes: int
+) -> tuple[list[Tier], Tier | None]:
+    """The configured local tiers (fastest first) and shared tier; `block_bytes` sizes DRAM
+    slots (an encoded block never exceeds raw + header)."""
+    local: list[Tier] = []
+    if config.dram_mb > 0:
+        pin = torch.cuda.is_available()
+        local.append(
+            make_tier(
+                "dram",
+                capacity_mb=config.dram_mb,
+                slot_bytes=block_bytes,
+                pin_memory=pin,
+                cap_mb_per_s=config.dram_cap_mbps,
+            )
+        )
+    if config.nvme_path is not None:
+        local.append(
+            make_tier(
+                "nvme",
+                path=config.nvme_path,
+                capacity_mb=config.nvme_mb,
+                cap_mb_per_s=config.nvme_cap_mbps,
+            )
+        )
+    shared = None
+    if config.redis_url is not None:
+        shared = make_tier(
+            "redis",
+            url=config.redis_url,
+            namespace=fingerprint,
+            password=config.redis_password,
+            ttl_s=config.redis_ttl_s,
+            timeout_s=config.redis_timeout_s,
+            retry_s=config.redis_retry_s,
+            tls_ca_file=config.redis_tls_ca_file,
+            cap_mb_per_s=config.redis_cap_mbps,
+        )
+    return local, shared
+
+
+def kv_to_numpy(data: torch.Tensor) -> np.ndarray:
+    """A tensor as the codec's numpy storage array (numpy has no bfloat16: its bits as uint16)."""
+    data = data.cpu()
+    if data.dtype == torch.bfloat16:
+        return data.view(torch.int16).numpy().view(np.uint16)
+    return data.numpy()
+
+
+def calibrate(tiering: KVTiering, runner: ModelRunner, max_tokens: int) -> None:
+    """Measure the tiers and the prefill speed at start (before anything is cached)."""
+    calibrate_tiers(tiering)
+    calibrate_compute(tiering, runner, max_tokens)
+
+
+def calibrate_tiers(tiering: KVTiering, num_blocks: int = 4) -> None:
+    """Measure each tier's read cost with a few synthetic blocks."""
+    gen = torch.Generator().manual_seed(0)
+    sample = torch.randn(tiering.block_shape, generator=gen).to(tiering.kv_caches[0].dtype)
+    array = kv_to_numpy(sample)
+    for tier in tiering.manager.all_tiers:
+        if tier.throttle.bytes_per_s is not None:
+            continue  # a capped tier's cost is its cap (and probing it would be slow)
+        codec = tiering.manager.codecs[tier.name]
+        blobs = [codec.encode(BlockHash(bytes(16)), None, tiering.dtype, array)] * num_blocks
+        tiering.costs.tiers[tier.name] = probe_tier(tier, blobs, tiering.costs.tiers[tier.name])
+        tier.stats = TierStats()  # probes are not traffic
+
+
+@torch.inference_mode()
+def calibrate_compute(tiering: KVTiering, runner: ModelRunner, max_tokens: int) -> None:
+    """Fit the prefill cost to three forward passes: short, long, and short after long.
+
+    They run over scratch blocks, so this only works before any block is registered.
+    """
+    assert tiering.pool.num_cached == 0, "calibrate before serving: it overwrites blocks"
+    bs = tiering.block_size
+    max_tokens = min(max_tokens, tiering.pool.num_blocks * bs // 2)
+    small, big = max(1, min(2 * bs, max_tokens)), max(1, min(8 * bs, max_tokens))
+    _forward(runner, small, 0)  # warm-up: first calls allocate
+    samples = []
+    for k, ctx in ((small, 0), (big, 0), (small, big)):
+        start = time.perf_counter()
+        _forward(runner, k, ctx)
+        samples.append((k, ctx, time.perf_counter() - start))
+    tiering.costs.compute = fit_compute(samples)
+
+
+def _forward(runner: ModelRunner, num_tokens: int, context: int) -> None:
+    num_blocks = -(-(context + num_tokens) // runner.block_size)
+    chunk = ScheduledChunk(
+        RequestId("calibration"),
+        (0,) * num_tokens,
+        context,
+        tuple(BlockId(i) for i in range(num_blocks)),
+        sample=False,
+    )
+    runner.execute(SchedulerOutput((chunk,), ()), {})

@@ -1,0 +1,326 @@
+"""The engine's side of the KV tiers: demote evicted blocks, load planned ones, share hot ones.
+
+* Demote: the block pool calls `on_evict` just before a cached block is reused; its KV is copied
+  out of `kv_caches` and handed to the `TierManager` (DRAM, then NVMe).
+* Load: when a waiting request's device prefix match ends, the following hashes are looked up in
+  the tiers and the planner decides. A fetch is read at once into freshly allocated device
+  blocks, registered, and counted as cached. A split (Cake) starts the fetch of the back part on
+  a background thread while the scheduler computes the front part; when the front is computed
+  up to the split point (`on_computed`), the fetched blocks land and the request jumps ahead.
+  Whatever fails to read back (a miss, a corrupt blob) is simply computed.
+* Share: blocks reused `redis_min_reuse` times are written to Redis for the other workers.
+
+Only the engine's thread touches the device tensors and the manager's state; the background
+thread only reads tiers.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from cachesvc.block_pool import BlockPool
+from cachesvc.calibration import CostTracker, default_tier_cost
+from cachesvc.codec import Codec, KVBlock, header_size
+from cachesvc.config import TierConfig
+from cachesvc.events import TIER_HBM
+from cachesvc.planner import ComputeCost, LoadPlan, TierCost, plan_load
+from cachesvc.tiers.base import Throttle
+from cachesvc.tiers.tier_manager import FetchResult, TierHit, TierManager
+from cachesvc.types import BlockHash, BlockId, RequestId
+from workers.engine.request import Request
+from workers.engine.scheduler import SchedulerOutput
+from workers.engine.tier_setup import build_tiers, kv_to_numpy
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_MAX_USAGE = 10_000  # per-request usage reports kept after the request ends
+_PRIOR_COMPUTE = ComputeCost(alpha_s=5e-3, beta_s=1e-3, gamma_s=1e-7)  # before calibration
+Ranges = list[tuple[str, list[BlockHash]]]
+
+
+@dataclass
+class PendingLoad:
+    """A fetch running in the background while the request computes up to `split_token`."""
+
+    split_token: int
+    ranges: Ranges  # pinned until the fetch lands or is dropped
+    future: Future[FetchResult]
+
+
+@dataclass
+class TieringStats:
+    plans: dict[str, int] = field(default_factory=dict)  # plan kind -> requests
+    loaded_blocks: int = 0
+    failed_blocks: int = 0  # planned to fetch, computed instead (miss or corrupt)
+
+
+def _landed_by_tier(ranges: Ranges, num_landed: int, block_size: int) -> dict[str, int]:
+    """Tokens per tier among the first `num_landed` blocks of `ranges`."""
+    out: dict[str, int] = {}
+    for name, hashes in ranges:
+        n = min(len(hashes), num_landed)
+        num_landed -= n
+        if n:
+            out[name] = out.get(name, 0) + n * block_size
+    return out
+
+
+class KVTiering:
+    """Implements the KV manager's `TieringHooks` and the pool's eviction hook."""
+
+    def __init__(
+        self,
+        config: TierConfig,
+        pool: BlockPool,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        fingerprint: str,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.dtype = _DTYPE_NAMES[kv_caches[0].dtype]
+        self.block_shape = (len(kv_caches), *kv_caches[0].shape[1:])
+        raw_bytes = int(np.prod(self.block_shape)) * kv_caches[0].element_size()
+        local, shared = build_tiers(
+            config, fingerprint, raw_bytes + header_size(len(self.block_shape))
+        )
+        codecs = {
+            "dram": Codec(fingerprint, config.dram_codec),
+            "nvme": Codec(fingerprint, config.nvme_codec),
+            "redis": Codec(fingerprint, config.redis_codec),
+        }
+        self.manager = TierManager(
+            local, shared, codecs, pool.events, config.redis_min_reuse, device_has=pool.contains
+        )
+        caps = {
+            "dram": config.dram_cap_mbps,
+            "nvme": config.nvme_cap_mbps,
+            "redis": config.redis_cap_mbps,
+        }
+        self.costs = CostTracker(
+            _PRIOR_COMPUTE,
+            {
+                t.name: default_tier_cost(t.name, raw_bytes, caps[t.name])
+                for t in self.manager.all_tiers
+            },
+        )
+        self.mode = config.plan  # "auto", or forced (tests, benchmarks)
+        self.stats = TieringStats()
+        self.last_plan: LoadPlan | None = None
+        self._pending: dict[RequestId, PendingLoad] = {}
+        self._usage: OrderedDict[RequestId, dict[str, int]] = OrderedDict()
+        self._share_queue: list[tuple[BlockHash, BlockId, BlockHash | None]] = []
+        self._uncapped: dict[str, TierCost] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
+        pool.on_evict = self.on_evict
+
+    # ---- device <-> numpy -------------------------------------------------------------------
+
+    def _read_block(self, block_id: BlockId) -> np.ndarray:
+        return kv_to_numpy(torch.stack([cache[block_id] for cache in self.kv_caches]))
+
+    def _write_blocks(self, block_ids: Sequence[BlockId], blocks: Sequence[KVBlock]) -> None:
+        for block_id, block in zip(block_ids, blocks, strict=True):
+            src = torch.from_numpy(block.array)
+            if self.dtype == "bfloat16":
+                src = src.view(torch.int16).view(torch.bfloat16)
+            for layer, cache in enumerate(self.kv_caches):
+                cache[block_id].copy_(src[layer])
+
+    def _kv_block(
+        self, block_id: BlockId, block_hash: BlockHash, parent: BlockHash | None
+    ) -> KVBlock:
+        return KVBlock(block_hash, parent, self.dtype, self._read_block(block_id))
+
+    # ---- demotion ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def on_evict(
+        self,
+        block_id: BlockId,
+        block_hash: BlockHash,
+        token_ids: tuple[int, ...],
+        parent: BlockHash | None,
+    ) -> None:
+        """The pool is about to reuse a cached block: copy its KV down a tier first."""
+        self.manager.demote(self._kv_block(block_id, block_hash, parent))
+
+    # ---- loading ----------------------------------------------------------------------------
+
+    def extend_match(
+        self, request: Request, hashes: Sequence[BlockHash], num_device_blocks: int, max_blocks: int
+    ) -> int:
+        d = num_device_blocks
+        self._note_reuse(list(hashes[:d]), request.block_ids, None)
+        self._set_usage(request.request_id, {TIER_HBM: d * self.block_size})
+        room = self.pool.num_free - 1  # keep a block for the token that must be computed
+        end = min(max_blocks, d + room)
+        if end <= d:
+            return 0
+        hits = [TierHit(h.tier, h.start + d, h.end + d) for h in self.manager.lookup(hashes[d:end])]
+        if not hits:
+            return 0
+        plan = plan_load(
+            hits, d, request.num_tokens, self.block_size, self.costs.model(), self.mode
+        )
+        self.last_plan = plan
+        self.stats.plans[plan.kind] = self.stats.plans.get(plan.kind, 0) + 1
+        if plan.kind in ("none", "recompute"):
+            return 0
+        ranges: Ranges = [(f.tier, list(hashes[f.start : f.end])) for f in plan.fetch]
+        self.manager.pin(ranges)
+        # Allocating may evict (and demote) device blocks: the pins keep the planned ones put.
+        request.block_ids.extend(self.pool.allocate(plan.fetch_end - d))
+        if plan.kind == "split":
+            future = self._executor.submit(self.manager.read, ranges)
+            split_token = plan.split_block * self.block_size
+            self._pending[request.request_id] = PendingLoad(split_token, ranges, future)
+            self._usage[request.request_id].update(
+                _landed_by_tier(ranges, plan.num_fetch_blocks, self.block_size)
+            )
+            return plan.num_fetch_blocks * self.block_size
+        result = self.manager.read(ranges)
+        self.manager.unpin(ranges)
+        num_loaded = self._land(request, result, d, ranges)
+        self._trim_blocks(request)
+        return num_loaded * self.block_size
+
+    def _land(self, request: Request, result: FetchResult, first: int, ranges: Ranges) -> int:
+        """Write fetched blocks into the request's blocks from index `first`, register them and
+        move its computed tokens past them; returns how many landed."""
+        self.manager.settle(result)
+        for transfer in result.transfers:
+            self.costs.observe_transfer(transfer)
+        n = len(result.blocks)
+        ids = request.block_ids[first : first + n]
+        self._write_blocks(ids, result.blocks)
+        tokens = request.all_token_ids
+        bs = self.block_size
+        for i, (block_id, block) in enumerate(zip(ids, result.blocks, strict=True)):
+            idx = first + i
+            parent = request.block_hashes[idx - 1] if idx > 0 else None
+            self.pool.register(
+                block_id, block.block_hash, tokens[idx * bs : (idx + 1) * bs], parent
+            )
+        request.num_computed_tokens = (first + n) * bs
+        planned = sum(len(hashes) for _, hashes in ranges)
+        self.stats.loaded_blocks += n
+        self.stats.failed_blocks += planned - n
+        self._usage.get(request.request_id, {}).update(
+            {name: 0 for name, _ in ranges} | _landed_by_tier(ranges, n, bs)
+        )
+        first_parent = request.block_hashes[first - 1] if first > 0 else None
+        self._note_reuse([b.block_hash for b in result.blocks], ids, first_parent)
+        return n
+
+    def _trim_blocks(self, request: Request) -> None:
+        """Give back blocks allocated for a fetch that did not land (computed tokens decide)."""
+        keep = -(-request.num_computed_tokens // self.block_size)
+        extra = request.block_ids[keep:]
+        if extra:
+            self.pool.free(list(reversed(extra)))
+            del request.block_ids[keep:]
+
+    def num_computable(self, request: Request, num_left: int) -> int:
+        pending = self._pending.get(request.request_id)
+        if pending is None:
+            return num_left
+        return min(num_left, pending.split_token - request.num_computed_tokens)
+
+    @torch.inference_mode()
+    def on_computed(self, request: Request) -> None:
+        pending = self._pending.get(request.request_id)
+        if pending is None or request.num_computed_tokens < pending.split_token:
+            return
+        del self._pending[request.request_id]
+        result = pending.future.result()  # the front is computed: wait for the back (Cake)
+        self.manager.unpin(pending.ranges)
+        landed = self._land(request, result, pending.split_token // self.block_size, pending.ranges)
+        missed = sum(len(h) for _, h in pending.ranges) - landed
+        if missed and request.num_preemptions == 0:
+            request.num_cached_tokens -= missed * self.block_size  # computed after all
+
+    def release(self, request: Request) -> None:
+        pending = self._pending.pop(request.request_id, None)
+        if pending is not None:
+            pending.future.cancel()
+            self.manager.unpin(pending.ranges)
+
+    # ---- reuse, sharing and the step loop ---------------------------------------------------
+
+    def _note_reuse(
+        self, hashes: list[BlockHash], block_ids: Sequence[BlockId], parent: BlockHash | None
+    ) -> None:
+        """Count reuses; blocks that became popular are shared after this step's compute.
+
+        `hashes` is a run of a chain held in `block_ids`; `parent` is the hash before it.
+        """
+        where = {h: i for i, h in enumerate(hashes)}
+        for h in self.manager.note_reuse(hashes):
+            if self.manager.held_locally(h):
+                self.manager.share_held(h)
+                continue
+            i = where[h]
+            self._share_queue.append((h, block_ids[i], hashes[i - 1] if i else parent))
+
+    @torch.inference_mode()
+    def after_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """Learn the compute speed from the step; share queued blocks (their KV is now written)."""
+        chunks = [(len(c.token_ids), c.start_pos) for c in output.chunks]
+        if chunks:
+            self.costs.observe_compute(chunks, seconds)
+        queue, self._share_queue = self._share_queue, []
+        for block_hash, block_id, parent in queue:
+            if self.pool.block_hash(block_id) == block_hash:  # not evicted since
+                self.manager.share(self._kv_block(block_id, block_hash, parent))
+        self.manager.poll()
+
+    def set_cap(self, tier_name: str, mb_per_s: float | None) -> None:
+        """Cap (None: uncap) a tier's read bandwidth from now on, for tests and benchmarks; the
+        cost model adds the cap to the tier's calibrated cost."""
+        self.manager.tier(tier_name).throttle = Throttle(mb_per_s)
+        base = self._uncapped.setdefault(tier_name, self.costs.tiers[tier_name])
+        extra = 0.0 if mb_per_s is None else 1 / (mb_per_s * 1e6)
+        self.costs.tiers[tier_name] = replace(base, seconds_per_byte=base.seconds_per_byte + extra)
+
+    def metrics(self) -> dict[str, int]:
+        """Flat counters for a metrics endpoint: per tier, per plan kind, and block moves."""
+        out = {
+            f"{t.name}_{k}": v for t in self.manager.all_tiers for k, v in t.stats.as_dict().items()
+        }
+        out.update({f"plan_{kind}": n for kind, n in self.stats.plans.items()})
+        m = self.manager.stats
+        out.update(
+            demoted=m.demoted,
+            dropped=m.dropped,
+            shared=m.shared,
+            loaded_blocks=self.stats.loaded_blocks,
+            failed_blocks=self.stats.failed_blocks,
+        )
+        return out
+
+    def usage(self, request_id: RequestId) -> dict[str, int]:
+        """Prompt tokens served from each tier ("hbm" for the device) for a request."""
+        return dict(self._usage.get(request_id, {}))
+
+    def _set_usage(self, request_id: RequestId, usage: dict[str, int]) -> None:
+        self._usage[request_id] = usage
+        self._usage.move_to_end(request_id)
+        while len(self._usage) > _MAX_USAGE:
+            self._usage.popitem(last=False)
+
+    # ---- shutdown ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish background reads and writes, then close the tiers."""
+        for request_id in list(self._pending):
+            self._pending.pop(request_id).future.cancel()
+        self._executor.shutdown(wait=True)
+        self.manager.close()
