@@ -18,7 +18,8 @@ from cachesvc.bench.workloads import (
     trace_workload,
 )
 
-SAMPLE = Path("/work/shared/data/mooncake_synthetic_trace.jsonl")
+# The team's shared folder sits beside the repository.
+SAMPLE = Path(__file__).resolve().parents[3] / "shared/data/mooncake_synthetic_trace.jsonl"
 
 
 def test_groups_share_their_system_prompt_and_are_deterministic() -> None:
