@@ -49,7 +49,7 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
 		proto/cachesvc/v1/cachesvc.proto
 
-# The FlashInfer backend's check on a lent GPU (docs/gpu.md). It runs with the machine's own
+# The FlashInfer backend's check on a GPU machine (docs/gpu.md). It runs with the machine's own
 # python3 and torch, the wheels `make gpu-wheels` put in .whl/, and this repo on PYTHONPATH;
 # kernels are compiled into .cache/ (kept on a warm machine, so a rerun skips the build).
 GPU_SITE ?= /tmp/gpu-site

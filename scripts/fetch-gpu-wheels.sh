@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetch the wheels `make gpu-check` installs on a lent H200 into .whl/ (see docs/gpu.md).
+# Fetch the wheels `make gpu-check` installs on an H200 into .whl/ (see docs/gpu.md).
 #
 # The device has Python 3.12, torch (cu130), numpy, jinja2, tokenizers, safetensors, xxhash,
 # nvcc and ninja, but no registry: flashinfer, its tvm-ffi runtime and gguf must travel with the
