@@ -1,17 +1,18 @@
 """The planner's cost model, kept current: calibrated at start, then updated from measurements.
 
-`CostTracker` holds the coefficients and folds in every measured tier read and every measured
-forward pass with an exponentially weighted moving average (EWMA), so the plan follows a tier
-that slows down (a busy disk, a throttled link, a loaded Redis) or a device that speeds up once
-warm. `probe_tier` measures one tier at start with a few synthetic blocks.
+`CostTracker` holds the coefficients and folds in every measured tier read (EWMA) and every
+measured forward pass (a refit weighted toward recent passes), so the plan follows a tier that
+slows down (a busy disk, a throttled link, a loaded Redis) or a device that speeds up once warm.
+`probe_tier` measures one tier at start with a few synthetic blocks.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from cachesvc.planner import ComputeCost, CostModel, TierCost
 from cachesvc.tiers.base import Tier, TierItem
@@ -28,16 +29,57 @@ _CLAMP = (0.25, 4.0)  # one measurement moves a coefficient by at most this fact
 _MAX_BYTES_PER_S = 100e9  # a floor on measured read time, against timer noise
 
 
-class CostTracker:
-    """Mutable coefficients of the cost model, updated by EWMA; `model()` snapshots them."""
+@dataclass(frozen=True)
+class ComputeSample:
+    """One measured forward pass: its new tokens, its attention work, and its time."""
 
-    def __init__(self, compute: ComputeCost, tiers: Mapping[str, TierCost], weight: float = 0.3):
+    num_tokens: float  # sum of k over the chunks
+    attention: float  # sum of k * (ctx + k / 2)
+    seconds: float
+
+    @classmethod
+    def of(cls, chunks: Sequence[tuple[int, int]], seconds: float) -> ComputeSample:
+        """From the (new tokens, context) of each chunk of the pass."""
+        return cls(
+            float(sum(k for k, _ in chunks)),
+            float(sum(k * (ctx + k / 2) for k, ctx in chunks)),
+            seconds,
+        )
+
+
+class CostTracker:
+    """Mutable coefficients of the cost model; `model()` snapshots them.
+
+    Tier reads fold in by EWMA. The compute cost is refitted after every forward pass to the
+    calibration samples (kept as anchors: they span short and long prefills) plus the recent
+    passes with exponentially decaying weights, so it follows the device without forgetting
+    what a long prefill costs during a long run of decode steps.
+    """
+
+    def __init__(
+        self,
+        compute: ComputeCost,
+        tiers: Mapping[str, TierCost],
+        weight: float = 0.3,
+        window: int = 32,
+    ) -> None:
         self.compute = compute
         self.tiers = dict(tiers)
         self.weight = weight
+        # Until calibrated, the prior itself is a weak anchor.
+        self._anchors = [ComputeSample.of([(k, c)], compute.prefill_s(k, c)) for k, c in _SHAPES]
+        self._anchor_weight = 0.05
+        self._recent: deque[ComputeSample] = deque(maxlen=window)
 
     def model(self) -> CostModel:
         return CostModel(self.compute, dict(self.tiers))
+
+    def calibrate_compute(self, samples: Sequence[ComputeSample]) -> None:
+        """Start from measured passes (they stay in every later fit)."""
+        self._anchors = list(samples)
+        self._anchor_weight = 0.5
+        self._recent.clear()
+        self.compute = fit_compute(samples)
 
     def observe_transfer(self, t: Transfer) -> None:
         """Fold in one measured read (`seconds` include the throttle and the decode)."""
@@ -54,16 +96,15 @@ class CostTracker:
         )
 
     def observe_compute(self, chunks: Sequence[tuple[int, int]], seconds: float) -> None:
-        """Fold in one forward pass over `chunks` of (new tokens, context) that took `seconds`:
-        all coefficients scale by the ratio of measured to predicted time."""
-        c = self.compute
-        predicted = c.alpha_s + sum(
-            c.beta_s * k + c.gamma_s * k * (ctx + k / 2) for k, ctx in chunks
-        )
-        if predicted <= 0 or seconds <= 0:
+        """Fold in one forward pass over `chunks` of (new tokens, context) that took `seconds`."""
+        if seconds <= 0 or not chunks:
             return
-        scale = self._ewma(1.0, _clamped(seconds / predicted, 1.0))
-        self.compute = ComputeCost(c.alpha_s * scale, c.beta_s * scale, c.gamma_s * scale)
+        self._recent.append(ComputeSample.of(chunks, seconds))
+        n = len(self._recent)
+        weights = [self._anchor_weight] * len(self._anchors) + [
+            (1 - self.weight) ** (n - 1 - i) for i in range(n)
+        ]
+        self.compute = fit_compute([*self._anchors, *self._recent], weights)
 
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self.weight) * old + self.weight * new
@@ -74,20 +115,41 @@ def _clamped(value: float, reference: float) -> float:
     return min(max(value, reference * lo), reference * hi)
 
 
-def fit_compute(samples: Sequence[tuple[int, int, float]]) -> ComputeCost:
-    """Least squares fit of alpha, beta, gamma to (new tokens, context, seconds) samples.
+# Calibration shapes (new tokens, context), in units of the engine's short and long prefills.
+_SHAPES = ((32, 0), (128, 0), (32, 128), (128, 128))
+# Subsets of (alpha, beta, gamma) tried by the non-negative fit; beta is always in: a
+# recompute is never free.
+_SUBSETS = ((1,), (0, 1), (1, 2), (0, 1, 2))
 
-    Negative coefficients (noise) are clamped to zero; beta is kept positive so a recompute is
-    never free.
+
+def fit_compute(
+    samples: Sequence[ComputeSample], weights: Sequence[float] | None = None
+) -> ComputeCost:
+    """Non-negative weighted least squares fit of alpha, beta, gamma to measured passes.
+
+    Tries each subset of coefficients (the others zero) and keeps the best fit whose
+    coefficients are all non-negative: noise never yields a negative cost.
     """
-    import numpy as np  # only at calibration
+    import numpy as np  # only when fitting
 
-    rows = [[1.0, k, k * (ctx + k / 2)] for k, ctx, _ in samples]
-    secs = [s for _, _, s in samples]
-    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(secs), rcond=None)
-    alpha, beta, gamma = (max(float(x), 0.0) for x in coef)
-    if beta <= 0:
-        beta = max(secs) / max(k for k, _, _ in samples)
+    x = np.array([[1.0, s.num_tokens, s.attention] for s in samples])
+    y = np.array([s.seconds for s in samples])
+    w = np.sqrt(np.array(weights if weights is not None else [1.0] * len(samples)))
+    best: tuple[float, np.ndarray] | None = None
+    for subset in _SUBSETS:
+        cols = list(subset)
+        coef, *_ = np.linalg.lstsq(x[:, cols] * w[:, None], y * w, rcond=None)
+        if (coef < 0).any():
+            continue
+        full = np.zeros(3)
+        full[cols] = coef
+        residual = float((((x @ full) - y) * w) @ (((x @ full) - y) * w))
+        if best is None or residual < best[0]:
+            best = (residual, full)
+    if best is None or best[1][1] <= 0:
+        per_token = max(s.seconds / max(s.num_tokens, 1.0) for s in samples)
+        return ComputeCost(0.0, per_token, 0.0)
+    alpha, beta, gamma = (float(v) for v in best[1])
     return ComputeCost(alpha, beta, gamma)
 
 

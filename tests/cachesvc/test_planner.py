@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachesvc.calibration import CostTracker, fit_compute
+from cachesvc.calibration import ComputeSample, CostTracker, fit_compute
 from cachesvc.planner import ComputeCost, CostModel, TierCost, plan_load
 from cachesvc.tiers.tier_manager import TierHit, Transfer
 
@@ -114,11 +114,18 @@ def test_plan_is_never_predicted_slower_than_either_extreme(
 
 def test_fit_compute_recovers_coefficients() -> None:
     truth = ComputeCost(0.02, 5e-4, 2e-7)
-    samples = [(k, c, truth.prefill_s(k, c)) for k, c in [(32, 0), (128, 0), (32, 128), (64, 512)]]
-    fit = fit_compute(samples)
+    shapes = [(32, 0), (128, 0), (32, 128), (64, 512)]
+    fit = fit_compute([ComputeSample.of([(k, c)], truth.prefill_s(k, c)) for k, c in shapes])
     assert fit.alpha_s == pytest.approx(truth.alpha_s, rel=1e-3)
     assert fit.beta_s == pytest.approx(truth.beta_s, rel=1e-3)
     assert fit.gamma_s == pytest.approx(truth.gamma_s, rel=1e-3)
+
+
+def test_fit_never_gives_a_negative_cost() -> None:
+    # Noise that a plain least squares would answer with a negative alpha.
+    samples = [ComputeSample.of([(k, 0)], s) for k, s in [(10, 0.001), (20, 0.012), (40, 0.03)]]
+    fit = fit_compute(samples)
+    assert min(fit.alpha_s, fit.beta_s, fit.gamma_s) >= 0 and fit.beta_s > 0
 
 
 def test_tracker_follows_a_slower_tier_and_a_faster_device() -> None:
@@ -129,6 +136,25 @@ def test_tracker_follows_a_slower_tier_and_a_faster_device() -> None:
     after = tracker.model().tiers["nvme"].seconds_per_byte
     assert after > 10 * before
     assert after == pytest.approx(1 / 10e6, rel=0.1)
-    for _ in range(10):  # the device computes twice as fast as predicted
-        tracker.observe_compute([(64, 0)], COMPUTE.prefill_s(64, 0) / 2)
-    assert tracker.compute.beta_s == pytest.approx(COMPUTE.beta_s / 2, rel=0.05)
+    shapes = [(32, 0), (128, 0), (32, 128)]
+    tracker.calibrate_compute(
+        [ComputeSample.of([(k, c)], COMPUTE.prefill_s(k, c)) for k, c in shapes]
+    )
+    for _ in range(10):  # the device now computes twice as fast: prefills and decodes
+        for chunks in ([(64, 0)], [(1, 64), (1, 80)], [(128, 32)]):
+            half = sum(COMPUTE.prefill_s(k, c) for k, c in chunks) / 2
+            tracker.observe_compute(chunks, half)
+    assert tracker.compute.prefill_s(256, 0) == pytest.approx(
+        COMPUTE.prefill_s(256, 0) / 2, rel=0.2
+    )
+
+
+def test_decode_steps_do_not_make_prefills_look_slow() -> None:
+    tracker = CostTracker(COMPUTE, {})
+    shapes = [(32, 0), (128, 0), (32, 128)]
+    tracker.calibrate_compute(
+        [ComputeSample.of([(k, c)], COMPUTE.prefill_s(k, c)) for k, c in shapes]
+    )
+    for ctx in range(100, 400):  # a long decode: one token per step
+        tracker.observe_compute([(1, ctx)], COMPUTE.prefill_s(1, ctx))
+    assert tracker.compute.prefill_s(512, 0) == pytest.approx(COMPUTE.prefill_s(512, 0), rel=0.2)

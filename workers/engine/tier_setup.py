@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from cachesvc.calibration import fit_compute, probe_tier
+from cachesvc.calibration import ComputeSample, probe_tier
 from cachesvc.config import TierConfig
 from cachesvc.tiers.base import Tier, TierStats, make_tier
 from cachesvc.types import BlockHash, BlockId, RequestId
@@ -95,21 +95,27 @@ def calibrate_tiers(tiering: KVTiering, num_blocks: int = 4) -> None:
 
 @torch.inference_mode()
 def calibrate_compute(tiering: KVTiering, runner: ModelRunner, max_tokens: int) -> None:
-    """Fit the prefill cost to three forward passes: short, long, and short after long.
+    """Fit the prefill cost to forward passes of a few shapes (the best of two runs each).
 
     They run over scratch blocks, so this only works before any block is registered.
     """
     assert tiering.pool.num_cached == 0, "calibrate before serving: it overwrites blocks"
     bs = tiering.block_size
-    max_tokens = min(max_tokens, tiering.pool.num_blocks * bs // 2)
-    small, big = max(1, min(2 * bs, max_tokens)), max(1, min(8 * bs, max_tokens))
-    _forward(runner, small, 0)  # warm-up: first calls allocate
+    # Shapes scaled to the pool and the step budget (the long one at most half the pool).
+    long = max(1, min(8 * bs, max_tokens, tiering.pool.num_blocks * bs // 2))
+    short = max(1, min(2 * bs, long))
+    _forward(runner, short, 0)  # warm-up: first calls allocate
     samples = []
-    for k, ctx in ((small, 0), (big, 0), (small, big)):
-        start = time.perf_counter()
-        _forward(runner, k, ctx)
-        samples.append((k, ctx, time.perf_counter() - start))
-    tiering.costs.compute = fit_compute(samples)
+    for k, ctx in ((short, 0), (long, 0), (short, long), (long, long)):
+        if ctx + k > tiering.pool.num_blocks * bs:
+            continue
+        seconds = []
+        for _ in range(2):
+            start = time.perf_counter()
+            _forward(runner, k, ctx)
+            seconds.append(time.perf_counter() - start)
+        samples.append(ComputeSample.of([(k, ctx)], min(seconds)))
+    tiering.costs.calibrate_compute(samples)
 
 
 def _forward(runner: ModelRunner, num_tokens: int, context: int) -> None:
