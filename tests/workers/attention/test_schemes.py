@@ -273,3 +273,47 @@ def test_costs_table_takes_the_nearest_cells_fastest() -> None:
 )
 def test_choose_scheme_table(shape: BatchShape, want: str) -> None:
     assert choose_scheme(shape) == want
+
+
+# Our CPU torch measurements (cachesvc/bench/prefill_schemes.py full grid, float32, 1 thread on
+# the shared 2-core build machine, ms): the CPU rules must land within 10% of the best.
+CPU_TORCH_MS = {
+    (96, 4, 2): {"naive": 3.52, "split": 2.02, "ragged": 2.02, "cascade": 2.27,
+                 "multi_item": 2.06, "custom_mask": 1.98},
+    (96, 4, 32): {"naive": 78.91, "split": 14.91, "ragged": 11.09, "cascade": 8.66,
+                  "multi_item": 6.68, "custom_mask": 6.52},
+    (96, 128, 2): {"naive": 11.97, "split": 9.84, "ragged": 9.85, "cascade": 10.42,
+                   "multi_item": 14.55, "custom_mask": 14.50},
+    (96, 128, 32): {"naive": 352.09, "split": 198.65, "ragged": 208.97, "cascade": 397.68,
+                    "multi_item": 2949.78, "custom_mask": 2933.07},
+    (1028, 4, 2): {"naive": 347.07, "split": 177.47, "ragged": 171.29, "cascade": 170.43,
+                   "multi_item": 173.17, "custom_mask": 183.11},
+    (1028, 4, 32): {"naive": 5717.20, "split": 271.62, "ragged": 273.05, "cascade": 204.96,
+                    "multi_item": 216.63, "custom_mask": 228.35},
+    (1028, 128, 2): {"naive": 461.49, "split": 249.33, "ragged": 253.29, "cascade": 229.09,
+                     "multi_item": 272.24, "custom_mask": 265.14},
+    (1028, 128, 32): {"naive": 7046.23, "split": 1174.28, "ragged": 1188.37, "cascade": 1169.41,
+                      "multi_item": 4671.70, "custom_mask": 4609.29},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("cell", sorted(CPU_TORCH_MS))
+def test_cpu_rules_within_ten_percent_of_our_best(cell: tuple[int, int, int]) -> None:
+    ms = CPU_TORCH_MS[cell]
+    chosen = choose_scheme(BatchShape(*cell, backend="torch"))
+    assert ms[chosen] <= 1.1 * min(ms.values()), chosen
+
+
+@pytest.mark.parametrize(
+    ("prefix_len", "num_requests", "want"),
+    [
+        (256, 8, "cascade"),  # the decode bench's grid: cascade 2.3-16x faster
+        (4096, 64, "cascade"),
+        (1024, 2, "cascade"),
+        (512, 2, "ragged"),  # under ~1K saved prefix reads the two are within noise
+        (128, 4, "ragged"),
+        (64, 8, "ragged"),
+    ],
+)
+def test_cpu_decode_rule(prefix_len: int, num_requests: int, want: str) -> None:
+    assert choose_scheme(BatchShape(prefix_len, 128, num_requests, decode=True)) == want
