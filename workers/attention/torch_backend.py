@@ -19,6 +19,7 @@ import torch
 
 from workers.attention.base import AttentionBackend, register_backend
 from workers.attention.layout import BatchLayout
+from workers.attention.merge import merge_state
 
 _LOG2_E = 1.0 / math.log(2.0)
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -101,6 +102,8 @@ def attend(
     0 and LSE -inf. Pure: reads its inputs only.
     """
     qo_len, kv_len = q.shape[0], k.shape[0]
+    if mask is None and q.device.type == "cpu" and 0 < qo_len <= kv_len:
+        return _attend_unmasked(q, k, v, sm_scale, causal)
     visible = torch.ones(qo_len, kv_len, dtype=torch.bool, device=q.device)
     if mask is not None:
         visible = visible & mask
@@ -108,6 +111,42 @@ def attend(
         visible = visible & causal_mask(qo_len, kv_len, q.device)
     out, lse = _attend_padded(q[None], k[None], v[None], visible[None], sm_scale)
     return out[0], lse[0]
+
+
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel without a mask tensor: `[L, H, D]` in, out and base-2 LSE out."""
+    out, lse = _flash_cpu(
+        q[None].transpose(1, 2),
+        k.to(q.dtype)[None].transpose(1, 2),
+        v.to(q.dtype)[None].transpose(1, 2),
+        is_causal=is_causal,
+        scale=sm_scale,
+    )
+    return out.transpose(1, 2)[0], (lse.float() * _LOG2_E).transpose(1, 2)[0]
+
+
+def _attend_unmasked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain or bottom-right causal attention without materialising a mask.
+
+    The kernel's own causal flag is top-left aligned, which equals bottom-right only for a
+    square. So a chunk whose queries come after cached keys runs as two states merged by LSE:
+    the cached keys, all visible, and the chunk's own square, causal. The kernel then skips the
+    masked half of the square instead of scoring it against a dense bias (several times faster
+    on long prefills).
+    """
+    qo_len, kv_len = q.shape[0], k.shape[0]
+    if not causal:
+        return _flash(q, k, v, sm_scale, is_causal=False)
+    if qo_len == kv_len:
+        return _flash(q, k, v, sm_scale, is_causal=True)
+    cached = kv_len - qo_len
+    out_a, lse_a = _flash(q, k[:cached], v[:cached], sm_scale, is_causal=False)
+    out_b, lse_b = _flash(q, k[cached:], v[cached:], sm_scale, is_causal=True)
+    return merge_state(out_a, lse_a, out_b, lse_b)
 
 
 @dataclass(frozen=True)
