@@ -117,6 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     eng.add_argument("--quick", action="store_true", help="a small run, under a minute or two")
     eng.add_argument("--model", default=None)
     eng.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    eng.add_argument("--threads", type=int, default=None, help="torch CPU threads, both engines")
     for name, help_text in (
         ("prefill-schemes", "the seed's P x S x M grid: every shared-prefix prefill scheme"),
         ("decode-cascade", "cascade vs batch decode over shared prefixes"),
@@ -139,6 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     tiers.add_argument("--quick", action="store_true", help="contexts 256/512, fewer caps")
     tiers.add_argument("--model", default=None)
     tiers.add_argument("--redis-url", default=None, help="default: a local redis-server")
+    tiers.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
     add_score_parser(sub, _add_engine_args)
     add_routing_bench_parser(bench_sub)
@@ -342,6 +344,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.suite == "engine":
         from cachesvc.bench.engine import run_engine_bench
 
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
         return run_engine_bench(
             model=args.model, quick=args.quick, json_path=args.json_path, with_hf=not args.no_hf
         )
@@ -356,7 +362,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.suite == "tiers":
         from cachesvc.bench.tiers import run_tiers_bench
 
-        return run_tiers_bench(args.model, args.quick, args.json_path, args.redis_url)
+        return run_tiers_bench(args.model, args.quick, args.json_path, args.redis_url, args.threads)
     if args.suite == "prefix-cache":
         from cachesvc.bench.prefix_cache import run_prefix_cache_bench
 
