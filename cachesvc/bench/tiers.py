@@ -16,13 +16,15 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from cachesvc.bench.table import format_table, write_json
@@ -43,7 +45,7 @@ class TierRow:
     chosen_ms: float
     chosen: str  # the planner's plan kind
     predicted_ms: float | None  # what the planner expected of its choice
-    ratio: float  # chosen over the best measured alternative
+    ratio: float  # chosen over the best measured alternative (device row: over recompute)
 
 
 @dataclass(frozen=True)
@@ -87,15 +89,13 @@ class _Runner:
         return Engine(config, loaded=self.loaded)
 
     def ttft_ms(self, engine: Any) -> float:
-        """The best of `repeats` runs: on a shared machine the minimum is the least disturbed."""
-        times = []
-        for _ in range(self.repeats):
-            self._seed += 1
-            prompt = self.prefix + _tokens(SUFFIX, self._seed, self.vocab)
-            [out] = engine.generate([prompt], _one_token())
-            engine.pool.reset_cache()  # the prefix leaves the device again (into the tier)
-            times.append(float(out.ttft_ms))
-        return min(times)
+        """One request sharing the prefix (with a fresh suffix); the prefix then leaves the
+        device again (demoted into the tier, which already holds it)."""
+        self._seed += 1
+        prompt = self.prefix + _tokens(SUFFIX, self._seed, self.vocab)
+        [out] = engine.generate([prompt], _one_token())
+        engine.pool.reset_cache()
+        return float(out.ttft_ms)
 
 
 def _tier_config(tier: str, context: int, nvme_dir: str, redis_url: str | None) -> Any:
@@ -123,35 +123,41 @@ def _tier_rows(
     rows = []
     for cap in caps:
         engine.tiering.set_cap(tier, cap)
-        times = {}
-        # Each row times its own recompute, next to the others: a shared machine drifts.
-        for mode in ("fetch", "split", "recompute", "auto"):
-            engine.tiering.mode = mode
-            times[mode] = run.ttft_ms(engine)
-        plan = engine.tiering.last_plan  # of the "auto" run
-        recompute = min(times["recompute"], recompute_ms)
-        best = min(times["fetch"], times["split"], recompute)
+        times = _round_robin(run, engine, ("fetch", "split", "recompute", "auto"))
+        plan = engine.tiering.last_plan  # of the last "auto" run
         row = TierRow(
             run.context,
             tier,
             cap,
             times["fetch"],
             times["split"],
-            recompute,
+            min(times["recompute"], recompute_ms),
             times["auto"],
             plan.kind,
             plan.predicted_s * 1e3,
-            times["auto"] / best,
+            0.0,  # set once the context's best recompute time is known
         )
         rows.append(row)
         print(
             f"  {tier:5} cap {cap or '-':>5} MB/s: fetch {row.fetch_ms:.0f} ms, split "
-            f"{row.split_ms:.0f}, recompute {recompute:.0f}, chosen {row.chosen} "
+            f"{row.split_ms:.0f}, recompute {row.recompute_ms:.0f}, chosen {row.chosen} "
             f"{row.chosen_ms:.0f}",
             flush=True,
         )
     engine.close()
     return rows
+
+
+def _round_robin(run: _Runner, engine: Any, modes: tuple[str, ...]) -> dict[str, float]:
+    """The best TTFT of each plan mode over `run.repeats` rounds, the modes interleaved: on a
+    shared machine a burst of load then hits every mode alike, and the minimum is the least
+    disturbed run."""
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(run.repeats):
+        for mode in modes:
+            engine.tiering.mode = mode
+            times[mode].append(run.ttft_ms(engine))
+    return {m: min(t) for m, t in times.items()}
 
 
 def _context_rows(
@@ -161,7 +167,7 @@ def _context_rows(
 
     plain = run.engine(TierConfig())  # no tiers: what nothing cached costs
     plain.generate([_tokens(32, 1, run.vocab)], _one_token())  # warm-up
-    recompute_ms = run.ttft_ms(plain)
+    recompute_ms = min(run.ttft_ms(plain) for _ in range(run.repeats))
     device_ms = _device_ttft_ms(run, plain)
     rows = [
         TierRow(
@@ -177,7 +183,15 @@ def _context_rows(
         if tier == "redis" and redis_url is None:
             continue
         rows.extend(_tier_rows(run, tier, caps, recompute_ms, nvme_dir, redis_url))
-    return rows
+    # Recompute does not depend on the tier: its best time over the whole context is the
+    # baseline of every row.
+    best_recompute = min(r.recompute_ms for r in rows)
+    out = []
+    for r in rows:
+        alternatives = [t for t in (r.fetch_ms, r.split_ms) if t is not None]
+        best = min([*alternatives, best_recompute])
+        out.append(replace(r, recompute_ms=best_recompute, ratio=r.chosen_ms / best))
+    return out
 
 
 def _device_ttft_ms(run: _Runner, engine: Any) -> float:
@@ -266,10 +280,20 @@ def _local_redis() -> Iterator[str | None]:
 
 
 def run_tiers_bench(
-    model: str | None, quick: bool, json_path: str | None, redis_url: str | None = None
+    model: str | None,
+    quick: bool,
+    json_path: str | None,
+    redis_url: str | None = None,
+    threads: int | None = None,
 ) -> int:
     """Print the tables (and write JSON); returns the process exit status."""
     import torch
+
+    if threads:
+        # One thread is steadier on a shared machine: oversubscribed OpenMP threads stall.
+        torch.set_num_threads(threads)
+    # A terminated run still stops the redis-server it started and removes its NVMe folder.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     from workers.model.loader import load_model
 
@@ -285,7 +309,7 @@ def run_tiers_bench(
             if url is None:
                 print("redis-server not installed: no Redis rows")
             for context in contexts:
-                runner = _Runner(loaded, context, repeats=2 if quick else 3)
+                runner = _Runner(loaded, context, repeats=3)
                 rows.extend(_context_rows(runner, caps, nvme_dir, url))
         codec = codec_rows(_real_kv(_Runner(loaded, contexts[-1])))
     finally:
@@ -314,7 +338,10 @@ def _given(url: str) -> Iterator[str | None]:
 def _print(rows: list[TierRow], codec: list[CodecRow], loaded: Any) -> None:
     import torch
 
-    print(f"\nmodel {loaded.path.name}, float32 KV, {torch.get_num_threads()} threads; TTFT in ms")
+    print(
+        f"\nmodel {loaded.path.name}, float32 KV, torch threads: {torch.get_num_threads()}; "
+        "TTFT in ms"
+    )
     headers = [
         "context",
         "tier",

@@ -7,6 +7,9 @@ is held), and a block that leaves every tier takes its held descendants with it:
 outlives its prefix, since nothing could ever reach it (LMCache's cost-aware policy admits it has
 no such rule). The device pool counts as holding a parent, through `device_has`.
 
+A hit is promoted by copying it into the device pool; the tiers keep their copy (inclusive), so
+when the device evicts the block again it costs no new write.
+
 The shared tier (Redis) is written only for blocks reused at least `min_reuse` times, and is only
 ever asked, never managed: other workers write it and Redis evicts by itself.
 
