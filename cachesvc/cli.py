@@ -243,6 +243,7 @@ def _output_json(prompt: str, out: Any) -> dict[str, Any]:
         "ttft_ms": out.ttft_ms,
         "decode_tokens_per_s": out.decode_tokens_per_s,
         "cached_tokens": out.num_cached_tokens,
+        "cached_tokens_by_tier": dict(out.cached_tokens_by_tier),
         "computed_tokens": out.num_computed_tokens,
     }
 

@@ -117,6 +117,7 @@ def _empty(prompt: str, prompt_ids: Sequence[int]) -> dict[str, Any]:
         "ttft_ms": None,
         "decode_tokens_per_s": None,
         "cached_tokens": 0,
+        "cached_tokens_by_tier": {},
         "computed_tokens": 0,
         "worker_id": None,
     }
@@ -126,5 +127,6 @@ def _apply_usage(sample: dict[str, Any], usage: pb.Usage) -> None:
     sample["ttft_ms"] = usage.ttft_ms
     sample["decode_tokens_per_s"] = usage.decode_tokens_per_s or None
     sample["cached_tokens"] = sum(usage.cached_tokens.values())
+    sample["cached_tokens_by_tier"] = {k: v for k, v in usage.cached_tokens.items() if v}
     sample["computed_tokens"] = usage.computed_tokens
     sample["worker_id"] = usage.worker_id

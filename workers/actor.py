@@ -244,7 +244,7 @@ class WorkerActor:
             usage = Usage(
                 prompt_tokens=len(out.prompt_token_ids),
                 completion_tokens=len(out.token_ids),
-                cached_tokens={TIER_HBM: out.num_cached_tokens},
+                cached_tokens=dict(out.cached_tokens_by_tier) or {TIER_HBM: out.num_cached_tokens},
                 computed_tokens=out.num_computed_tokens,
                 ttft_ms=out.ttft_ms or 0.0,
                 decode_tokens_per_s=out.decode_tokens_per_s,

@@ -278,6 +278,9 @@ class Engine:
             outputs.append(self._on_token(tracked, token, now))
         return outputs
 
+    def _tier_usage(self, request_id: RequestId) -> dict[str, int] | None:
+        return None if self.tiering is None else self.tiering.usage(request_id)
+
     def _beam_output(self, request: Request) -> RequestOutput:
         tracked = self._track(request)
         if self.tokenizer is not None:
@@ -302,7 +305,7 @@ class Engine:
             self._drop(request)
             request.finish(decision.reason, now, decision.stop_reason)
             del self._tracked[request.request_id]
-        return snapshot(tracked, delta)
+        return snapshot(tracked, delta, self._tier_usage(request.request_id))
 
     def score(
         self,

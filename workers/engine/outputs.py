@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from cachesvc.types import RequestId
 
@@ -28,3 +29,5 @@ class RequestOutput:
     num_cached_tokens: int
     num_computed_tokens: int
     num_preemptions: int
+    # Cached prompt tokens by the tier they came from ("hbm" is the device pool).
+    cached_tokens_by_tier: Mapping[str, int] = field(default_factory=dict)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from workers.engine.outputs import RequestOutput
@@ -25,8 +26,13 @@ class Tracked:
         self.num_computed += max(0, end - start_pos)
 
 
-def snapshot(tracked: Tracked, delta: str) -> RequestOutput:
-    """The caller-facing view of a tracked request after a step."""
+def snapshot(
+    tracked: Tracked, delta: str, tier_usage: Mapping[str, int] | None = None
+) -> RequestOutput:
+    """The caller-facing view of a tracked request after a step.
+
+    `tier_usage` splits the cached prompt tokens by tier; without it they all count as "hbm".
+    """
     r = tracked.request
     ttft = None if r.first_token_time is None else (r.first_token_time - r.arrival_time) * 1e3
     tps = None
@@ -50,4 +56,12 @@ def snapshot(tracked: Tracked, delta: str) -> RequestOutput:
         num_cached_tokens=r.num_cached_tokens,
         num_computed_tokens=tracked.num_computed,
         num_preemptions=r.num_preemptions,
+        cached_tokens_by_tier=_by_tier(r.num_cached_tokens, tier_usage),
     )
+
+
+def _by_tier(num_cached: int, tier_usage: Mapping[str, int] | None) -> dict[str, int]:
+    usage = {k: v for k, v in (tier_usage or {}).items() if v}
+    if not usage and num_cached:
+        usage = {"hbm": num_cached}
+    return usage

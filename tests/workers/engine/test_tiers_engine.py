@@ -67,7 +67,11 @@ def run(engine: Engine, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
     """Greedy tokens of one prompt, and where its prompt tokens came from."""
     [out] = engine.generate([prompt], GREEDY)
     assert engine.tiering is not None
-    return list(out.token_ids), engine.tiering.usage(out.request_id)
+    usage = engine.tiering.usage(out.request_id)
+    # The request's own output reports the same split by tier.
+    assert dict(out.cached_tokens_by_tier) == {k: v for k, v in usage.items() if v}
+    assert sum(out.cached_tokens_by_tier.values()) == out.num_cached_tokens
+    return list(out.token_ids), usage
 
 
 def run_then_evict(engine: Engine, prompt: list[int]) -> list[int]:
