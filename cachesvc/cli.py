@@ -193,6 +193,21 @@ def _tier_config(args: argparse.Namespace) -> Any:
     )
 
 
+def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags, shared by the offline engine and the gRPC client."""
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": tuple(args.stop),
+        "n": args.n,
+        "ignore_eos": args.ignore_eos,
+        "beam_width": args.beam_width,
+    }
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.server:
         return _generate_remote(args)
@@ -200,18 +215,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from workers.engine.sampling_params import SamplingParams
 
     prompts = _read_prompts(args)
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        n=args.n,
-        ignore_eos=args.ignore_eos,
-        beam_width=args.beam_width,
-        length_penalty=args.length_penalty,
-    )
+    params = SamplingParams(**_sampling_kwargs(args), length_penalty=args.length_penalty)
     engine = Engine(_engine_config(args))
     if args.chat:
         prompts = [_chat(engine, p, args.system) for p in prompts]
@@ -263,16 +267,9 @@ def _read_token(path: str | None) -> str | None:
 def _generate_remote(args: argparse.Namespace) -> int:
     from router.client import RemoteError, RemoteSampling, RouterClient
 
-    sampling = RemoteSampling(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        n=args.n,
-        ignore_eos=args.ignore_eos,
-    )
+    if args.length_penalty != 1.0:
+        raise CliError("--length-penalty is not part of the wire contract; use it offline")
+    sampling = RemoteSampling(**_sampling_kwargs(args))
     prompts = _read_prompts(args)
     with RouterClient(args.server, _read_token(args.auth_token_file)) as client:
         for prompt in prompts:

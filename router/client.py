@@ -29,6 +29,7 @@ class RemoteSampling:
     stop: tuple[str, ...]
     n: int
     ignore_eos: bool
+    beam_width: int = 1
 
     def to_proto(self) -> pb.SamplingParams:
         msg = pb.SamplingParams(
@@ -39,6 +40,7 @@ class RemoteSampling:
             stop=list(self.stop),
             n=self.n,
             ignore_eos=self.ignore_eos,
+            beam_width=self.beam_width,
         )
         if self.seed is not None:
             msg.seed = self.seed

@@ -97,3 +97,17 @@ def test_generate_over_the_server_reports_errors(
     argv = ["generate", "--server", served, "--prompt", "hi", "--max-tokens", "3"]
     assert main(argv) == 2
     assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+def test_beam_search_over_the_server_matches_offline(
+    served: str, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "token").write_text("cli-secret")
+    common = ["generate", "--json", "--max-tokens", "5", "--ignore-eos", "--beam-width", "3"]
+    common += ["--prompt", "beams over the wire"]
+    offline = _json_lines(capsys, [*common, "--model", str(tiny_model_dir), *ENGINE_ARGS])
+    remote = _json_lines(
+        capsys, [*common, "--server", served, "--auth-token-file", str(tmp_path / "token")]
+    )
+    assert [r["token_ids"] for r in remote] == [o["token_ids"] for o in offline]
+    assert main([*common, "--server", served, "--length-penalty", "2"]) == 2
