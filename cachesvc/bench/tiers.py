@@ -17,8 +17,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from cachesvc.bench.table import format_table, write_json
+from cachesvc.local_redis import local_redis, redis_server_binary
 from cachesvc.types import BlockHash
 
 TIERS = ("dram", "nvme", "redis")
@@ -251,32 +250,12 @@ def _real_kv(run: _Runner) -> list[Any]:
 
 @contextmanager
 def _local_redis() -> Iterator[str | None]:
-    """A throwaway redis-server on a free loopback port, or None when none is installed."""
-    binary = shutil.which("redis-server")
-    if binary is None:
+    """A throwaway redis-server, or None when none is installed."""
+    if redis_server_binary() is None:
         yield None
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        import redis
-
-        client = redis.Redis(port=port)
-        for _ in range(100):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with local_redis() as url:
+        yield url
 
 
 def run_tiers_bench(

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +21,7 @@ import torch
 
 from cachesvc.config import EngineConfig, TierConfig
 from cachesvc.hashing import hash_blocks, root_hash
+from cachesvc.local_redis import LocalRedis, redis_server_binary
 from cachesvc.planner import ComputeCost
 from cachesvc.types import BlockHash
 from workers.engine.engine import Engine
@@ -281,63 +280,18 @@ def test_garbage_under_a_redis_key_is_a_miss(
     engine.close()
 
 
-class RedisProcess:
-    """A redis-server of our own, with a password, that a test may kill and restart."""
-
-    def __init__(self, workdir: Path, password: str) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = int(sock.getsockname()[1])
-        self.workdir = workdir
-        self.password = password
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("redis-server is not installed (apt-get install redis-server)")
-        args = [
-            binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(self.workdir),
-            "--requirepass",
-            self.password,
-        ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url, password=self.password)
-        for _ in range(200):
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-
 @pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path, password=uuid.uuid4().hex)
+def own_redis(tmp_path: Path) -> Iterator[LocalRedis]:
+    """A redis-server of our own, with a password, that a test may kill and restart."""
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = LocalRedis(tmp_path, password=uuid.uuid4().hex).start()
     yield server
     server.stop()
 
 
 def test_redis_killed_mid_run_and_restarted(
-    tiny_llama_dir: Path, own_redis: RedisProcess, expected: Any
+    tiny_llama_dir: Path, own_redis: LocalRedis, expected: Any
 ) -> None:
     tiers = TierConfig(
         redis_url=own_redis.url,
@@ -350,7 +304,7 @@ def test_redis_killed_mid_run_and_restarted(
     engine = make_engine(tiny_llama_dir, tiers)
     run_then_evict(engine, A)
     engine.add_request(B, GREEDY)
-    own_redis.stop()  # killed with a request in flight
+    own_redis.stop(kill=True)  # killed with a request in flight
     outs = []
     while engine.has_unfinished():
         outs.extend(o for o in engine.step() if o.finished)
