@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from cachesvc import gpu_check
+from cachesvc import gpu_check_correctness
 from workers.attention import flashinfer_backend as fb
 from workers.attention.base import get_backend
 from workers.attention.custom_mask import unpack_segment
@@ -172,24 +172,24 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fb, "WORKSPACE_BYTES", 16)
 
 
-CPU = gpu_check.Shapes(torch.float16, 4, 2, 16, page_size=4)
+CPU = gpu_check_correctness.Shapes(torch.float16, 4, 2, 16, page_size=4)
 
 
 @pytest.mark.parametrize(("p", "s", "m"), [(8, 3, 2), (10, 5, 5)])
 def test_every_scheme_runs_the_reference_semantics(fake: None, p: int, s: int, m: int) -> None:
     """Through the fake, each scheme's (out, lse) equals the torch backend's."""
-    case = gpu_check.make_check_case(p, s, m, CPU, "cpu")
+    case = gpu_check_correctness.make_check_case(p, s, m, CPU, "cpu")
     backend = SchemeBackend(fb.FlashInferBackend(), fb.FlashInferBackend())
     reference = make_scheme_backend("torch")
-    for name, step in gpu_check.scheme_steps(case).items():
-        got = gpu_check.attention(backend, case.q, case.kv_cache, step, case)
-        want = gpu_check.attention(reference, case.q, case.kv_cache, step, case)
+    for name, step in gpu_check_correctness.scheme_steps(case).items():
+        got = gpu_check_correctness.attention(backend, case.q, case.kv_cache, step, case)
+        want = gpu_check_correctness.attention(reference, case.q, case.kv_cache, step, case)
         torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3, msg=name)
 
 
 def test_one_plan_per_layout_serves_every_layer(fake: None) -> None:
-    case = gpu_check.make_check_case(8, 3, 2, CPU, "cpu")
-    _, qo_lens, kv_lens, _ = gpu_check.scheme_steps(case)["ragged"]
+    case = gpu_check_correctness.make_check_case(8, 3, 2, CPU, "cpu")
+    _, qo_lens, kv_lens, _ = gpu_check_correctness.scheme_steps(case)["ragged"]
     backend = fb.FlashInferBackend()
     q = case.q[: sum(qo_lens)]
 
@@ -210,15 +210,15 @@ def test_one_plan_per_layout_serves_every_layer(fake: None) -> None:
 
 
 def test_float32_is_refused_with_a_hint(fake: None) -> None:
-    case = gpu_check.make_check_case(8, 3, 2, CPU, "cpu")
+    case = gpu_check_correctness.make_check_case(8, 3, 2, CPU, "cpu")
     layout = build_layout([1, 1], [11, 11], case.tables, CPU.page_size)
     with pytest.raises(ValueError, match="bfloat16"):
         fb.FlashInferBackend().forward(case.q[:2].float(), case.kv_cache, layout, sm_scale=0.25)
 
 
 def test_write_kv_matches_torch_backend(fake: None) -> None:
-    case = gpu_check.make_check_case(8, 3, 2, CPU, "cpu")
-    step = gpu_check.scheme_steps(case)["ragged"]
+    case = gpu_check_correctness.make_check_case(8, 3, 2, CPU, "cpu")
+    step = gpu_check_correctness.scheme_steps(case)["ragged"]
     got, want = case.kv_cache.clone(), case.kv_cache.clone()
     layout = build_layout(step[1], step[2], case.tables, CPU.page_size)
     k, v = torch.randn(2, layout.num_tokens, 2, 16, dtype=CPU.dtype).unbind(0)
@@ -232,17 +232,21 @@ def test_write_kv_matches_torch_backend(fake: None) -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("shapes", gpu_check.CHECK_SHAPES, ids=lambda s: str(s.dtype))
+@pytest.mark.parametrize("shapes", gpu_check_correctness.CHECK_SHAPES, ids=lambda s: str(s.dtype))
 @pytest.mark.parametrize(("p", "s", "m"), [(96, 17, 5), (100, 4, 2)])
-def test_kernels_match_torch_backend(shapes: gpu_check.Shapes, p: int, s: int, m: int) -> None:
+def test_kernels_match_torch_backend(
+    shapes: gpu_check_correctness.Shapes, p: int, s: int, m: int
+) -> None:
     """Every scheme on the GPU against the torch backend in float32 on CPU copies."""
-    case = gpu_check.make_check_case(p, s, m, shapes, "cuda")
+    case = gpu_check_correctness.make_check_case(p, s, m, shapes, "cuda")
     backend, reference = make_scheme_backend("flashinfer"), make_scheme_backend("torch")
     q_ref, cache_ref = case.q.float().cpu(), case.kv_cache.float().cpu()
-    atol, lse_atol = gpu_check.TOLERANCE[shapes.dtype]
-    for name, step in gpu_check.scheme_steps(case).items():
-        out, lse = gpu_check.attention(backend, case.q, case.kv_cache, step, case)
-        want_out, want_lse = gpu_check.attention(reference, q_ref, cache_ref, step, case)
+    atol, lse_atol = gpu_check_correctness.TOLERANCE[shapes.dtype]
+    for name, step in gpu_check_correctness.scheme_steps(case).items():
+        out, lse = gpu_check_correctness.attention(backend, case.q, case.kv_cache, step, case)
+        want_out, want_lse = gpu_check_correctness.attention(
+            reference, q_ref, cache_ref, step, case
+        )
         assert out.dtype == shapes.dtype and lse.dtype == torch.float32, name
         torch.testing.assert_close(out.float().cpu(), want_out, atol=atol, rtol=atol, msg=name)
         torch.testing.assert_close(lse.cpu(), want_lse, atol=lse_atol, rtol=0, msg=name)
@@ -250,14 +254,14 @@ def test_kernels_match_torch_backend(shapes: gpu_check.Shapes, p: int, s: int, m
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("shapes", gpu_check.CHECK_SHAPES, ids=lambda s: str(s.dtype))
-def test_tensor_core_decode_matches_cuda_core_decode(shapes: gpu_check.Shapes) -> None:
-    case = gpu_check.make_check_case(100, 4, 5, shapes, "cuda")
-    step = gpu_check.scheme_steps(case)["decode"]
+@pytest.mark.parametrize("shapes", gpu_check_correctness.CHECK_SHAPES, ids=lambda s: str(s.dtype))
+def test_tensor_core_decode_matches_cuda_core_decode(shapes: gpu_check_correctness.Shapes) -> None:
+    case = gpu_check_correctness.make_check_case(100, 4, 5, shapes, "cuda")
+    step = gpu_check_correctness.scheme_steps(case)["decode"]
     cuda_cores = SchemeBackend(fb.FlashInferBackend())
     tensor_cores = SchemeBackend(fb.FlashInferBackend(decode_tensor_cores=True))
-    want = gpu_check.attention(cuda_cores, case.q, case.kv_cache, step, case)
-    got = gpu_check.attention(tensor_cores, case.q, case.kv_cache, step, case)
-    atol, lse_atol = gpu_check.TOLERANCE[shapes.dtype]
+    want = gpu_check_correctness.attention(cuda_cores, case.q, case.kv_cache, step, case)
+    got = gpu_check_correctness.attention(tensor_cores, case.q, case.kv_cache, step, case)
+    atol, lse_atol = gpu_check_correctness.TOLERANCE[shapes.dtype]
     torch.testing.assert_close(got[0], want[0], atol=atol, rtol=atol)
     torch.testing.assert_close(got[1], want[1], atol=lse_atol, rtol=0)
