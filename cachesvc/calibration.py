@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from cachesvc.planner import ComputeCost, CostModel, TierCost
 from cachesvc.tiers.base import Tier, TierItem
-from cachesvc.tiers.tier_manager import Transfer
+from cachesvc.tiers.results import Transfer
 from cachesvc.types import BlockHash
 
 # Prior read costs before any measurement (latency s, seconds per byte): order of magnitude only.

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cachesvc.tiers.tier_manager import TierHit
+from cachesvc.tiers.results import TierHit
 
 PlanKind = Literal["none", "fetch", "split", "recompute"]
 PLAN_MODES = ("auto", "fetch", "split", "recompute")

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from cachesvc.calibration import ComputeSample, CostTracker, fit_compute
 from cachesvc.planner import ComputeCost, CostModel, TierCost, plan_load
-from cachesvc.tiers.tier_manager import TierHit, Transfer
+from cachesvc.tiers.results import TierHit, Transfer
 
 BS = 16
 BLOCK_BYTES = 1_000_000

@@ -31,7 +31,8 @@ from cachesvc.config import TierConfig
 from cachesvc.events import TIER_HBM
 from cachesvc.planner import ComputeCost, LoadPlan, TierCost, plan_load
 from cachesvc.tiers.base import Throttle
-from cachesvc.tiers.tier_manager import FetchResult, TierHit, TierManager
+from cachesvc.tiers.results import FetchResult, TierHit
+from cachesvc.tiers.tier_manager import TierManager
 from cachesvc.types import BlockHash, BlockId, RequestId
 from workers.engine.request import Request
 from workers.engine.scheduler import SchedulerOutput

@@ -21,7 +21,8 @@ from cachesvc.hashing import hash_blocks, root_hash
 from cachesvc.tiers.dram import DramTier
 from cachesvc.tiers.nvme import NvmeTier, file_name
 from cachesvc.tiers.redis_tier import RedisTier
-from cachesvc.tiers.tier_manager import TierHit, TierManager
+from cachesvc.tiers.results import TierHit
+from cachesvc.tiers.tier_manager import TierManager
 from cachesvc.types import BlockHash
 
 FP = "ab" * 16
