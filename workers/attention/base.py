@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.attention.layout import BatchLayout
+
+if TYPE_CHECKING:
+    from workers.attention.custom_mask import CustomMaskLayout
+    from workers.attention.multi_item import MultiItemLayout
 
 
 class AttentionBackend(ABC):
@@ -47,6 +52,37 @@ class AttentionBackend(ABC):
         Returns the output `[num_tokens, num_qo_heads, head_dim]` in q's dtype and, when
         `return_lse`, the base-2 LSE `[num_tokens, num_qo_heads]` in float32. Reads only.
         """
+
+    def forward_multi_item(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layout: MultiItemLayout,
+        *,
+        sm_scale: float,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Multi-item scoring attention over a logical batch; default: the torch implementation.
+
+        A backend with its own kernel overrides it. Reads only.
+        """
+        from workers.attention.multi_item import multi_item_attention
+
+        return multi_item_attention(q, kv_cache, layout, sm_scale=sm_scale, return_lse=return_lse)
+
+    def forward_custom_mask(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layout: CustomMaskLayout,
+        *,
+        sm_scale: float,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Packed-custom-mask attention; default: the torch implementation. Reads only."""
+        from workers.attention.custom_mask import custom_mask_attention
+
+        return custom_mask_attention(q, kv_cache, layout, sm_scale=sm_scale, return_lse=return_lse)
 
 
 _REGISTRY: dict[str, Callable[[], AttentionBackend]] = {}

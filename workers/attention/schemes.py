@@ -26,14 +26,12 @@ from workers.attention.cascade import (
 )
 from workers.attention.custom_mask import (
     CustomMaskLayout,
-    custom_mask_attention,
     custom_mask_from_multi_item,
 )
 from workers.attention.layout import BatchLayout, build_layout
 from workers.attention.multi_item import (
     MultiItemLayout,
     build_multi_item_layout,
-    multi_item_attention,
 )
 
 SCHEMES = ("naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
@@ -183,11 +181,10 @@ class SchemeBackend(AttentionBackend):
         sm_scale: float,
         return_lse: bool = False,
     ) -> Attention:
-        """Multi-item scoring attention; the inner backend's kernel when it has one."""
-        hook = getattr(self.inner, "forward_multi_item", None)
-        run = hook if hook is not None else multi_item_attention
-        result: Attention = run(q, kv_cache, layout, sm_scale=sm_scale, return_lse=return_lse)
-        return result
+        """Multi-item scoring attention: the inner backend's kernel (torch path by default)."""
+        return self.inner.forward_multi_item(
+            q, kv_cache, layout, sm_scale=sm_scale, return_lse=return_lse
+        )
 
     def forward_custom_mask(
         self,
@@ -198,11 +195,10 @@ class SchemeBackend(AttentionBackend):
         sm_scale: float,
         return_lse: bool = False,
     ) -> Attention:
-        """Packed-custom-mask attention; the inner backend's kernel when it has one."""
-        hook = getattr(self.inner, "forward_custom_mask", None)
-        run = hook if hook is not None else custom_mask_attention
-        result: Attention = run(q, kv_cache, layout, sm_scale=sm_scale, return_lse=return_lse)
-        return result
+        """Packed-custom-mask attention: the inner backend's kernel (torch path by default)."""
+        return self.inner.forward_custom_mask(
+            q, kv_cache, layout, sm_scale=sm_scale, return_lse=return_lse
+        )
 
 
 def make_scheme_backend(inner: str = "torch") -> SchemeBackend:
