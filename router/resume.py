@@ -5,8 +5,9 @@ already sent to another worker, asking for the remaining `max_tokens`, and splic
 stream onto the old one, so the client sees one uninterrupted stream.
 
 - Greedy decoding continues exactly as the undisturbed run would have (same model, same
-  prefix). Sampling continues correctly *in distribution*, but a `seed` restarts at the resume
-  point, so a seeded stream is not the one an undisturbed run would have produced.
+  prefix), and so does seeded sampling: the draw of each output token is keyed by the seed and
+  the token's index in the whole output, which the new worker is told (`output_offset`).
+  Unseeded sampling continues correctly in distribution.
 - Only single-sample streams resume (`n == 1`, no beam search); others fail with UNAVAILABLE.
 - After a resume the new worker sees the sent tokens as prompt, so the router derives the text
   from the token ids itself (one detokenizer over the whole output: no broken character or lost
@@ -59,7 +60,9 @@ class StreamProgress:
             return self.params
         remaining = self.params["max_tokens"] - len(self.token_ids)
         assert remaining >= 1, "a stream with every token sent has finished"
-        return {**self.params, "max_tokens": remaining}
+        # The seeded draws continue where the stream stopped (see SamplingParams.output_offset).
+        offset = self.params.get("output_offset", 0) + len(self.token_ids)
+        return {**self.params, "max_tokens": remaining, "output_offset": offset}
 
     def resume(self) -> None:
         """Prepare to splice a new worker's stream onto what was sent (call before it starts)."""

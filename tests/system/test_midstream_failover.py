@@ -1,26 +1,53 @@
 """A worker killed with ray.kill while it streams: the router resumes the request on the other
 worker from the prompt plus the tokens already sent, and the client's one stream ends with the
-same tokens and text as an undisturbed greedy run."""
+same tokens and text as an undisturbed run, greedy or seeded sampling."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from cachesvc.config import EngineConfig
+from cachesvc.types import WorkerId
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.system
 MAX_TOKENS = 200
+SAMPLING = {
+    "greedy": pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+    "seeded": pb.SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=1.0, top_k=50, seed=1234, ignore_eos=True
+    ),
+}
 
 
-def _request(ids: list[int]) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        prompt=pb.Prompt(token_ids=pb.TokenIds(ids=ids)),
-        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
-    )
+@pytest.fixture(scope="module", params=sorted(SAMPLING))
+def sampling(request: pytest.FixtureRequest) -> pb.SamplingParams:
+    return SAMPLING[request.param]
+
+
+@pytest.fixture(scope="module")
+def worker_pair(
+    sampling: pb.SamplingParams, ray_cluster: None, engine_config: EngineConfig
+) -> Iterator[dict[WorkerId, Any]]:
+    """A fresh pair for each sampling mode: the test kills one of them."""
+    import ray
+
+    from workers.actor import spawn_worker
+
+    actors = {
+        WorkerId(f"worker-{i}"): spawn_worker(
+            f"worker-{i}", engine_config, num_cpus=0.5, max_restarts=0
+        )
+        for i in range(2)
+    }
+    yield actors
+    for actor in actors.values():
+        ray.kill(actor)
 
 
 def _serving_worker(admin: pb_grpc.AdminStub) -> str:
@@ -34,8 +61,15 @@ def _serving_worker(admin: pb_grpc.AdminStub) -> str:
     raise AssertionError("no worker is serving the stream")
 
 
-def test_killed_mid_stream_the_client_sees_one_stream(make_server: Any, worker_pair: Any) -> None:
+def test_killed_mid_stream_the_client_sees_one_stream(
+    make_server: Any, worker_pair: Any, sampling: pb.SamplingParams
+) -> None:
     import ray
+
+    def _request(ids: list[int]) -> pb.GenerateRequest:
+        return pb.GenerateRequest(
+            prompt=pb.Prompt(token_ids=pb.TokenIds(ids=ids)), sampling=sampling
+        )
 
     server = make_server(policy="prefix_aware")
     stub = pb_grpc.InferenceStub(server.channel())
@@ -55,7 +89,7 @@ def test_killed_mid_stream_the_client_sees_one_stream(make_server: Any, worker_p
 
     tokens = [t for m in received for t in m.token_ids]
     assert len(tokens) == MAX_TOKENS
-    assert tokens == expected_ids, "greedy continuation must be identical"
+    assert tokens == expected_ids, "the continuation must be identical"
     assert "".join(m.text for m in received) == expected_text
     finals = [m for m in received if m.finish_reason]
     assert len(finals) == 1 and finals[0] is received[-1]

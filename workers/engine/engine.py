@@ -274,7 +274,7 @@ class Engine:
             child = self.forker.fork(parent, rid, params)
             self._requests[rid] = child
             tracked = self._tracked[rid] = self._track(child)
-            [token] = sample(logits[None], [params], [child.generator])
+            [token] = sample(logits[None], [params], [child.next_generator()])
             outputs.append(self._on_token(tracked, token, now))
         return outputs
 

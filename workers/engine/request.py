@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cachesvc.types import BlockHash, BlockId, RequestId
+from workers.engine.sampler import token_seed
 from workers.engine.sampling_params import SamplingParams
 
 
@@ -52,11 +53,19 @@ class Request:
     # Counters for the usage report: tokens served from the prefix cache and tokens computed.
     num_cached_tokens: int = 0
     num_prompt_tokens_computed: int = 0
-    generator: torch.Generator | None = None
+    _generator: torch.Generator | None = field(default=None, repr=False)
 
-    def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+    def next_generator(self) -> torch.Generator | None:
+        """The generator for the next sampled token, None without a seed. It is re-seeded from
+        (seed, index of that token in the whole output) every time, so the draw does not depend
+        on how the request got here: a preemption's recompute or a stream resumed elsewhere
+        samples the same token."""
+        if self.params.seed is None:
+            return None
+        if self._generator is None:
+            self._generator = torch.Generator()
+        index = self.params.output_offset + len(self.output_token_ids)
+        return self._generator.manual_seed(token_seed(self.params.seed, index))
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -86,7 +86,9 @@ class ModelRunner:
         )
         logits = logits.float().cpu()
         sampled = [requests[c.request_id] for c in chunks if c.sample]
-        token_out = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+        token_out = sample(
+            logits, [r.params for r in sampled], [r.next_generator() for r in sampled]
+        )
         kept = {
             r.request_id: logits[i] for i, r in enumerate(sampled) if r.request_id in keep_logits
         }

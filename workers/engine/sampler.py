@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 import torch
+import xxhash
 
 from workers.engine.sampling_params import SamplingParams
 
@@ -25,6 +27,13 @@ def sample(
         if p.temperature > 0:
             out[row] = _sample_row(logits[row], p, gen)
     return [int(t) for t in out]
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The generator seed of output token `index` of a request seeded with `seed`: a hash, so
+    neighbouring seeds and indices give unrelated streams; the same in every process."""
+    digest = xxhash.xxh3_64_intdigest(struct.pack("<QQ", seed % 2**64, index))
+    return digest & (2**63 - 1)
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

@@ -14,7 +14,10 @@ class SamplingParams:
 
     `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` switch those filters off. With a
     `seed`, sampling is reproducible per request whatever else shares the batch. `n` asks for that
-    many independent samples of one prompt (sample i uses `seed + i`).
+    many independent samples of one prompt (sample i uses `seed + i`). The seeded draw of output
+    token k depends only on (seed, `output_offset` + k): a stream resumed on another worker with
+    the tokens already sent as prompt and `output_offset` set to their count draws the same
+    tokens as the undisturbed stream would have.
     Raises ValueError naming the offending field.
     """
 
@@ -29,6 +32,7 @@ class SamplingParams:
     n: int = 1
     beam_width: int = 1
     length_penalty: float = 1.0
+    output_offset: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -43,6 +47,8 @@ class SamplingParams:
             raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}")
         if self.beam_width > 1 and self.n != 1:
             raise ValueError("n must be 1 with beam search (beam_width > 1)")
+        if self.output_offset < 0:
+            raise ValueError(f"output_offset must be >= 0, got {self.output_offset}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         # Normalise list arguments so the object stays hashable and immutable.

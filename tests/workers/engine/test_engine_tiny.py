@@ -87,6 +87,33 @@ def test_seeded_sampling_is_reproducible(tiny_llama_dir: Path) -> None:
     assert other[0].token_ids != alone
 
 
+def test_seeded_stream_continued_elsewhere_draws_the_same_tokens(tiny_llama_dir: Path) -> None:
+    # What a mid-stream failover does: another engine gets the prompt plus the tokens already
+    # sent, and output_offset says how many there were.
+    prompt = _prompts()[3]
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    whole = list(_engine(tiny_llama_dir).generate([prompt], params)[0].token_ids)
+    for sent in (1, 6, 15):
+        rest = SamplingParams(
+            max_tokens=16 - sent, temperature=1.0, seed=7, ignore_eos=True, output_offset=sent
+        )
+        [out] = _engine(tiny_llama_dir).generate([prompt + whole[:sent]], rest)
+        assert whole[:sent] + list(out.token_ids) == whole
+    shifted = SamplingParams(max_tokens=15, temperature=1.0, seed=7, ignore_eos=True)
+    [out] = _engine(tiny_llama_dir).generate([prompt + whole[:1]], shifted)
+    assert list(out.token_ids) != whole[1:], "without the offset the draws restart"
+
+
+def test_seeded_sampling_survives_preemption(tiny_llama_dir: Path) -> None:
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, seed=11, ignore_eos=True)
+    roomy = _engine(tiny_llama_dir).generate(_prompts(), params)
+    tight_engine = _engine(tiny_llama_dir, num_blocks=40)
+    tight = tight_engine.generate(_prompts(), params)
+    assert sum(o.num_preemptions for o in tight) > 0
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+    _assert_no_leak(tight_engine)
+
+
 def test_n_samples_use_distinct_seeds(tiny_llama_dir: Path) -> None:
     engine = _engine(tiny_llama_dir)
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=3, ignore_eos=True)
