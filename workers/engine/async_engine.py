@@ -31,7 +31,9 @@ class EngineLoad:
     """How busy the engine is, as of the last step boundary.
 
     `num_queued_tokens` counts tokens that still need a forward pass (prompt tokens not yet
-    computed, plus one per decoding request): the work ahead of a newly arrived request.
+    computed, plus one per decoding request): the work ahead of a newly arrived request. A
+    waiting request's prefix already in the device pool is not work: it is left out, so a worker
+    queueing cache hits does not look busier than it is.
     """
 
     num_running: int = 0
@@ -47,7 +49,10 @@ def _measure(engine: Engine) -> EngineLoad:
     return EngineLoad(
         num_running=len(engine.scheduler.running),
         num_waiting=len(engine.scheduler.waiting),
-        num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in requests),
+        num_queued_tokens=sum(
+            r.num_tokens - r.num_computed_tokens - engine.kv.num_cached_prefix_tokens(r)
+            for r in requests
+        ),
         num_blocks=engine.pool.num_blocks,
         num_free_blocks=engine.pool.num_free,
         num_cached_blocks=engine.pool.num_cached,

@@ -102,6 +102,18 @@ class KVCacheManager:
             )
         return hashes
 
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """How many leading tokens of a request not yet scheduled the device pool holds now.
+        Read-only (no reference taken, nothing touched): an estimate for the load report."""
+        if not self.enable_prefix_caching or request.block_ids:
+            return 0
+        num_hits = 0
+        for block_hash in self.block_hashes(request):
+            if not self.pool.contains(block_hash):
+                break
+            num_hits += 1
+        return min(num_hits * self.block_size, request.num_tokens - 1)
+
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Reuse the longest cached prefix of a request that holds no blocks yet.
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cachesvc.config import EngineConfig
+from cachesvc.types import RequestId
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine, PromptError
 from workers.engine.outputs import RequestOutput
@@ -154,3 +155,22 @@ def test_stats_and_calls_between_steps(engine: Engine):
         await stream.aclose()
 
     _run(engine, body)
+
+
+def test_queued_work_leaves_out_prefixes_the_pool_holds(engine: Engine):
+    from workers.engine.async_engine import _measure
+
+    prompt = _prompts()[3]  # 40 tokens: ten blocks of 4
+    engine.generate([prompt], GREEDY)  # its blocks stay cached after it finishes
+    cold = [(t + 1) % 320 for t in prompt]
+    engine.add_request(prompt + [1, 2], GREEDY, request_id="hit")
+    engine.add_request(cold, GREEDY, request_id="cold")
+    try:
+        hit, cold_req = engine.scheduler.waiting
+        assert engine.kv.num_cached_prefix_tokens(hit) == 40
+        assert engine.kv.num_cached_prefix_tokens(cold_req) == 0
+        assert _measure(engine).num_queued_tokens == 2 + len(cold)
+    finally:
+        engine.abort(RequestId("hit"))
+        engine.abort(RequestId("cold"))
+    assert engine.pool.num_free == engine.pool.num_blocks
