@@ -1,4 +1,4 @@
-"""`cachesvc` command line: generate, demo, bench, serve.
+"""`cachesvc` command line: generate, chat, score, demo, bench, serve.
 
 Heavy imports (torch, the model) happen inside the commands, so `cachesvc --help` is instant.
 Bad input exits with status 2 and one line on stderr, never a traceback.
@@ -13,21 +13,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cachesvc.cli_chat import add_chat_parser, run_chat_command
 from cachesvc.cli_score import add_score_parser, run_score_command
 from cachesvc.cli_serving import (
+    add_client_tls_flags,
     add_demo_serve_parser,
     add_routing_bench_parser,
     add_serve_flags,
+    client_tls,
     router_options,
     run_demo_serve_command,
     run_routing_bench_command,
+    serve_options,
 )
 from cachesvc.cli_types import CliError
 
 __all__ = ["CliError", "main"]
 
 
-def _add_engine_args(p: argparse.ArgumentParser, redis: bool = True) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, redis_flag: str = "--redis-url") -> None:
     p.add_argument("--model", help="GGUF file or Hugging Face folder (default: embedded SmolLM2)")
     p.add_argument("--kv-cache-mb", type=int, default=None, help="KV pool size in MiB")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
@@ -52,14 +56,27 @@ def _add_engine_args(p: argparse.ArgumentParser, redis: bool = True) -> None:
     p.add_argument("--dram-mb", type=float, default=None, help="DRAM tier below the KV pool, MiB")
     p.add_argument("--nvme-path", default=None, help="NVMe tier: a folder for KV block files")
     p.add_argument("--nvme-mb", type=float, default=None, help="NVMe tier size budget, MiB")
-    if redis:
-        # Password: CACHESVC_REDIS_PASSWORD, never a flag (it would show in `ps`).
-        p.add_argument(
-            "--redis-url",
-            dest="kv_redis_url",
-            default=None,
-            help="Redis tier shared by workers (redis:// or rediss://)",
-        )
+    # Password: CACHESVC_REDIS_PASSWORD, never a flag (it would show in `ps`).
+    p.add_argument(
+        redis_flag,
+        dest="kv_redis_url",
+        default=None,
+        help="Redis tier shared by workers (redis:// or rediss://)",
+    )
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The sampling flags (read back by `_sampling_kwargs`), shared by generate and chat."""
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (share the prompt's KV)")
+    p.add_argument("--beam-width", type=int, default=1, help="beam search when > 1")
+    p.add_argument("--length-penalty", type=float, default=1.0)
+    p.add_argument("--ignore-eos", action="store_true")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,22 +88,14 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-file", help="a file with one prompt per line")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.add_argument("--system", default=None, help="system message for --chat")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    gen.add_argument("--n", type=int, default=1, help="samples per prompt (share the prompt's KV)")
-    gen.add_argument("--beam-width", type=int, default=1, help="beam search when > 1")
-    gen.add_argument("--length-penalty", type=float, default=1.0)
-    gen.add_argument("--ignore-eos", action="store_true")
+    _add_sampling_args(gen)
     gen.add_argument("--json", action="store_true", help="one JSON object per output line")
     gen.add_argument("--cache-salt", default=None, help="isolate this tenant's prefix cache")
     gen.add_argument(
         "--server", metavar="HOST:PORT", help="send the prompts to a running `cachesvc serve`"
     )
     gen.add_argument("--auth-token-file", help="bearer token for --server (a file holding it)")
+    add_client_tls_flags(gen)
     _add_engine_args(gen)
 
     demo = sub.add_parser("demo", help="chat with the embedded model on a few prompts")
@@ -107,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
         help="YAML/JSON file of ServeConfig fields (as the Helm chart writes it); flags whose "
         "value differs from their default override it",
     )
-    _add_engine_args(serve, redis=False)  # serve's --redis-url is the router's index
+    # serve's --redis-url is the router's index; the KV tier may be another Redis.
+    _add_engine_args(serve, redis_flag="--redis-tier-url")
     add_serve_flags(serve)
 
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
@@ -143,6 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     tiers.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
     add_score_parser(sub, _add_engine_args)
+    add_chat_parser(sub, _add_engine_args, _add_sampling_args)
     add_routing_bench_parser(bench_sub)
     add_demo_serve_parser(sub, _add_engine_args)
     return parser
@@ -271,7 +282,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
         raise CliError("--length-penalty is not part of the wire contract; use it offline")
     sampling = RemoteSampling(**_sampling_kwargs(args))
     prompts = _read_prompts(args)
-    with RouterClient(args.server, _read_token(args.auth_token_file)) as client:
+    token = _read_token(args.auth_token_file)
+    with RouterClient(args.server, token, client_tls(args)) as client:
         for prompt in prompts:
             try:
                 outs = client.generate(
@@ -300,6 +312,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
         num_workers=args.workers,
         ray_address=args.ray_address,
         device=args.device,
+        **serve_options(args),
     )
 
 
@@ -377,7 +390,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": _cmd_bench,
         "serve": _cmd_serve,
         "demo-serve": lambda a: run_demo_serve_command(a, _engine_config(a)),
-        "score": lambda a: run_score_command(a, _engine_config(a)),
+        "score": lambda a: run_score_command(
+            a, engine_config=lambda: _engine_config(a), read_token=_read_token
+        ),
+        "chat": lambda a: run_chat_command(
+            a,
+            sampling=_sampling_kwargs(a),
+            engine_config=lambda: _engine_config(a),
+            read_token=_read_token,
+            output_json=_output_json,
+        ),
     }
     try:
         return commands[args.command](args)

@@ -1,12 +1,14 @@
-"""`cachesvc score`: log-probs of label tokens after a prefix and each item, in one pass."""
+"""`cachesvc score`: log-probs of label tokens after a prefix and each item, in one pass,
+offline or through `--server`."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from cachesvc.cli_serving import add_client_tls_flags, client_tls
 from cachesvc.cli_types import CliError
 
 
@@ -22,33 +24,45 @@ def add_score_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParse
         help="a label: a token id, or text that is exactly one token (repeatable)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per item")
+    # Only routing looks at the salt: a scoring pass reuses no cached blocks, so offline it
+    # changes nothing.
+    p.add_argument("--cache-salt", default=None, help="this tenant's salt for --server routing")
+    p.add_argument("--server", metavar="HOST:PORT", help="score on a running `cachesvc serve`")
+    p.add_argument("--auth-token-file", help="bearer token for --server (a file holding it)")
+    add_client_tls_flags(p)
     add_engine_args(p)
 
 
-def _label_ids(engine: Any, labels: list[str]) -> list[int]:
+def _label_ids(labels: Sequence[str], encode: Callable[[str], list[int]]) -> list[int]:
+    """The labels as token ids: an integer is taken as an id, text must `encode` (without the
+    model's bos/eos) to exactly one token; raises CliError otherwise."""
     out = []
     for label in labels:
         if label.lstrip("-").isdigit():
             out.append(int(label))
             continue
-        ids = engine.tokenizer.encode(label, add_special_tokens=False)
+        ids = encode(label)
         if len(ids) != 1:
             raise CliError(f"--label {label!r} is {len(ids)} tokens; give a single token or an id")
         out.append(ids[0])
     return out
 
 
-def run_score_command(args: argparse.Namespace, config: Any) -> int:
-    """Load the engine, score, print one line (or JSON object) per item."""
-    from workers.engine.engine import Engine
-
+def run_score_command(
+    args: argparse.Namespace,
+    *,
+    engine_config: Callable[[], Any],
+    read_token: Callable[[str | None], str | None],
+) -> int:
+    """Score in-process or through `--server`; print one line (or JSON object) per item."""
     if not args.item:
         raise CliError("--item: give at least one item")
     if not args.label:
         raise CliError("--label: give at least one label token")
-    engine = Engine(config)
-    labels = _label_ids(engine, args.label)
-    rows = engine.score(args.prefix, args.item, labels)
+    if args.server:
+        labels, rows = _score_remote(args, read_token(args.auth_token_file))
+    else:
+        labels, rows = _score_offline(args, engine_config())
     for item, row in zip(args.item, rows, strict=True):
         if args.json:
             print(json.dumps({"item": item, "label_token_ids": labels, "logprobs": row}))
@@ -58,3 +72,32 @@ def run_score_command(args: argparse.Namespace, config: Any) -> int:
                 + ", ".join(f"{lab}={lp:.4f}" for lab, lp in zip(args.label, row, strict=True))
             )
     return 0
+
+
+def _score_offline(args: argparse.Namespace, config: Any) -> tuple[list[int], list[list[float]]]:
+    from workers.engine.engine import Engine
+
+    engine = Engine(config)
+    tokenizer = engine.tokenizer
+
+    def encode(text: str) -> list[int]:
+        if tokenizer is None:
+            raise CliError(f"--label {text!r}: this model has no tokenizer; give a token id")
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    labels = _label_ids(args.label, encode)
+    return labels, engine.score(args.prefix, args.item, labels)
+
+
+def _score_remote(
+    args: argparse.Namespace, token: str | None
+) -> tuple[list[int], list[list[float]]]:
+    from router.client import RemoteError, RouterClient
+
+    with RouterClient(args.server, token, client_tls(args)) as client:
+        try:
+            labels = _label_ids(args.label, client.encode_continuation)
+            rows = client.score(args.prefix, args.item, labels, cache_salt=args.cache_salt)
+        except RemoteError as exc:
+            raise CliError(f"--server {args.server}: {exc}") from exc
+    return labels, rows

@@ -1,11 +1,18 @@
 """Command-line pieces of the serving layer, registered by `cachesvc.cli`: the router's
-scale-out and operations flags on `serve`, `demo-serve`, and `bench routing`."""
+scale-out, operations and security flags on `serve`, the TLS flags of its clients,
+`demo-serve`, and `bench routing`."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cachesvc.cli_types import CliError
+
+if TYPE_CHECKING:
+    from router.client import ClientTls
 
 
 def add_serve_flags(serve: argparse.ArgumentParser) -> None:
@@ -34,17 +41,87 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
         "--max-inflight", type=int, default=1024, help="requests the router takes at once"
     )
     serve.add_argument("--log-format", default="text", choices=("text", "json"))
+    serve.add_argument(
+        "--tenant-tokens-file",
+        help="a file of 'TENANT TOKEN' lines: each token is accepted and isolates its tenant's "
+        "cache (with or without --auth-token-file, the operator's token)",
+    )
+    serve.add_argument("--tls-cert-file", help="serve TLS with this PEM certificate (chain)")
+    serve.add_argument("--tls-key-file", help="the PEM private key of --tls-cert-file")
+    serve.add_argument(
+        "--tls-client-ca-file",
+        help="mutual TLS: require client certificates signed by this PEM CA",
+    )
+    serve.add_argument(
+        "--ray-namespace",
+        default="cachesvc",
+        help="Ray namespace of the workers (named cachesvc-worker-<i>); --attach looks there",
+    )
+    serve.add_argument(
+        "--attach",
+        action="store_true",
+        help="route over the workers a running `cachesvc serve` started on --ray-address "
+        "(same --ray-namespace and --model); they are left running on exit",
+    )
 
 
 def router_options(args: argparse.Namespace) -> dict[str, Any]:
-    """RouterConfig fields from the flags `add_serve_flags` added."""
+    """RouterConfig fields from the flags `add_serve_flags` added (reads the tenant tokens
+    file)."""
+    from router.config import load_tenant_tokens
+
+    tenants = args.tenant_tokens_file
     return {
         "redis_url": args.redis_url,
         "redis_namespace": args.redis_namespace,
         "metrics_port": args.metrics_port,
         "max_queued_per_worker": args.max_queued_per_worker,
         "max_inflight": args.max_inflight,
+        "tenant_tokens": () if tenants is None else load_tenant_tokens(tenants),
+        "tls_cert_file": args.tls_cert_file,
+        "tls_key_file": args.tls_key_file,
+        "tls_client_ca_file": args.tls_client_ca_file,
     }
+
+
+def serve_options(args: argparse.Namespace) -> dict[str, Any]:
+    """ServeConfig fields from the worker flags `add_serve_flags` added."""
+    return {"ray_namespace": args.ray_namespace, "attach": args.attach}
+
+
+def add_client_tls_flags(p: argparse.ArgumentParser) -> None:
+    """TLS flags of a `--server` client, read back by `client_tls`."""
+    p.add_argument(
+        "--tls-ca-file",
+        help="speak TLS to --server, trusting the PEM CA that signed its certificate",
+    )
+    p.add_argument("--tls-cert-file", help="mutual TLS: this client's PEM certificate")
+    p.add_argument("--tls-key-file", help="mutual TLS: the PEM private key of --tls-cert-file")
+
+
+def client_tls(args: argparse.Namespace) -> ClientTls | None:
+    """The TLS settings the flags ask for (reads the files); None: plaintext."""
+    from router.client import ClientTls
+
+    cert, key = args.tls_cert_file, args.tls_key_file
+    if (cert is None) != (key is None):
+        raise CliError("--tls-cert-file and --tls-key-file go together: give both, or neither")
+    if args.tls_ca_file is None and cert is None:
+        return None
+    return ClientTls(
+        root_ca=_read_pem("--tls-ca-file", args.tls_ca_file),
+        cert_chain=_read_pem("--tls-cert-file", cert),
+        private_key=_read_pem("--tls-key-file", key),
+    )
+
+
+def _read_pem(flag: str, path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise CliError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
 
 
 def add_demo_serve_parser(

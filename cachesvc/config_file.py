@@ -86,10 +86,12 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
 
 
 def with_overrides(config: T, overrides: Mapping[str, Any]) -> T:
-    """A copy of `config` with dotted paths replaced, e.g. {"router.port": 6000}; validates."""
-    for path, value in overrides.items():
-        config = _replace_path(config, path.split("."), value)
-    return config
+    """A copy of `config` with dotted paths replaced, e.g. {"router.port": 6000}; validates.
+
+    The fields of one dataclass are replaced at once, so fields that are only valid together
+    (a TLS certificate and its key) are checked together."""
+    replaced: T = _replace_paths(config, overrides)
+    return replaced
 
 
 def changed_fields(config: Any, baseline: Any, prefix: str = "") -> dict[str, Any]:
@@ -105,13 +107,20 @@ def changed_fields(config: Any, baseline: Any, prefix: str = "") -> dict[str, An
     return changed
 
 
-def _replace_path(config: Any, parts: list[str], value: Any) -> Any:
-    head, rest = parts[0], parts[1:]
-    if not any(f.name == head for f in dataclasses.fields(config)):
-        raise ConfigError(f"{type(config).__name__} has no field {head!r}")
-    if rest:
-        value = _replace_path(getattr(config, head), rest, value)
-    return dataclasses.replace(config, **{head: value})
+def _replace_paths(config: Any, overrides: Mapping[str, Any]) -> Any:
+    direct: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for path, value in overrides.items():
+        head, _, rest = path.partition(".")
+        if not any(f.name == head for f in dataclasses.fields(config)):
+            raise ConfigError(f"{type(config).__name__} has no field {head!r}")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            direct[head] = value
+    for head, inner in nested.items():
+        direct[head] = _replace_paths(direct.get(head, getattr(config, head)), inner)
+    return dataclasses.replace(config, **direct) if direct else config
 
 
 def _has_no_default(field: dataclasses.Field[Any]) -> bool:

@@ -1,7 +1,8 @@
 """Changes of what a worker holds, as a stream the router's prefix index is a pure function of.
 
 Each event carries the worker, the tier and a per-worker sequence number; a consumer that sees a
-gap in sequence numbers must resync from a snapshot.
+gap in sequence numbers must resync from a snapshot. Events cross processes through Redis Streams
+when Redis is configured (`cachesvc/events_redis.py`), through Ray polls otherwise.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """`PrefixIndex` in Redis, so several routers share one view and a restarted router is not blind.
 
 The same semantics as `MemoryPrefixIndex`, kept by Lua scripts so that every call is one round
-trip and atomic: routers that poll the same worker apply the same events concurrently, and the
-per-worker sequence number stored next to the entries makes a repeat a no-op and a gap a
-resync. Keys (all under one hash tag, so a Redis Cluster keeps them in one slot):
+trip and atomic: routers that follow the same worker (through its polls or its Redis Stream)
+apply the same events concurrently, and the per-worker sequence number stored next to the entries
+makes a repeat a no-op and a gap a resync, so they keep one consistent copy. Keys (all under one
+hash tag, so a Redis Cluster keeps them in one slot):
 
     {ns}:{index}:h:<hash hex>   hash  worker -> bitmask of the tiers holding the block
     {ns}:{index}:w:<worker>     set   hash hexes the worker holds
@@ -11,9 +12,10 @@ resync. Keys (all under one hash tag, so a Redis Cluster keeps them in one slot)
     {ns}:{index}:workers        set   workers with a stream
 
 Redis failing never raises into the request path: a lookup answers "nothing cached", updates are
-dropped (the stored sequence number does not move, so the events are fetched again once Redis is
-back) and `num_errors` counts them. Calls are synchronous: on a loopback or in-zone Redis a
-round trip is well under a millisecond, cheaper than an executor hop.
+dropped (the stored sequence number does not move, so a poll fetches the events again once Redis
+is back, and a stream's next event shows a gap and resyncs) and `num_errors` counts them. Calls
+are synchronous: on a loopback or in-zone Redis a round trip is well under a millisecond, cheaper
+than an executor hop.
 """
 
 from __future__ import annotations

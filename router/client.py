@@ -1,12 +1,12 @@
-"""A small blocking client of the router, used by `cachesvc generate --server`.
+"""A small blocking client of the router, used by `cachesvc generate|chat|score --server`.
 
 Prints the same objects as offline `generate --json`, plus the worker that served each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -55,11 +55,31 @@ def make_prompt(text: str, chat: bool, system: str | None) -> pb.Prompt:
     return pb.Prompt(chat=pb.ChatMessages(messages=messages))
 
 
-class RouterClient:
-    """Blocking calls to one router; use as a context manager."""
+@dataclass(frozen=True)
+class ClientTls:
+    """PEM bytes for a TLS channel: the CA that signed the router's certificate (None: the
+    system's roots) and, for a router that requires them, this client's certificate and key."""
 
-    def __init__(self, address: str, auth_token: str | None = None) -> None:
-        self._channel = grpc.insecure_channel(address)
+    root_ca: bytes | None = None
+    cert_chain: bytes | None = None
+    private_key: bytes | None = field(default=None, repr=False)
+
+
+class RouterClient:
+    """Blocking calls to one router, over TLS when `tls` is given; use as a context manager."""
+
+    def __init__(
+        self, address: str, auth_token: str | None = None, tls: ClientTls | None = None
+    ) -> None:
+        if tls is None:
+            self._channel = grpc.insecure_channel(address)
+        else:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=tls.root_ca,
+                private_key=tls.private_key,
+                certificate_chain=tls.cert_chain,
+            )
+            self._channel = grpc.secure_channel(address, credentials)
         self._metadata = [("authorization", f"Bearer {auth_token}")] if auth_token else []
         self.inference = pb_grpc.InferenceStub(self._channel)
 
@@ -79,7 +99,58 @@ class RouterClient:
         cache_salt: str | None = None,
     ) -> list[dict[str, Any]]:
         """One JSON-ready dict per sample, in sample order."""
-        prompt = make_prompt(text, chat, system)
+        return self._generate(make_prompt(text, chat, system), text, sampling, cache_salt)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        sampling: RemoteSampling,
+        *,
+        cache_salt: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """The assistant's reply to `messages` ({"role", "content"} each, oldest first), one
+        JSON-ready dict per sample; the server appends the template's assistant header."""
+        turns = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+        prompt = pb.Prompt(chat=pb.ChatMessages(messages=turns))
+        return self._generate(prompt, "", sampling, cache_salt)
+
+    def score(
+        self,
+        prefix: str,
+        items: Sequence[str],
+        label_token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+    ) -> list[list[float]]:
+        """Per item, in order, the log-probs of `label_token_ids` after `prefix + item`; the
+        server encodes the prefix as a prompt and each item as its continuation, as offline."""
+        request = pb.ScoreRequest(
+            prefix=pb.Prompt(text=prefix),
+            items=[pb.Prompt(text=item) for item in items],
+            label_token_ids=list(label_token_ids),
+        )
+        if cache_salt is not None:
+            request.cache_salt = cache_salt
+        try:
+            reply = self.inference.Score(request, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise _remote_error(exc) from exc
+        return [list(row.logprobs) for row in reply.scores]
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids of `text` as it would follow other text: the server's tokenizer without
+        the bos/eos it adds to a prompt (how offline `score` encodes items and labels)."""
+        if not text:
+            return []  # Tokenize refuses empty text; it has no tokens either way
+        request = pb.TokenizeRequest(prompt=pb.Prompt(text=text), continuation=True)
+        try:
+            return list(self.inference.Tokenize(request, metadata=self._metadata).token_ids)
+        except grpc.RpcError as exc:
+            raise _remote_error(exc) from exc
+
+    def _generate(
+        self, prompt: pb.Prompt, text: str, sampling: RemoteSampling, cache_salt: str | None
+    ) -> list[dict[str, Any]]:
         try:
             ids = self.inference.Tokenize(
                 pb.TokenizeRequest(prompt=prompt), metadata=self._metadata
@@ -91,7 +162,11 @@ class RouterClient:
             # Offline `generate --json` reports the prompt as the model saw it (templated).
             return _collect(ids.text or text, list(ids.token_ids), stream, sampling.n)
         except grpc.RpcError as exc:
-            raise RemoteError(f"{exc.code().name}: {exc.details()}") from exc  # type: ignore[attr-defined]
+            raise _remote_error(exc) from exc
+
+
+def _remote_error(exc: grpc.RpcError) -> RemoteError:
+    return RemoteError(f"{exc.code().name}: {exc.details()}")  # type: ignore[attr-defined]
 
 
 def _collect(prompt: str, prompt_ids: list[int], stream: Any, n: int) -> list[dict[str, Any]]:

@@ -1,17 +1,49 @@
-"""The router's configuration: one frozen object, validated at start-up."""
+"""The router's configuration: one frozen object, validated at start-up.
+
+This module and the CLI are the only places of the router that read files: the tenant tokens
+file and, once at start, the TLS certificate files.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from cachesvc.config import ConfigError
+
+TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_TLS_FILES = ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+
+
+@dataclass(frozen=True)
+class TenantToken:
+    """A bearer token that authenticates `tenant`; a tenant's calls share a cache of their own."""
+
+    tenant: str
+    token: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """The router's TLS files, read (`RouterConfig.read_tls`): PEM bytes for grpc."""
+
+    cert_chain: bytes
+    private_key: bytes = field(repr=False)
+    # Mutual TLS: clients must present a certificate this CA signed. None: any client.
+    client_ca: bytes | None = None
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     """How the router listens, routes and protects itself.
 
-    `auth_token` set means every RPC but health checks needs `authorization: Bearer <token>`.
+    `auth_token` and `tenant_tokens` set means every RPC but health checks needs
+    `authorization: Bearer <token>` with one of them. A tenant's token also isolates its cache
+    (see `router.auth.tenant_cache_salt`); `auth_token` is the operator's: no tenant, and the
+    only token that may call the Admin service. `tls_cert_file` and `tls_key_file` (PEM) make
+    the router speak TLS; `tls_client_ca_file` also requires client certificates it signed.
     The balance thresholds bound load imbalance: a worker with more than
     `balance_abs_threshold` requests above the least-loaded one *and* more than
     `balance_rel_threshold` times its load is not chosen for its cached prefix.
@@ -20,7 +52,11 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     policy: str = "prefix_aware"
-    auth_token: str | None = None
+    auth_token: str | None = field(default=None, repr=False)
+    tenant_tokens: tuple[TenantToken, ...] = ()
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
     max_n: int = 16
     max_beam_width: int = 16
     max_inflight: int = 1024
@@ -42,8 +78,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        if self.auth_token is not None and not self.auth_token.strip():
-            raise ConfigError("auth token is empty: put the token in the file, or drop the flag")
+        self._check_tokens()
+        self._check_tls()
         for name in ("max_n", "max_beam_width", "max_inflight", "max_missed_polls"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -68,3 +104,122 @@ class RouterConfig:
             raise ConfigError(
                 f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}"
             )
+
+    def read_tls(self) -> ServerTls | None:
+        """The TLS files' bytes (reads them); None without TLS."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        ca = self.tls_client_ca_file
+        return ServerTls(
+            cert_chain=Path(self.tls_cert_file).read_bytes(),
+            private_key=Path(self.tls_key_file).read_bytes(),
+            client_ca=None if ca is None else Path(ca).read_bytes(),
+        )
+
+    def _check_tokens(self) -> None:
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ConfigError("auth token is empty: put the token in the file, or drop the flag")
+        owners = {} if self.auth_token is None else {self.auth_token: "auth_token"}
+        for i, entry in enumerate(self.tenant_tokens):
+            where = f"tenant_tokens[{i}]"
+            check_tenant_token(entry.tenant, entry.token, where)
+            if entry.token in owners:
+                raise ConfigError(
+                    f"{where}: tenant {entry.tenant!r} has the token of {owners[entry.token]}: "
+                    "give every tenant a token of its own"
+                )
+            owners[entry.token] = where
+
+    def _check_tls(self) -> None:
+        cert, key, ca = self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file
+        if (cert is None) != (key is None):
+            given, missing = (
+                ("tls_cert_file", "tls_key_file")
+                if key is None
+                else ("tls_key_file", "tls_cert_file")
+            )
+            raise ConfigError(
+                f"{given} is set but {missing} is not: TLS needs both the certificate and its "
+                f"private key ({_flag(given)} and {_flag(missing)}), or neither"
+            )
+        if ca is not None and cert is None:
+            raise ConfigError(
+                "tls_client_ca_file needs tls_cert_file and tls_key_file: mutual TLS runs over "
+                "TLS; give the router's certificate and key too, or drop --tls-client-ca-file"
+            )
+        for name in _TLS_FILES:
+            if getattr(self, name) is not None:
+                _check_pem_file(name, getattr(self, name))
+
+
+def check_tenant_token(tenant: str, token: str, where: str) -> None:
+    """Raise a ConfigError (prefixed `where`) unless `tenant` is a valid name and `token` a
+    usable bearer token. Errors never quote the token."""
+    if not TENANT_NAME.fullmatch(tenant):
+        raise ConfigError(
+            f"{where}: tenant name {tenant[:80]!r} must be 1-64 characters of A-Z a-z 0-9 _ . -"
+        )
+    # gRPC metadata values are printable ASCII; a token with anything else could never be sent.
+    if not token or not token.isascii() or not token.isprintable() or " " in token:
+        raise ConfigError(
+            f"{where}: the token of tenant {tenant!r} must be printable ASCII without spaces"
+        )
+
+
+def parse_tenant_tokens(text: str, source: str) -> tuple[TenantToken, ...]:
+    """The tenants of a tenant tokens file's text: one `TENANT TOKEN` per line; blank lines and
+    lines starting with `#` are skipped. A ConfigError names `source` and the line."""
+    entries: list[TenantToken] = []
+    lines: dict[str, tuple[int, str]] = {}  # token -> (line number, tenant)
+    for number, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        where = f"{source} line {number}"
+        parts = line.split()
+        if len(parts) != 2:
+            raise ConfigError(
+                f"{where}: expected 'TENANT TOKEN' (two fields), got {len(parts)} fields"
+            )
+        tenant, token = parts
+        check_tenant_token(tenant, token, where)
+        if token in lines:
+            first, other = lines[token]
+            raise ConfigError(
+                f"{where}: tenant {tenant!r} has the token of tenant {other!r} (line {first}): "
+                "give every tenant a token of its own"
+            )
+        lines[token] = (number, tenant)
+        entries.append(TenantToken(tenant, token))
+    return tuple(entries)
+
+
+def load_tenant_tokens(path: str | Path) -> tuple[TenantToken, ...]:
+    """The tenants of the tenant tokens file at `path` (reads it); see `parse_tenant_tokens`."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise ConfigError(f"--tenant-tokens-file: cannot read {path}: {reason}") from None
+    entries = parse_tenant_tokens(text, f"tenant tokens file {path}")
+    if not entries:
+        raise ConfigError(
+            f"tenant tokens file {path} has no tenants: add lines 'TENANT TOKEN', or drop "
+            "--tenant-tokens-file"
+        )
+    return entries
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_pem_file(name: str, value: str) -> None:
+    path = Path(value)
+    fix = f"give the path of a PEM file ({_flag(name)})"
+    if not path.is_file():
+        raise ConfigError(f"{name}: no such file {value!r}: {fix}")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{name}: {value!r} is not readable by this user: fix its permissions")
+    if b"-----BEGIN " not in path.read_bytes():
+        raise ConfigError(f"{name}: {value!r} is not PEM (no '-----BEGIN' line): {fix}")

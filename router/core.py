@@ -124,9 +124,15 @@ class Router:
         root = root_hash(model.model_fingerprint, model.block_size, cache_salt or "")
         return hash_blocks(ids, model.block_size, root)
 
-    def tokenize(self, prompt: PromptInput) -> tuple[list[int], int, str]:
+    def tokenize(
+        self, prompt: PromptInput, continuation: bool = False
+    ) -> tuple[list[int], int, str]:
         """Token ids, the number of full blocks they make, and the text they came from ("" for
-        a token-id prompt)."""
+        a token-id prompt). A `continuation` text is encoded as Score encodes items: without
+        the tokens the model adds to a prompt."""
+        if continuation and prompt.text is not None:
+            ids = self._encode_item(prompt, "prompt")
+            return ids, len(ids) // self.pool.model.block_size, prompt.text
         ids = self.encode(prompt)
         text = "" if prompt.token_ids is not None else self.render(prompt)
         return ids, len(ids) // self.pool.model.block_size, text

@@ -1,9 +1,11 @@
 """The workers as the router sees them: handles, load, health, and their KV event streams.
 
-A background task polls every live worker (`WorkerActor.poll`) for its load and the KV events
-since the last poll and feeds them to the prefix index; a gap or a new incarnation (a restarted
-actor) resyncs the worker from a snapshot. A worker whose calls fail with a Ray actor error is
-dead: it leaves routing and the index. Ray is imported only inside the methods that call it.
+A background task polls every live worker (`WorkerActor.poll`) for its load. The KV events come
+from an `EventSource` (`router/events_source.py`): with the polls themselves, or from the
+workers' Redis Streams when Redis is configured. Either way the pool applies them to the prefix
+index in order, per worker, and a gap or a new incarnation (a restarted actor) resyncs the worker
+from a snapshot. A worker whose calls fail with a Ray actor error is dead: it leaves routing and
+the index. Ray is imported only inside the methods that call it.
 """
 
 from __future__ import annotations
@@ -11,17 +13,24 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachesvc.index import PrefixIndex
+from cachesvc.events import Event
+from cachesvc.index import IndexSnapshot, PrefixIndex
 from cachesvc.types import WorkerId
 from router.config import RouterConfig
 from router.domain import Exhausted, InvalidInput, Unimplemented
+from router.events_source import EventSource, StreamPosition, make_event_source
 from workers.actor import PollResult, StreamDelta, StreamError, WorkerInfo, WorkerLoad
 
 _log = logging.getLogger(__name__)
+
+# How long `sync` waits for a worker's stream to bring the events its poll announced. A stream
+# that misses it is marked lagging and not waited for again until it moves: a Redis outage must
+# not add this to every request.
+_READ_YOUR_WRITES_S = 0.5
 
 
 class Health(str, enum.Enum):
@@ -64,6 +73,13 @@ class WorkerState:
     num_inflight: int = 0
     num_inflight_tokens: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    incarnation: str = ""  # the life of the worker the index follows
+    # Events through the event source (not the polls); the index holds those before
+    # `stream_seq`; `advanced` is set, and replaced, whenever `stream_seq` moves.
+    streamed: bool = False
+    stream_seq: int = 0
+    stream_lagging: bool = False
+    advanced: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def num_requests(self) -> int:
@@ -86,12 +102,17 @@ class WorkerPool:
     """Owns the worker handles and keeps `index` in step with their events."""
 
     def __init__(
-        self, actors: Mapping[WorkerId, Any], index: PrefixIndex, config: RouterConfig
+        self,
+        actors: Mapping[WorkerId, Any],
+        index: PrefixIndex,
+        config: RouterConfig,
+        events: EventSource | None = None,
     ) -> None:
         if not actors:
             raise ValueError("a worker pool needs at least one worker")
         self.index = index
         self.config = config
+        self.events = events if events is not None else make_event_source(config)
         self.num_resyncs = 0
         self._workers = {w: WorkerState(w, a) for w, a in sorted(actors.items())}
         self._model: ModelInfo | None = None
@@ -106,24 +127,33 @@ class WorkerPool:
 
     async def start(self, timeout_s: float = 600.0) -> ModelInfo:
         """Wait for every worker to load its model, check that they agree, index what they
-        hold and start polling. Raises RuntimeError when the workers disagree."""
+        hold and start following their events. Raises RuntimeError when the workers
+        disagree."""
         states = list(self._workers.values())
         infos = await asyncio.wait_for(
             asyncio.gather(*(s.actor.info.remote() for s in states)), timeout_s
         )
         for state, info in zip(states, infos, strict=True):
-            state.info = info
+            state.info, state.incarnation = info, info.incarnation
+            state.streamed = self.events.follows(state.worker_id, info.event_stream)
         self._model = _agree(infos)
         await asyncio.gather(*(self._catch_up(s) for s in states))
+        positions = {
+            s.worker_id: StreamPosition(s.incarnation, s.stream_seq)
+            for s in states
+            if s.streamed and s.health is not Health.DEAD
+        }
+        await self.events.start(positions, self._apply_streamed)
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
         return self._model
 
     async def close(self) -> None:
-        """Stop polling; the actors are left running."""
+        """Stop polling and following the event streams; the actors are left running."""
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
             self._poller = None
+        await self.events.close()
 
     # ---- views ------------------------------------------------------------------------------
 
@@ -201,41 +231,89 @@ class WorkerPool:
         if state.health is not Health.DEAD:
             _log.warning("worker %s is dead: %s", worker, reason)
         state.health = Health.DEAD
+        self.events.forget(worker)
         self.index.drop_worker(worker)
 
     # ---- events -----------------------------------------------------------------------------
 
     async def sync(self, worker: WorkerId) -> None:
-        """Poll one worker now: its load, and its events into the index."""
+        """Poll one worker now: its load, and its events into the index. When its events come
+        through a stream, also wait (briefly) until the index holds every event the worker had
+        made by the poll: a caller that has its answer then sees its blocks."""
+        state = self._workers[worker]
+        announced = await self._poll(state)
+        if announced is not None and state.streamed:
+            await self._await_stream(state, announced)
+
+    async def _poll(self, state: WorkerState) -> int | None:
+        """Load, incarnation check and (unless streamed) events of one worker; returns the
+        worker's next event sequence number, None when the poll failed."""
         from ray.exceptions import RayActorError
 
-        state = self._workers[worker]
         if state.health is Health.DEAD:
-            return
+            return None
         async with state.lock:  # events of one worker are applied in order
-            since = self.index.next_seq(worker)
+            since = None if state.streamed else (self.index.next_seq(state.worker_id) or 0)
             try:
                 result: PollResult = await asyncio.wait_for(
-                    state.actor.poll.remote(0 if since is None else since),
-                    self.config.call_timeout_s,
+                    state.actor.poll.remote(since), self.config.call_timeout_s
                 )
             except RayActorError as exc:
-                self.mark_dead(worker, exc)
-                return
+                self.mark_dead(state.worker_id, exc)
+                return None
             except asyncio.TimeoutError:
                 self._missed(state)
-                return
+                return None
             state.load, state.missed_polls, state.health = result.load, 0, Health.HEALTHY
-            if not self.index.apply(worker, result.incarnation, result.events):
+            # With no events (streamed), `apply` still checks the index follows this life.
+            if not self.index.apply(state.worker_id, result.incarnation, result.events):
                 await self._resync(state)
+        return result.next_seq
+
+    async def _apply_streamed(
+        self, worker: WorkerId, incarnation: str, events: Sequence[Event]
+    ) -> None:
+        """Apply events the stream delivered (oldest first), resyncing on a gap."""
+        state = self._workers.get(worker)
+        if state is None or state.health is Health.DEAD or not events:
+            return
+        async with state.lock:
+            if incarnation != state.incarnation:
+                await self._resync(state)  # a restarted worker: learn its new life
+                if incarnation != state.incarnation:
+                    return  # entries of a past life, still in the stream
+            if self.index.apply(worker, incarnation, events):
+                self._advance(state, incarnation, events[-1].seq + 1)
+            else:
+                await self._resync(state)
+
+    async def _await_stream(self, state: WorkerState, next_seq: int) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _READ_YOUR_WRITES_S
+        while state.stream_seq < next_seq and not state.stream_lagging:
+            advanced = state.advanced
+            try:
+                await asyncio.wait_for(advanced.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                _log.info("worker %s: its event stream lags; not waiting for it", state.worker_id)
+                state.stream_lagging = True
+
+    def _advance(self, state: WorkerState, incarnation: str, next_seq: int) -> None:
+        if incarnation != state.incarnation:  # a new life numbers its events from zero
+            state.incarnation, state.stream_seq = incarnation, next_seq
+        elif next_seq <= state.stream_seq:
+            return
+        state.stream_seq, state.stream_lagging = next_seq, False
+        state.advanced.set()
+        state.advanced = asyncio.Event()
 
     async def _catch_up(self, state: WorkerState) -> None:
         """At start: a shared index that already follows this life of the worker (another
         router, or this one before a restart, kept it in Redis) only needs the newer events;
         otherwise take a snapshot."""
-        assert state.info is not None
-        if self.index.apply(state.worker_id, state.info.incarnation, ()):
-            await self.sync(state.worker_id)
+        if self.index.apply(state.worker_id, state.incarnation, ()):
+            self._advance(state, state.incarnation, self.index.next_seq(state.worker_id) or 0)
+            await self._poll(state)
         else:
             await self._resync(state)
 
@@ -243,13 +321,14 @@ class WorkerPool:
         from ray.exceptions import RayActorError
 
         try:
-            snapshot = await asyncio.wait_for(
+            snapshot: IndexSnapshot = await asyncio.wait_for(
                 state.actor.snapshot.remote(), self.config.call_timeout_s
             )
         except RayActorError as exc:
             self.mark_dead(state.worker_id, exc)
             return
         self.index.resync(state.worker_id, snapshot)
+        self._advance(state, snapshot.incarnation, snapshot.next_seq)
         self.num_resyncs += 1
 
     def _missed(self, state: WorkerState) -> None:
@@ -259,12 +338,12 @@ class WorkerPool:
 
     async def _poll_forever(self) -> None:
         while True:
-            live = [w for w, s in self._workers.items() if s.health is not Health.DEAD]
-            results = await asyncio.gather(*(self.sync(w) for w in live), return_exceptions=True)
-            for worker, result in zip(live, results, strict=True):
+            live = [s for s in self._workers.values() if s.health is not Health.DEAD]
+            results = await asyncio.gather(*(self._poll(s) for s in live), return_exceptions=True)
+            for state, result in zip(live, results, strict=True):
                 if isinstance(result, Exception):
-                    _log.warning("polling worker %s failed: %r", worker, result)
-                    self._missed(self._workers[worker])
+                    _log.warning("polling worker %s failed: %r", state.worker_id, result)
+                    self._missed(state)
             await asyncio.sleep(self.config.poll_interval_s)
 
 

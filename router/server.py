@@ -20,10 +20,11 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cachesvc.config import ConfigError
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from router import wire
-from router.auth import BearerTokenInterceptor
-from router.config import RouterConfig
+from router.auth import BearerTokenInterceptor, TokenTable, tenant_cache_salt
+from router.config import RouterConfig, ServerTls
 from router.core import Router
 from router.domain import Exhausted, InvalidInput, RouterError, Unavailable, Unimplemented
 from router.metrics import MetricsHttpServer
@@ -81,11 +82,20 @@ async def _decoded(request: Any, context: grpc.aio.ServicerContext) -> Any:
 
 
 class InferenceService:
-    """cachesvc.v1.Inference."""
+    """cachesvc.v1.Inference. A call made with a tenant's token gets that tenant's cache: its
+    salt is `tenant_cache_salt` of the tenant and the request's salt."""
 
-    def __init__(self, router: Router, config: RouterConfig) -> None:
+    def __init__(self, router: Router, config: RouterConfig, tokens: TokenTable | None) -> None:
         self._router = router
         self._config = config
+        self._tokens = tokens
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str | None:
+        if self._tokens is None:
+            return None
+        caller = self._tokens.caller(context.invocation_metadata())
+        assert caller is not None, "the BearerTokenInterceptor lets only known tokens through"
+        return caller.tenant
 
     async def generate(
         self, request: Any, context: grpc.aio.ServicerContext
@@ -94,6 +104,8 @@ class InferenceService:
         code = grpc.StatusCode.OK
         try:
             req = wire.generate_from_proto(msg, self._config)
+            salt = tenant_cache_salt(self._tenant(context), req.cache_salt)
+            req = dataclasses.replace(req, cache_salt=salt)
             if not req.request_id:
                 req = dataclasses.replace(req, request_id=f"req-{uuid.uuid4().hex[:16]}")
             async with contextlib.aclosing(self._router.generate(req)) as deltas:
@@ -114,7 +126,9 @@ class InferenceService:
     async def score(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         msg: pb.ScoreRequest = await _decoded(request, context)
         try:
-            result = await self._router.score(wire.score_from_proto(msg))
+            req = wire.score_from_proto(msg)
+            salt = tenant_cache_salt(self._tenant(context), req.cache_salt)
+            result = await self._router.score(dataclasses.replace(req, cache_salt=salt))
         except Exception as exc:
             self._count("Score", _status_of(exc))
             await _fail(context, exc)
@@ -126,7 +140,8 @@ class InferenceService:
     ) -> pb.TokenizeResponse:
         msg: pb.TokenizeRequest = await _decoded(request, context)
         try:
-            ids, num_blocks, text = self._router.tokenize(wire.prompt_from_proto(msg.prompt))
+            prompt = wire.prompt_from_proto(msg.prompt)
+            ids, num_blocks, text = self._router.tokenize(prompt, msg.continuation)
         except Exception as exc:
             self._count("Tokenize", _status_of(exc))
             await _fail(context, exc)
@@ -167,8 +182,10 @@ def _unary(fn: Any, req: type[Message], resp: type[Message]) -> grpc.RpcMethodHa
     )
 
 
-def _handlers(router: Router, config: RouterConfig) -> list[grpc.GenericRpcHandler]:
-    inference = InferenceService(router, config)
+def _handlers(
+    router: Router, config: RouterConfig, tokens: TokenTable | None
+) -> list[grpc.GenericRpcHandler]:
+    inference = InferenceService(router, config, tokens)
     admin = AdminService(router)
     return [
         grpc.method_handlers_generic_handler(
@@ -197,19 +214,19 @@ def _handlers(router: Router, config: RouterConfig) -> list[grpc.GenericRpcHandl
 
 
 class RouterServer:
-    """A grpc.aio server around a started Router, with health checking and reflection."""
+    """A grpc.aio server around a started Router, with health checking and reflection; over
+    TLS when the config has a certificate (reads the TLS files once, here)."""
 
     def __init__(self, router: Router, config: RouterConfig) -> None:
-        interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+        tokens = TokenTable.from_config(config)
+        interceptors = [] if tokens is None else [BearerTokenInterceptor(tokens)]
         self.server = grpc.aio.server(interceptors=interceptors)
-        self.server.add_generic_rpc_handlers(_handlers(router, config))
+        self.server.add_generic_rpc_handlers(_handlers(router, config, tokens))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (INFERENCE, ADMIN, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {config.host}:{config.port}")
+        self.port = listen(self.server, f"{config.host}:{config.port}", config.read_tls())
         self._router = router
         self._watch: asyncio.Task[None] | None = None
         self._metrics_port = config.metrics_port
@@ -249,3 +266,26 @@ class RouterServer:
         while True:
             await asyncio.sleep(1.0)
             await self._publish_health()
+
+
+def listen(server: grpc.aio.Server, address: str, tls: ServerTls | None) -> int:
+    """Add the listening port (TLS when `tls` is given) to `server`; the port bound."""
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        credentials = grpc.ssl_server_credentials(
+            [(tls.private_key, tls.cert_chain)],
+            root_certificates=tls.client_ca,
+            require_client_auth=tls.client_ca is not None,
+        )
+        try:
+            port = server.add_secure_port(address, credentials)
+        except RuntimeError as exc:
+            # grpc says only "Failed to bind" when it cannot use the key, as for a taken port.
+            raise ConfigError(
+                f"cannot listen on {address} with TLS: the address is taken, or tls_key_file "
+                "is not the unencrypted PEM private key of the certificate in tls_cert_file"
+            ) from exc
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    return port

@@ -3,10 +3,17 @@
 Everything that crosses the process boundary is a plain frozen dataclass defined here (no proto
 and no torch types), so the router imports this module without importing torch or ray: the
 engine is imported inside the actor, and ray only inside `spawn_worker`.
+
+KV events are numbered by the engine and collected here between steps. They are kept in a
+bounded buffer that `poll` answers from, and, when the worker was given an `EventStreamConfig`,
+also handed to a `StreamPublisher` that writes them to the worker's Redis Stream from its own
+thread (collected every few milliseconds, so a router following the stream needs no poll).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
@@ -15,10 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from cachesvc.config import EngineConfig
 from cachesvc.events import TIER_HBM, Event
+from cachesvc.events_redis import EventStreamConfig
 from cachesvc.index import IndexSnapshot
 from cachesvc.types import BlockHash, BlockId
 
 if TYPE_CHECKING:
+    from cachesvc.events_redis import StreamPublisher
     from workers.engine.async_engine import AsyncEngine
     from workers.engine.engine import Engine
     from workers.engine.outputs import RequestOutput
@@ -37,6 +46,7 @@ class WorkerInfo:
     vocab_size: int
     max_model_len: int
     device: str
+    event_stream: str | None = None  # the Redis Stream it publishes its events to, if any
 
 
 @dataclass(frozen=True)
@@ -58,11 +68,13 @@ class WorkerLoad:
 
 @dataclass(frozen=True)
 class PollResult:
-    """The worker's load and its KV events with `seq >= since`, oldest first."""
+    """The worker's load and its KV events with `seq >= since`, oldest first; `next_seq`
+    numbers the next event it will make (every earlier one is buffered or published)."""
 
     incarnation: str
     load: WorkerLoad
     events: tuple[Event, ...]
+    next_seq: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,12 +111,20 @@ class StreamError:
 # ---- the actor ---------------------------------------------------------------------------------
 
 _MAX_BUFFERED_EVENTS = 65536
+_PUBLISH_INTERVAL_S = 0.01  # how often new events are looked for, when a stream is configured
+_log = logging.getLogger(__name__)
 
 
 class WorkerActor:
     """One model replica. Create it through `spawn_worker`; every method is async."""
 
-    def __init__(self, worker_id: str, config: EngineConfig, max_queued_requests: int) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        config: EngineConfig,
+        max_queued_requests: int,
+        event_stream: EventStreamConfig | None = None,
+    ) -> None:
         from workers.engine.async_engine import AsyncEngine
         from workers.engine.engine import Engine
 
@@ -113,6 +133,15 @@ class WorkerActor:
         self._max_queued = max_queued_requests
         # Events are kept (not drained away) so that several routers can follow one worker.
         self._events: deque[Event] = deque(maxlen=_MAX_BUFFERED_EVENTS)
+        self._next_seq = 0  # of the next event to collect
+        self._publisher: StreamPublisher | None = None
+        self._publishing: asyncio.Task[None] | None = None
+        self._open: set[str] = set()  # request ids of open `generate` streams
+        self._closed = False
+        if event_stream is not None:
+            from cachesvc.events_redis import StreamPublisher
+
+            self._publisher = StreamPublisher.from_config(event_stream, worker_id)
         self._info = WorkerInfo(
             worker_id=worker_id,
             incarnation=uuid.uuid4().hex,
@@ -121,9 +150,11 @@ class WorkerActor:
             vocab_size=engine.loaded.config.vocab_size,
             max_model_len=engine.max_model_len,
             device=config.device,
+            event_stream=None if self._publisher is None else self._publisher.key,
         )
 
     async def info(self) -> WorkerInfo:
+        self._ensure_publishing()
         return self._info
 
     async def health(self) -> bool:
@@ -146,7 +177,11 @@ class WorkerActor:
         from workers.engine.engine import PromptError
         from workers.engine.sampling_params import SamplingParams
 
+        self._ensure_publishing()
         load = self._engine.load
+        if self._closed:
+            yield StreamError("resource_exhausted", "the worker is shutting down")
+            return
         if load.num_running + load.num_waiting >= self._max_queued:
             yield StreamError("resource_exhausted", f"worker queue is full ({self._max_queued})")
             return
@@ -156,11 +191,14 @@ class WorkerActor:
             yield StreamError("invalid_argument", f"sampling: {exc}")
             return
         sent: dict[int, int] = {}
+        self._open.add(request_id)
         try:
             async for out in self._engine.generate(prompt_ids, sampling, request_id, cache_salt):
                 yield self._delta(out, request_id, sampling.n, sent)
         except PromptError as exc:
             yield StreamError("invalid_argument", f"prompt: {exc}")
+        finally:
+            self._open.discard(request_id)
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
@@ -186,16 +224,13 @@ class WorkerActor:
         except ValueError as exc:
             return StreamError("invalid_argument", str(exc))
 
-    async def poll(self, since_seq: int) -> PollResult:
+    async def poll(self, since_seq: int | None) -> PollResult:
         """Load and KV events numbered `since_seq` and later (a gap tells the caller to
-        resync from `snapshot`)."""
+        resync from `snapshot`); None asks for no events (the caller follows the stream)."""
+        self._ensure_publishing()
         await self._engine.call(self._collect_events)
-        newer: list[Event] = []
-        for event in reversed(self._events):  # newest first: a poll asks for few events
-            if event.seq < since_seq:
-                break
-            newer.append(event)
-        return PollResult(self._info.incarnation, self._load(), tuple(reversed(newer)))
+        events = () if since_seq is None else self._events_since(since_seq)
+        return PollResult(self._info.incarnation, self._load(), events, self._next_seq)
 
     async def snapshot(self) -> IndexSnapshot:
         """Every block hash held, per tier, consistent with the event numbering."""
@@ -208,10 +243,65 @@ class WorkerActor:
     async def stats(self) -> WorkerLoad:
         return self._load()
 
+    async def close(self, timeout_s: float = 30.0) -> bool:
+        """Stop serving: abort open requests, stop the engine loop, flush the tiers' queued
+        writes and close them (`Engine.close`), then flush the event stream. Idempotent; the
+        actor is left alive (the owner kills it). False when the event stream could not be
+        flushed within `timeout_s`."""
+        if self._closed:
+            return True
+        self._closed = True
+        for request_id in list(self._open):
+            await self._engine.abort(request_id)
+        if self._publishing is not None:
+            self._publishing.cancel()
+        # Between steps, in a thread (an NVMe flush blocks): no step runs while tiers close.
+        await self._engine.run_exclusive(self._close_engine)
+        await self._engine.shutdown()
+        if self._publisher is None:
+            return True
+        return await asyncio.to_thread(self._publisher.close, timeout_s)
+
     # ---- helpers ----------------------------------------------------------------------------
 
+    def _close_engine(self, engine: Engine) -> None:
+        engine.close()
+        self._collect_events(engine)  # what closing the tiers changed, for the last readers
+
     def _collect_events(self, engine: Engine) -> None:
-        self._events.extend(engine.pool.events.drain())
+        events = engine.pool.events.drain()
+        self._events.extend(events)
+        self._next_seq = engine.pool.events.next_seq
+        if self._publisher is not None:
+            self._publisher.publish(self._info.incarnation, events)
+
+    def _events_since(self, since_seq: int) -> tuple[Event, ...]:
+        newer: list[Event] = []
+        for event in reversed(self._events):  # newest first: a poll asks for few events
+            if event.seq < since_seq:
+                break
+            newer.append(event)
+        return tuple(reversed(newer))
+
+    def _ensure_publishing(self) -> None:
+        """Start the task that collects events for the stream (on the actor's loop, which
+        only exists once a method runs)."""
+        if self._publisher is None or self._closed:
+            return
+        if self._publishing is None or self._publishing.done():
+            self._publishing = asyncio.get_running_loop().create_task(self._publish_forever())
+
+    async def _publish_forever(self) -> None:
+        log = self._engine.engine.pool.events
+        while True:
+            await asyncio.sleep(_PUBLISH_INTERVAL_S)
+            # Reading the counter while a step runs is safe (one int); collecting waits for
+            # the step to end, so events leave at most a step plus this interval late.
+            if log.next_seq != self._next_seq:
+                try:
+                    await self._engine.call(self._collect_events)
+                except Exception:
+                    _log.exception("collecting KV events failed")
 
     def _snapshot(self, engine: Engine) -> IndexSnapshot:
         self._collect_events(engine)
@@ -259,18 +349,26 @@ def spawn_worker(
     worker_id: str,
     config: EngineConfig,
     *,
+    name: str | None = None,
+    namespace: str | None = None,
     num_cpus: float = 1,
     num_gpus: float = 0,
     max_restarts: int = 2,
     max_queued_requests: int = 256,
+    event_stream: EventStreamConfig | None = None,
 ) -> Any:
     """Start a WorkerActor on the connected Ray cluster and return its handle (not waiting
-    for the model to load: the first call does)."""
+    for the model to load: the first call does).
+
+    `name` names the actor in the Ray `namespace` (default: the driver's), so another router
+    can find it; by default a unique name (two pools of one test session never collide). With
+    `event_stream` the worker publishes its KV events to Redis."""
     import ray
 
     remote_cls = ray.remote(WorkerActor)
     return remote_cls.options(  # type: ignore[attr-defined]
-        name=f"cachesvc-{worker_id}-{uuid.uuid4().hex[:6]}",
+        name=name or f"cachesvc-{worker_id}-{uuid.uuid4().hex[:6]}",
+        namespace=namespace,
         num_cpus=num_cpus,
         num_gpus=num_gpus,
         max_restarts=max_restarts,
@@ -278,4 +376,4 @@ def spawn_worker(
         max_task_retries=0,
         # Streams are long-lived coroutines, not threads: allow many at once.
         max_concurrency=1000,
-    ).remote(worker_id, config, max_queued_requests)
+    ).remote(worker_id, config, max_queued_requests, event_stream)

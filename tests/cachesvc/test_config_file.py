@@ -18,6 +18,7 @@ from cachesvc.config_file import (
     read_config_file,
     with_overrides,
 )
+from router.config import TenantToken
 from router.main import ServeConfig
 
 
@@ -152,6 +153,29 @@ def test_serve_config_flag_overrides_the_file_only_when_given(tmp_path: Path) ->
     assert config.router.port == 7000  # given on the command line
     assert config.router.policy == "round_robin" and config.num_workers == 3  # from the file
     assert config.router.auth_token == "s3cret"
+
+
+def test_serve_tls_and_tenants_from_the_file_and_from_the_flags(tmp_path: Path) -> None:
+    for name in ("a.crt", "a.key", "b.crt", "b.key"):
+        (tmp_path / name).write_text("-----BEGIN X-----\n-----END X-----\n")
+    a_crt, a_key, b_crt, b_key = (str(tmp_path / n) for n in ("a.crt", "a.key", "b.crt", "b.key"))
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        f"router:\n  tls_cert_file: {a_crt}\n  tls_key_file: {a_key}\n"
+        "  tenant_tokens:\n    - {tenant: acme, token: t1}\n"
+    )
+    router = load_config_file(path, ServeConfig).router
+    assert (router.tls_cert_file, router.tls_key_file) == (a_crt, a_key)
+    assert router.tenant_tokens == (TenantToken("acme", "t1"),)
+
+    path.write_text("router: {port: 6000}\n")  # no TLS in the file: the flags add both files
+    tenants = tmp_path / "tenants"
+    tenants.write_text("umbrella t2\n")
+    argv = ["serve", "--tls-cert-file", b_crt, "--tls-key-file", b_key, "--config", str(path)]
+    args = cli._parser().parse_args([*argv, "--tenant-tokens-file", str(tenants)])
+    router = cli._serve_config_file(args.config, cli._serve_config(args)).router
+    assert (router.tls_cert_file, router.tls_key_file, router.port) == (b_crt, b_key, 6000)
+    assert router.tenant_tokens == (TenantToken("umbrella", "t2"),)
 
 
 def test_serve_with_a_bad_config_exits_2_with_one_line(

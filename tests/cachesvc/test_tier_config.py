@@ -60,3 +60,12 @@ def test_engine_flags_build_the_tier_config(tmp_path: object) -> None:
     assert tiers.redis_url == "redis://127.0.0.1:6379/0"
     serve = _parser().parse_args(["serve", "--redis-url", "redis://127.0.0.1:6379/0"])
     assert not _engine_config(serve).tiers.enabled  # serve's --redis-url is the router's index
+
+
+def test_serve_takes_the_kv_tier_redis_apart_from_the_router_index() -> None:
+    from cachesvc.cli import _parser, _serve_config
+
+    args = ["serve", "--redis-url", "redis://index:6379/0", "--redis-tier-url", "redis://kv:1/2"]
+    config = _serve_config(_parser().parse_args(args))
+    assert config.router.redis_url == "redis://index:6379/0"
+    assert config.engine.tiers.redis_url == "redis://kv:1/2"

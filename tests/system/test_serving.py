@@ -262,6 +262,23 @@ def test_score(stub: Any, engine_config: EngineConfig) -> None:
     assert all(len(s.logprobs) == 2 and all(x <= 0 for x in s.logprobs) for s in response.scores)
 
 
+def test_tokenize_as_a_continuation_matches_score_items(
+    make_server: Any, tiny_model_dir: Path
+) -> None:
+    from workers.model.tokenizer import Tokenizer
+
+    stub = pb_grpc.InferenceStub(make_server(policy="round_robin").channel())
+    tokenizer = Tokenizer.from_path(tiny_model_dir)
+    for text in ("hello", " the cache", "router!"):
+        request = pb.TokenizeRequest(prompt=pb.Prompt(text=text), continuation=True)
+        reply = stub.Tokenize(request)
+        assert list(reply.token_ids) == tokenizer.encode(text, add_special_tokens=False)
+        assert reply.text == text
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Tokenize(pb.TokenizeRequest(prompt=pb.Prompt(text=""), continuation=True))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_auth_token(make_server: Any, tiny_model_dir: Path) -> None:
     secured = make_server(policy="least_loaded", auth_token="s3cret")
     stub = pb_grpc.InferenceStub(secured.channel())

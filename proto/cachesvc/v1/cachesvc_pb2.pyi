@@ -145,10 +145,12 @@ class ScoreResponse(_message.Message):
     def __init__(self, scores: _Optional[_Iterable[_Union[ItemScores, _Mapping]]] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("prompt",)
+    __slots__ = ("prompt", "continuation")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     prompt: Prompt
-    def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ...) -> None: ...
+    continuation: bool
+    def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., continuation: _Optional[bool] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids", "num_blocks", "text")

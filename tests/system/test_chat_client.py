@@ -1,0 +1,65 @@
+"""`cachesvc chat --server` against a real router over Ray workers: the same greedy replies and
+JSON keys as offline `chat`, and later turns served from the worker's prefix cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachesvc.cli import main
+
+pytestmark = pytest.mark.system
+ENGINE_ARGS = ["--block-size", "4", "--num-blocks", "256", "--threads", "1"]
+TOKEN = "chat-secret"
+SCRIPT = ["hello world", "The quick brown fox", "/reset", "hello router"]
+CHAT = ["chat", "--max-tokens", "6", "--ignore-eos", "--system", "You are terse."]
+CHAT += [f"--message={m}" for m in SCRIPT]
+# Differ run to run, or between in-process and served.
+VOLATILE = ("request_id", "ttft_ms", "decode_tokens_per_s", "worker_id")
+
+
+@pytest.fixture(scope="module")
+def server(make_server: Any) -> Any:
+    return make_server(policy="prefix_aware", auth_token=TOKEN)
+
+
+@pytest.fixture()
+def remote_args(server: Any, tmp_path: Path) -> list[str]:
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    return ["--server", server.address, "--auth-token-file", str(tmp_path / "token")]
+
+
+def _lines(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[str]:
+    assert main(argv) == 0, capsys.readouterr().err
+    return capsys.readouterr().out.splitlines()
+
+
+def test_chat_over_the_server_matches_offline(
+    remote_args: list[str], tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    offline_argv = [*CHAT, "--json", "--model", str(tiny_model_dir), *ENGINE_ARGS]
+    offline = [json.loads(line) for line in _lines(capsys, offline_argv)]
+    remote = [json.loads(line) for line in _lines(capsys, [*CHAT, "--json", *remote_args])]
+    assert [r["turn"] for r in remote] == [o["turn"] for o in offline] == [0, 1, 0]
+    for here, there in zip(offline, remote, strict=True):
+        assert list(here) == list(there)
+        assert here["worker_id"] is None and there["worker_id"].startswith("worker-")
+        assert {k: v for k, v in here.items() if k not in VOLATILE} == {
+            k: v for k, v in there.items() if k not in VOLATILE
+        }
+    # The second turn resent the first: the worker that served it had its prompt cached.
+    first, second = remote[:2]
+    assert second["worker_id"] == first["worker_id"]
+    assert second["cached_tokens"] >= (len(first["prompt_token_ids"]) - 1) // 4 * 4 > 0
+
+
+def test_plain_replies_and_errors_over_the_server(
+    remote_args: list[str], tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    offline = _lines(capsys, [*CHAT, "--model", str(tiny_model_dir), *ENGINE_ARGS])
+    assert _lines(capsys, [*CHAT, *remote_args]) == offline
+    assert main([*CHAT, *remote_args[:2]]) == 2
+    assert "UNAUTHENTICATED" in capsys.readouterr().err

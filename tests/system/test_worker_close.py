@@ -1,0 +1,53 @@
+"""`WorkerActor.close` flushes the NVMe tier: right after it returns and the actor is killed, a new
+worker over the same folder finds every block the first one demoted there."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from cachesvc.config import EngineConfig, TierConfig
+from cachesvc.events import BlockStored, Event
+from cachesvc.types import BlockHash
+
+pytestmark = pytest.mark.system
+
+
+def _nvme_blocks(events: tuple[Event, ...]) -> set[BlockHash]:
+    return {
+        h for e in events if isinstance(e, BlockStored) and e.tier == "nvme" for h in e.block_hashes
+    }
+
+
+def test_close_flushes_the_nvme_tier(
+    ray_cluster: None, engine_config: EngineConfig, tmp_path: Path
+) -> None:
+    import ray
+
+    from workers.actor import spawn_worker
+
+    tiers = TierConfig(nvme_path=str(tmp_path), nvme_mb=16, calibrate=False)
+    config = dataclasses.replace(engine_config, tiers=tiers)
+    first = spawn_worker("worker-0", config, num_cpus=0.5, max_restarts=0)
+    params = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+    for i in range(4):
+        prompt = [10 + 11 * i + j for j in range(40)]  # ten blocks each
+        stream = first.generate.options(num_returns="streaming").remote(
+            prompt, params, f"r{i}", None
+        )
+        for ref in stream:
+            ray.get(ref)
+    assert ray.get(first.flush.remote()) >= 40  # every cached block is demoted to NVMe
+    demoted = _nvme_blocks(ray.get(first.poll.remote(0)).events)
+    assert len(demoted) >= 40
+    assert ray.get(first.close.remote(), timeout=60)
+    ray.kill(first)  # at once: only what close flushed is on disk
+    assert not list(tmp_path.glob(".*tmp*")), "no write was left half done"
+
+    second = spawn_worker("worker-0", config, num_cpus=0.5, max_restarts=0)
+    try:
+        assert _nvme_blocks(ray.get(second.poll.remote(0)).events) == demoted
+    finally:
+        ray.kill(second)
