@@ -412,6 +412,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"cachesvc: error: {msg}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C in a chat or a long run: no traceback
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ def run_demo_serve(engine: EngineConfig, num_workers: int = 2, max_tokens: int =
     import ray
 
     from router.config import RouterConfig
-    from router.main import ServeConfig, spawn_workers
+    from router.main import ServeConfig, spawn_workers, stop_workers
 
     started = time.perf_counter()
     engine = _threads_per_worker(engine, num_workers)
@@ -171,8 +171,7 @@ def run_demo_serve(engine: EngineConfig, num_workers: int = 2, max_tokens: int =
         print(f"starting {num_workers} workers (the model loads in each) ...", flush=True)
         answers = asyncio.run(_drive(actors, engine, max_tokens))
     finally:
-        for actor in actors.values():
-            ray.kill(actor)
+        stop_workers(actors)
         ray.shutdown()
     _summary(answers, time.perf_counter() - started)
     return 0 if len(answers) == sum(len(r) for r in DEMO_ROUNDS) else 1

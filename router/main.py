@@ -179,6 +179,17 @@ def _named_workers(namespace: str) -> dict[str, str]:
     return found
 
 
+def stop_workers(actors: Mapping[WorkerId, Any], close_timeout_s: float = 60.0) -> None:
+    """Close the workers (tiers and event streams flushed), then kill them: for the owner of
+    the actors only, never for a router attached to another's workers."""
+    import ray
+
+    if actors:
+        close_workers(actors, close_timeout_s)
+    for actor in actors.values():
+        ray.kill(actor)
+
+
 def close_workers(actors: Mapping[WorkerId, Any], timeout_s: float) -> None:
     """Ask every worker to close (flush its tiers and event stream) and wait up to
     `timeout_s`; a worker that does not answer in time is only logged (it is killed next)."""
@@ -240,10 +251,7 @@ def run_serve(config: ServeConfig) -> int:
             actors = owned = spawn_workers(config)
         return asyncio.run(_route(actors, config))
     finally:
-        if owned:
-            close_workers(owned, config.close_timeout_s)
-        for actor in owned.values():
-            ray.kill(actor)
+        stop_workers(owned, config.close_timeout_s)
         ray.shutdown()
 
 

@@ -24,7 +24,7 @@ from cachesvc.config import EngineConfig
 from cachesvc.events import TIER_HBM, Event
 from cachesvc.events_redis import EventStreamConfig
 from cachesvc.index import IndexSnapshot
-from cachesvc.types import BlockHash, BlockId
+from cachesvc.types import BlockId
 
 if TYPE_CHECKING:
     from cachesvc.events_redis import StreamPublisher
@@ -307,10 +307,11 @@ class WorkerActor:
         self._collect_events(engine)
         pool = engine.pool
         held = (pool.block_hash(BlockId(i)) for i in range(pool.num_blocks))
-        hashes: list[BlockHash] = [h for h in held if h is not None]
-        return IndexSnapshot(
-            self._info.incarnation, pool.events.next_seq, {TIER_HBM: tuple(hashes)}
-        )
+        blocks = {TIER_HBM: tuple(h for h in held if h is not None)}
+        if engine.tiering is not None:  # the lower tiers too: a resync must not forget them
+            for tier, hashes in engine.tiering.manager.held_by_tier().items():
+                blocks[tier] = tuple(hashes)
+        return IndexSnapshot(self._info.incarnation, pool.events.next_seq, blocks)
 
     def _load(self) -> WorkerLoad:
         load = self._engine.load

@@ -246,7 +246,7 @@ def run_routing_bench(args: RoutingBenchArgs) -> int:
 
     from cachesvc.config import EngineConfig
     from router.config import RouterConfig
-    from router.main import ServeConfig, spawn_workers
+    from router.main import ServeConfig, spawn_workers, stop_workers
     from router.policy import policy_names
 
     workloads = _workloads(args)
@@ -274,8 +274,7 @@ def run_routing_bench(args: RoutingBenchArgs) -> int:
                     run_all_policies(actors, model, sessions, workload, policy_names())
                 )
         finally:
-            for actor in actors.values():
-                ray.kill(actor)
+            stop_workers(actors)
             ray.shutdown()
     for workload in workloads:
         print(f"\nworkload {workload}:")

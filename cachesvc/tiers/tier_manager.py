@@ -95,6 +95,15 @@ class TierManager:
     def held_locally(self, block_hash: BlockHash) -> frozenset[str]:
         return frozenset(self._where.get(block_hash, ()))
 
+    def held_by_tier(self) -> dict[str, list[BlockHash]]:
+        """Every block the manager knows a tier holds, by tier name: what its events have said
+        so far (a worker's snapshot for the router's index)."""
+        out: dict[str, list[BlockHash]] = {}
+        for h, tiers in self._where.items():
+            for name in tiers:
+                out.setdefault(name, []).append(h)
+        return out
+
     def _rebuild(self) -> None:
         """Adopt what local tiers already hold (an NVMe folder after a restart), minus orphans."""
         for tier in self.local:

@@ -42,6 +42,8 @@ def test_close_flushes_the_nvme_tier(
     assert ray.get(first.flush.remote()) >= 40  # every cached block is demoted to NVMe
     demoted = _nvme_blocks(ray.get(first.poll.remote(0)).events)
     assert len(demoted) >= 40
+    # A router resyncing from a snapshot learns the NVMe blocks as well as the device's.
+    assert set(ray.get(first.snapshot.remote()).blocks["nvme"]) == demoted
     assert ray.get(first.close.remote(), timeout=60)
     ray.kill(first)  # at once: only what close flushed is on disk
     assert not list(tmp_path.glob(".*tmp*")), "no write was left half done"
