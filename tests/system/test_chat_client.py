@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_support import cli_lines, server_args
 
 from cachesvc.cli import main
 
@@ -28,21 +29,15 @@ def server(make_server: Any) -> Any:
 
 @pytest.fixture()
 def remote_args(server: Any, tmp_path: Path) -> list[str]:
-    (tmp_path / "token").write_text(TOKEN + "\n")
-    return ["--server", server.address, "--auth-token-file", str(tmp_path / "token")]
-
-
-def _lines(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[str]:
-    assert main(argv) == 0, capsys.readouterr().err
-    return capsys.readouterr().out.splitlines()
+    return server_args(server, TOKEN, tmp_path)
 
 
 def test_chat_over_the_server_matches_offline(
     remote_args: list[str], tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     offline_argv = [*CHAT, "--json", "--model", str(tiny_model_dir), *ENGINE_ARGS]
-    offline = [json.loads(line) for line in _lines(capsys, offline_argv)]
-    remote = [json.loads(line) for line in _lines(capsys, [*CHAT, "--json", *remote_args])]
+    offline = [json.loads(line) for line in cli_lines(capsys, offline_argv)]
+    remote = [json.loads(line) for line in cli_lines(capsys, [*CHAT, "--json", *remote_args])]
     assert [r["turn"] for r in remote] == [o["turn"] for o in offline] == [0, 1, 0]
     for here, there in zip(offline, remote, strict=True):
         assert list(here) == list(there)
@@ -59,7 +54,7 @@ def test_chat_over_the_server_matches_offline(
 def test_plain_replies_and_errors_over_the_server(
     remote_args: list[str], tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    offline = _lines(capsys, [*CHAT, "--model", str(tiny_model_dir), *ENGINE_ARGS])
-    assert _lines(capsys, [*CHAT, *remote_args]) == offline
+    offline = cli_lines(capsys, [*CHAT, "--model", str(tiny_model_dir), *ENGINE_ARGS])
+    assert cli_lines(capsys, [*CHAT, *remote_args]) == offline
     assert main([*CHAT, *remote_args[:2]]) == 2
     assert "UNAUTHENTICATED" in capsys.readouterr().err

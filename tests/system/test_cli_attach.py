@@ -5,7 +5,6 @@ running on exit, and the first one closes them (its NVMe tier flushed) and kills
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from cli_support import free_port, wait_serving
 
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
@@ -35,37 +34,15 @@ class Cluster:
     model: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _serve(cluster: Cluster, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     args = ["serve", "--model", str(cluster.model), "--port", str(port)]
     args += ["--ray-address", cluster.ray_address, "--ray-namespace", cluster.namespace]
     args += ["--redis-url", cluster.redis_url, "--redis-namespace", cluster.namespace]
     proc = subprocess.Popen([sys.executable, "-m", "cachesvc.cli", *args, *extra])
     address = f"127.0.0.1:{port}"
-    _wait_serving(address, proc)
+    wait_serving(address, proc)
     return proc, address
-
-
-def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, "cachesvc serve exited early"
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.3)
-    raise AssertionError("cachesvc serve did not start serving in time")
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> int:

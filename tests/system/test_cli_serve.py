@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from cli_support import free_port, wait_serving
 
 from cachesvc.cli import main
 
@@ -24,41 +21,19 @@ ENGINE_ARGS = ["--block-size", "4", "--num-blocks", "256", "--threads", "1"]
 TIMING = ("request_id", "ttft_ms", "decode_tokens_per_s")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, "cachesvc serve exited early"
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.3)
-    raise AssertionError("cachesvc serve did not start serving in time")
-
-
 @pytest.fixture(scope="module")
 def served(ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: Any) -> Iterator[str]:
     import ray
 
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text("cli-secret\n")
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     args = ["serve", "--model", str(tiny_model_dir), "--port", address.split(":")[1]]
     args += ["--ray-address", ray.get_runtime_context().gcs_address]
     args += ["--auth-token-file", str(token_file), *ENGINE_ARGS]
     proc = subprocess.Popen([sys.executable, "-m", "cachesvc.cli", *args])
     try:
-        _wait_serving(address, proc)
+        wait_serving(address, proc)
         yield address
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, "serve must exit cleanly on SIGTERM"

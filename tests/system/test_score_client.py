@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_support import cli_lines, server_args
 
 from cachesvc.cli import main
 from workers.model.tokenizer import Tokenizer
@@ -29,13 +30,7 @@ def server(make_server: Any) -> Any:
 
 @pytest.fixture()
 def remote_args(server: Any, tmp_path: Path) -> list[str]:
-    (tmp_path / "token").write_text(TOKEN + "\n")
-    return ["--server", server.address, "--auth-token-file", str(tmp_path / "token")]
-
-
-def _lines(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[str]:
-    assert main(argv) == 0, capsys.readouterr().err
-    return capsys.readouterr().out.splitlines()
+    return server_args(server, TOKEN, tmp_path)
 
 
 def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -50,8 +45,8 @@ def test_score_over_the_server_matches_offline(
     remote_args: list[str], tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     offline_argv = [*SCORE, "--model", str(tiny_model_dir), *ENGINE_ARGS]
-    offline = [json.loads(line) for line in _lines(capsys, [*offline_argv, "--json"])]
-    remote = [json.loads(line) for line in _lines(capsys, [*SCORE, "--json", *remote_args])]
+    offline = [json.loads(line) for line in cli_lines(capsys, [*offline_argv, "--json"])]
+    remote = [json.loads(line) for line in cli_lines(capsys, [*SCORE, "--json", *remote_args])]
     [hello] = Tokenizer.from_path(tiny_model_dir).encode("hello", add_special_tokens=False)
     assert [o["item"] for o in offline] == [" world", " router, hello worker", " fox"]
     for here, there in zip(offline, remote, strict=True):
@@ -62,14 +57,14 @@ def test_score_over_the_server_matches_offline(
         assert all(lp < 0 for lp in there["logprobs"])
     # Different items after the same prefix must not share one row (a routing mix-up would).
     assert offline[0]["logprobs"] != offline[2]["logprobs"]
-    assert _lines(capsys, [*SCORE, *remote_args]) == _lines(capsys, offline_argv)
+    assert cli_lines(capsys, [*SCORE, *remote_args]) == cli_lines(capsys, offline_argv)
 
 
 def test_salted_score_over_the_server_is_the_same(
     remote_args: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    plain = _lines(capsys, [*SCORE, "--json", *remote_args])
-    assert _lines(capsys, [*SCORE, "--json", "--cache-salt", "tenant-a", *remote_args]) == plain
+    plain = cli_lines(capsys, [*SCORE, "--json", *remote_args])
+    assert cli_lines(capsys, [*SCORE, "--json", "--cache-salt", "tenant-a", *remote_args]) == plain
 
 
 def test_score_errors_name_the_flag(
