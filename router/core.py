@@ -13,7 +13,6 @@ import logging
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import asdict, fields
-from typing import Any
 
 from cachesvc.hashing import hash_blocks, root_hash
 from cachesvc.types import BlockHash, WorkerId
@@ -33,7 +32,8 @@ from router.domain import (
 from router.metrics import RequestOutcome, RouterMetrics
 from router.policy import Candidate, Policy, RouteDecision, RouteRequest
 from router.pool import Health, WorkerDied, WorkerPool, raise_stream_error
-from router.resume import StreamProgress
+from router.resume import Part, RequestProgress
+from router.streams import merged
 from workers.actor import StreamDelta, StreamError, Usage
 from workers.model.tokenizer import Tokenizer, TokenizerError
 
@@ -147,7 +147,7 @@ class Router:
             raise Exhausted(f"router is at its limit of {self.config.max_inflight} requests")
         ids = self.encode(req.prompt)
         self._check_vocab(req.params.stop_token_ids, "sampling.stop_token_ids")
-        progress = StreamProgress(ids, asdict(req.params), self.tokenizer)
+        progress = RequestProgress(ids, asdict(req.params), self.tokenizer)
         outcome = RequestOutcome(req.request_id or f"req-{uuid.uuid4().hex[:16]}", self.policy.name)
         self._stats.num_requests += 1
         self._stats.num_inflight += 1
@@ -171,22 +171,23 @@ class Router:
             outcome.done(self.metrics)
 
     async def _forward(
-        self, progress: StreamProgress, outcome: RequestOutcome, req: GenerateInput
+        self, progress: RequestProgress, outcome: RequestOutcome, req: GenerateInput
     ) -> AsyncGenerator[StreamDelta, None]:
         excluded: set[WorkerId] = set()
         last_error: RouterError = Unavailable("no attempt was made")
         for attempt in range(self.config.max_retries + 1):
-            prompt = progress.next_prompt()
-            hashes = self.block_hashes(prompt, req.cache_salt)
-            decision = self._route(len(prompt), hashes, excluded)
+            parts = progress.parts()
+            # Every part continues the same prompt: the first one's blocks stand for all.
+            prompt = parts[0].prompt_ids
+            decision = self._route(len(prompt), self.block_hashes(prompt, req.cache_salt), excluded)
             self.metrics.decisions.labels(decision.policy, decision.worker).inc()
-            params = progress.next_params()
             try:
-                async with contextlib.aclosing(
-                    self._attempt(decision, prompt, params, outcome.request_id, req)
-                ) as deltas:
-                    async for raw in deltas:
-                        delta = progress.forward(raw, decision.worker)
+                attempt_deltas = self._attempt(decision, parts, outcome.request_id, req, progress)
+                async with contextlib.aclosing(attempt_deltas) as deltas:
+                    async for part, raw in deltas:
+                        delta = progress.forward(part, raw, decision.worker)
+                        if delta is None:
+                            continue
                         if delta.usage is not None:
                             self._record(delta.usage, outcome)
                         yield delta
@@ -217,19 +218,38 @@ class Router:
     async def _attempt(
         self,
         decision: RouteDecision,
-        ids: list[int],
-        params: dict[str, Any],
+        parts: list[Part],
         request_id: str,
         req: GenerateInput,
+        progress: RequestProgress,
+    ) -> AsyncGenerator[tuple[Part, StreamDelta], None]:
+        """The deltas of every part, as they come; a part whose sample the router ended is
+        closed (which aborts it on the worker)."""
+        streams = {
+            part.sample: self._part(decision, part, _part_id(request_id, part), req)
+            for part in parts
+        }
+        by_sample = {part.sample: part for part in parts}
+
+        def ended(sample: int | None) -> bool:
+            return sample is not None and progress.done(sample)
+
+        async with contextlib.aclosing(merged(streams, ended)) as deltas:
+            async for sample, delta in deltas:
+                yield by_sample[sample], delta
+
+    async def _part(
+        self, decision: RouteDecision, part: Part, request_id: str, req: GenerateInput
     ) -> AsyncGenerator[StreamDelta, None]:
         state = self.pool.state(decision.worker)
+        ids = part.prompt_ids
         uncached = max(0, len(ids) - decision.matched_blocks * self.pool.model.block_size)
         state.num_inflight += 1
         state.num_inflight_tokens += uncached
         prefilled = False
-        num_finished, n = 0, req.params.n
+        num_finished = 0
         try:
-            stream = self.pool.stream(decision.worker, ids, params, request_id, req.cache_salt)
+            stream = self.pool.stream(decision.worker, ids, part.params, request_id, req.cache_salt)
             async with contextlib.aclosing(stream) as deltas:
                 async for delta in deltas:
                     if not prefilled:
@@ -237,7 +257,7 @@ class Router:
                         state.num_inflight_tokens -= uncached
                     if delta.usage is not None:
                         num_finished += 1
-                        if num_finished == n:
+                        if num_finished == part.num_samples:
                             # Read-your-writes: once the client has the answer, the blocks it
                             # computed are visible to routing.
                             await self._sync_quietly(decision.worker)
@@ -363,3 +383,8 @@ class Router:
                 dropped += int(await self.pool.call(state.worker_id, "flush"))
                 await self.pool.sync(state.worker_id)
         return dropped
+
+
+def _part_id(request_id: str, part: Part) -> str:
+    """The worker-side id of a part: the request's own, or one per resumed sample."""
+    return request_id if part.sample is None else f"{request_id}.s{part.sample}"

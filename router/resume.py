@@ -8,7 +8,11 @@ stream onto the old one, so the client sees one uninterrupted stream.
   prefix), and so does seeded sampling: the draw of each output token is keyed by the seed and
   the token's index in the whole output, which the new worker is told (`output_offset`).
   Unseeded sampling continues correctly in distribution.
-- Only single-sample streams resume (`n == 1`, no beam search); others fail with UNAVAILABLE.
+- Each sample of an `n`-sample request is followed on its own (`RequestProgress`): after a cut,
+  every unfinished sample continues as its own single-sample request (its seed is `seed + i`,
+  as on the worker), all on the new worker, where they share the prompt's cached blocks.
+  Beam search does not resume: its beams are only sent when they finish, so a cut before that
+  is a plain retry, and a cut after it fails with UNAVAILABLE.
 - After a resume the new worker sees the sent tokens as prompt, so the router derives the text
   from the token ids itself (one detokenizer over the whole output: no broken character or lost
   leading space at the seam) and checks the stop strings on the whole text (a stop string
@@ -18,11 +22,12 @@ stream onto the old one, so the client sees one uninterrupted stream.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cachesvc.types import WorkerId
 from workers.actor import StreamDelta, Usage
+from workers.engine.sampling_params import SamplingParams
 from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.tokenizer import Tokenizer
 
@@ -38,6 +43,7 @@ class StreamProgress:
     text: str = ""
     num_resumes: int = 0
     ended: bool = False  # the router ended the stream itself (a stop string at the seam)
+    finished: bool = False  # the client has this stream's last delta
     _detok: IncrementalDetokenizer | None = None
     _pending_text: str = ""
 
@@ -80,10 +86,9 @@ class StreamProgress:
         """The delta to send the client for `delta` from `worker`; after a resume, with text,
         finish and usage relative to the whole stream. When `ended` is True afterwards the
         router found a stop string: stop reading (closing the stream aborts it on the worker)."""
-        if not self.resumable:
-            return delta
-        if self.num_resumes == 0:
+        if not self.resumable or self.num_resumes == 0:
             self._record(delta.token_ids, delta.text)
+            self.finished = delta.finish_reason is not None
             return delta
         text, finish = self._resumed_text(delta)
         self._record(delta.token_ids, text)
@@ -91,6 +96,7 @@ class StreamProgress:
         if finish is not None:
             usage = self._usage(usage, worker)
             self.ended = delta.finish_reason is None
+            self.finished = True
         return dataclasses.replace(delta, text=text, finish_reason=finish, usage=usage)
 
     def _record(self, token_ids: tuple[int, ...], text: str) -> None:
@@ -125,3 +131,78 @@ class StreamProgress:
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.token_ids),
         )
+
+
+@dataclass(frozen=True)
+class Part:
+    """One worker request of an attempt: the whole request (`sample` None: deltas carry their
+    own sample index) or the rest of one sample (its deltas are re-indexed to `sample`)."""
+
+    sample: int | None
+    prompt_ids: list[int]
+    params: dict[str, Any]
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.params.get("n", 1))
+
+
+class RequestProgress:
+    """Every sample of one request as the client has received them."""
+
+    def __init__(self, prompt_ids: list[int], params: dict[str, Any], tokenizer: Tokenizer | None):
+        self.prompt_ids = prompt_ids
+        self.params = params
+        sampling = SamplingParams(**params)
+        per_sample = (
+            [params]
+            if sampling.n == 1
+            else [asdict(sampling.for_sample(i)) for i in range(sampling.n)]
+        )
+        self.samples = [StreamProgress(list(prompt_ids), p, tokenizer) for p in per_sample]
+        self.num_resumes = 0
+
+    @property
+    def resumable(self) -> bool:
+        return all(s.resumable for s in self.samples)
+
+    @property
+    def started(self) -> bool:
+        return any(s.started for s in self.samples)
+
+    @property
+    def ended(self) -> bool:
+        """Every sample has finished and the router ended one itself (a stop string at the
+        seam): stop reading, the worker does not know (closing the stream aborts it there)."""
+        return all(s.finished for s in self.samples) and any(s.ended for s in self.samples)
+
+    def done(self, sample: int) -> bool:
+        return self.samples[sample].finished
+
+    def parts(self) -> list[Part]:
+        """What to ask the next worker for: the whole request until a resume, then the rest of
+        each unfinished sample."""
+        if self.num_resumes == 0:
+            return [Part(None, self.prompt_ids, self.params)]
+        return [
+            Part(i, s.next_prompt(), s.next_params())
+            for i, s in enumerate(self.samples)
+            if not s.finished
+        ]
+
+    def resume(self) -> None:
+        """Prepare every unfinished sample to continue on another worker."""
+        assert self.resumable
+        self.num_resumes += 1
+        for sample in self.samples:
+            if not sample.finished:
+                sample.resume()
+
+    def forward(self, part: Part, delta: StreamDelta, worker: WorkerId) -> StreamDelta | None:
+        """The delta to send the client; None for what a sample sends after the router ended
+        it (a stop string at the seam)."""
+        index = delta.index if part.sample is None else part.sample
+        sample = self.samples[index]
+        if sample.finished:
+            return None
+        return dataclasses.replace(sample.forward(delta, worker), index=index)

@@ -4,12 +4,13 @@ the whole stream. Workers are simulated by the engine's own incremental detokeni
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from cachesvc.types import WorkerId
-from router.resume import StreamProgress
+from router.resume import RequestProgress, StreamProgress
 from workers.actor import StreamDelta, Usage
 from workers.model.default_model import default_model_path
 from workers.model.detokenizer import IncrementalDetokenizer
@@ -95,3 +96,57 @@ def test_only_single_sample_streams_resume(tokenizer: Tokenizer) -> None:
     assert progress.forward(delta, W1) is delta and progress.started
     progress.resume()
     assert progress.forward(StreamDelta(0, (8,), "x", "length", None), W2).text == "x"
+
+
+def test_each_unfinished_sample_resumes_on_its_own(tokenizer: Tokenizer) -> None:
+    outputs = [
+        tokenizer.encode(f"sample {i} says hello", add_special_tokens=False) for i in (0, 1, 2)
+    ]
+    num = min(len(o) for o in outputs)
+    outputs = [o[:num] for o in outputs]
+    progress = RequestProgress(list(PROMPT), _params(n=3, seed=5, max_tokens=num), tokenizer)
+    [whole] = progress.parts()
+    assert whole.sample is None and whole.params["n"] == 3 and whole.num_samples == 3
+
+    # The first worker finishes sample 0, sends two tokens of sample 1, none of sample 2.
+    first = [replace(d, index=0) for d in _worker(tokenizer, outputs[0], W1, num)]
+    first += [replace(d, index=1) for d in _worker(tokenizer, outputs[1], W1, num)[:2]]
+    sent = [progress.forward(whole, d, W1) for d in first]
+    assert [d.index for d in sent if d is not None] == [0] * num + [1, 1]
+    progress.resume()
+
+    parts = progress.parts()
+    assert [p.sample for p in parts] == [1, 2]
+    one, two = parts
+    assert one.prompt_ids == PROMPT + outputs[1][:2] and two.prompt_ids == PROMPT
+    assert (one.params["n"], one.params["seed"], one.params["output_offset"]) == (1, 6, 2)
+    assert one.params["max_tokens"] == num - 2
+    assert (two.params["n"], two.params["seed"], two.params["max_tokens"]) == (1, 7, num)
+
+    # The second worker streams each part as a one-sample request (index 0).
+    rest_one = _worker(tokenizer, outputs[1][2:], W2, num - 2)
+    rest_two = _worker(tokenizer, outputs[2], W2, num)
+    after = [progress.forward(one, d, W2) for d in rest_one]
+    after += [progress.forward(two, d, W2) for d in rest_two]
+    assert all(d is not None for d in after)
+    for i in (0, 1, 2):
+        mine = [d for d in [*sent, *after] if d is not None and d.index == i]
+        assert [t for d in mine for t in d.token_ids] == outputs[i]
+        assert "".join(d.text for d in mine) == tokenizer.decode(outputs[i])
+        assert mine[-1].usage is not None and mine[-1].usage.completion_tokens == num
+    assert all(s.finished for s in progress.samples) and not progress.ended
+
+
+def test_a_sample_ended_at_the_seam_drops_what_its_worker_sends_later(
+    tokenizer: Tokenizer,
+) -> None:
+    ids = tokenizer.encode("one two STOP three four", add_special_tokens=False)
+    progress = RequestProgress(list(PROMPT), _params(n=2, stop=("STOP",)), tokenizer)
+    [whole] = progress.parts()
+    progress.forward(whole, replace(_worker(tokenizer, ids, W1, len(ids))[0], index=1), W1)
+    progress.resume()
+    part = next(p for p in progress.parts() if p.sample == 1)
+    out = [progress.forward(part, d, W2) for d in _worker(tokenizer, ids[1:], W2, len(ids) - 1)]
+    kept = [d for d in out if d is not None]
+    assert kept[-1].finish_reason == "stop" and "three" not in "".join(d.text for d in kept)
+    assert progress.samples[1].finished and out[-1] is None

@@ -12,7 +12,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_cli_serve import ENGINE_ARGS, _free_port, _wait_serving
+from cli_support import free_port, wait_serving
+from test_cli_serve import ENGINE_ARGS
 
 from cachesvc.cli import main
 
@@ -29,7 +30,7 @@ def test_serve_with_redis_metrics_and_json_logs(
     import ray
     import redis
 
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     namespace = f"cli-{uuid.uuid4().hex[:8]}"
     args = ["serve", "--model", str(tiny_model_dir), "--port", str(port), *ENGINE_ARGS]
     args += ["--ray-address", ray.get_runtime_context().gcs_address]
@@ -39,7 +40,7 @@ def test_serve_with_redis_metrics_and_json_logs(
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "cachesvc.cli", *args], stderr=log)
     try:
-        _wait_serving(f"127.0.0.1:{port}", proc)
+        wait_serving(f"127.0.0.1:{port}", proc)
         argv = ["generate", "--server", f"127.0.0.1:{port}", "--prompt", "hello world"]
         assert main([*argv, "--max-tokens", "3", "--json"]) == 0
         served = json.loads(capsys.readouterr().out.splitlines()[0])

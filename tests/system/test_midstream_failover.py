@@ -1,6 +1,6 @@
 """A worker killed with ray.kill while it streams: the router resumes the request on the other
 worker from the prompt plus the tokens already sent, and the client's one stream ends with the
-same tokens and text as an undisturbed run, greedy or seeded sampling."""
+same tokens and text as an undisturbed run, greedy or seeded sampling, one sample or several."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ SAMPLING = {
     "greedy": pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
     "seeded": pb.SamplingParams(
         max_tokens=MAX_TOKENS, temperature=1.0, top_k=50, seed=1234, ignore_eos=True
+    ),
+    # Each unfinished sample continues as its own request on the other worker.
+    "seeded-n3": pb.SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=1.0, top_k=50, seed=99, n=3, ignore_eos=True
     ),
 }
 
@@ -61,6 +65,10 @@ def _serving_worker(admin: pb_grpc.AdminStub) -> str:
     raise AssertionError("no worker is serving the stream")
 
 
+def _tokens(messages: list[pb.GenerateResponse], index: int) -> list[int]:
+    return [t for m in messages if m.index == index for t in m.token_ids]
+
+
 def test_killed_mid_stream_the_client_sees_one_stream(
     make_server: Any, worker_pair: Any, sampling: pb.SamplingParams
 ) -> None:
@@ -76,27 +84,28 @@ def test_killed_mid_stream_the_client_sees_one_stream(
     admin = pb_grpc.AdminStub(server.channel())
     ids = [5, 17, 33, 99, 250, 3, 8, 64, 120, 7, 11]
 
+    n = max(1, sampling.n)
     undisturbed = list(stub.Generate(_request(ids), timeout=120))
-    expected_ids = [t for m in undisturbed for t in m.token_ids]
-    expected_text = "".join(m.text for m in undisturbed)
-    assert len(expected_ids) == MAX_TOKENS
+    expected = {i: _tokens(undisturbed, i) for i in range(n)}
+    assert all(len(t) == MAX_TOKENS for t in expected.values())
+    assert n == 1 or expected[0] != expected[1], "samples differ"
 
     stream = stub.Generate(_request(ids), timeout=120)
-    received = [next(stream) for _ in range(3)]
+    received = [next(stream) for _ in range(3 * n)]
     victim = _serving_worker(admin)
     ray.kill(worker_pair[victim])
     received += list(stream)
 
-    tokens = [t for m in received for t in m.token_ids]
-    assert len(tokens) == MAX_TOKENS
-    assert tokens == expected_ids, "the continuation must be identical"
-    assert "".join(m.text for m in received) == expected_text
-    finals = [m for m in received if m.finish_reason]
-    assert len(finals) == 1 and finals[0] is received[-1]
-    usage = received[-1].usage
-    assert received[-1].finish_reason == "length"
-    assert usage.prompt_tokens == len(ids) and usage.completion_tokens == MAX_TOKENS
-    assert usage.worker_id != victim
+    for i in range(n):
+        assert _tokens(received, i) == expected[i], "the continuation must be identical"
+        own = [m for m in received if m.index == i]
+        assert "".join(m.text for m in own) == "".join(m.text for m in undisturbed if m.index == i)
+        finals = [m for m in own if m.finish_reason]
+        assert len(finals) == 1 and finals[0] is own[-1] and own[-1].finish_reason == "length"
+        usage = own[-1].usage
+        assert usage.prompt_tokens == len(ids) and usage.completion_tokens == MAX_TOKENS
+        assert usage.worker_id != victim
+    assert received[-1].finish_reason
 
     stats = admin.Stats(pb.StatsRequest())
     assert stats.num_failed == 0 and stats.num_retries == 1

@@ -15,7 +15,7 @@ from cachesvc.config import EngineConfig
 from cachesvc.types import RequestId
 from workers.attention.schemes import make_scheme_backend
 from workers.engine.beam_search import BeamSearch
-from workers.engine.forking import Forker, sample_params_for
+from workers.engine.forking import Forker
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.outputs import RequestOutput
 from workers.engine.request import FinishReason, Request
@@ -184,7 +184,7 @@ class Engine:
         first = Request(
             out[0],
             list(ids),
-            params if params.n == 1 else sample_params_for(params, 0),
+            params if params.n == 1 else params.for_sample(0),
             eos_token_ids=self._eos_ids(),
             cache_salt=cache_salt,
         )
@@ -195,7 +195,7 @@ class Engine:
             self._tracked[first.request_id] = self._track(first)
         if params.n > 1:
             self._fork_plans[first.request_id] = [
-                (rid, sample_params_for(params, i)) for i, rid in enumerate(out) if i > 0
+                (rid, params.for_sample(i)) for i, rid in enumerate(out) if i > 0
             ]
         self.scheduler.add(first)
         return out

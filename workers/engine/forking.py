@@ -5,8 +5,6 @@ Used by parallel sampling (`n` samples of one prompt computed once) and beam sea
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from cachesvc.types import RequestId
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.request import Request, RequestStatus
@@ -49,9 +47,3 @@ class Forker:
         child.status = RequestStatus.RUNNING
         self.scheduler.running.append(child)
         return child
-
-
-def sample_params_for(params: SamplingParams, index: int) -> SamplingParams:
-    """The parameters of sample `index` of an `n`-sample request: its own seed, n = 1."""
-    seed = None if params.seed is None else params.seed + index
-    return replace(params, n=1, seed=seed)

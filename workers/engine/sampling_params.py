@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_N = 64
 MAX_BEAM_WIDTH = 32
@@ -54,6 +54,12 @@ class SamplingParams:
         # Normalise list arguments so the object stays hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of sample `index` of an `n`-sample request: n = 1 and its own seed
+        (`seed + index`), so each sample is reproducible alone (and resumable alone)."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:
