@@ -1,9 +1,11 @@
 """The planner's cost model, kept current: calibrated at start, then updated from measurements.
 
-`CostTracker` holds the coefficients and folds in every measured tier read (EWMA) and every
-measured forward pass (a refit weighted toward recent passes), so the plan follows a tier that
-slows down (a busy disk, a throttled link, a loaded Redis) or a device that speeds up once warm.
-`probe_tier` measures one tier at start with a few synthetic blocks.
+`CostTracker` holds the coefficients and folds in every measured tier read and landing (EWMA)
+and every measured forward pass (a refit weighted toward recent passes), so the plan follows a
+tier that slows down (a busy disk, a throttled link, a loaded Redis) or a device that speeds up
+once warm. A bandwidth cap we impose ourselves (tests, benchmarks) is known exactly: it is kept
+apart from the tier's own cost, which reads learn with the cap's share taken out, so changing
+the cap keeps what was learned. `probe_tier` measures one tier at start with a few blocks.
 """
 
 from __future__ import annotations
@@ -13,11 +15,16 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+from cachesvc.codec import Codec
 from cachesvc.planner import ComputeCost, CostModel, TierCost
 from cachesvc.tiers.base import Tier, TierItem
 from cachesvc.tiers.results import Transfer
 from cachesvc.types import BlockHash
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Prior read costs before any measurement (latency s, seconds per byte): order of magnitude only.
 DEFAULT_TIER_COSTS: Mapping[str, tuple[float, float]] = {
@@ -64,7 +71,9 @@ class CostTracker:
         window: int = 32,
     ) -> None:
         self.compute = compute
-        self.tiers = dict(tiers)
+        self.tiers = dict(tiers)  # each tier's own read cost, without a cap
+        self.caps: dict[str, float] = {}  # seconds per byte a cap adds to a tier's reads
+        self.land_s_per_block = 0.0  # until measured (the first measurement is taken as is)
         self.weight = weight
         # Until calibrated, the prior itself is a weak anchor.
         self._anchors = [ComputeSample.of([(k, c)], compute.prefill_s(k, c)) for k, c in _SHAPES]
@@ -72,7 +81,15 @@ class CostTracker:
         self._recent: deque[ComputeSample] = deque(maxlen=window)
 
     def model(self) -> CostModel:
-        return CostModel(self.compute, dict(self.tiers))
+        tiers = {
+            name: replace(c, seconds_per_byte=c.seconds_per_byte + self.caps.get(name, 0.0))
+            for name, c in self.tiers.items()
+        }
+        return CostModel(self.compute, tiers, self.land_s_per_block)
+
+    def set_cap(self, tier: str, mb_per_s: float | None) -> None:
+        """A tier's reads are capped at `mb_per_s` from now on (None: uncapped)."""
+        self.caps[tier] = 0.0 if mb_per_s is None else 1 / (mb_per_s * 1e6)
 
     def calibrate_compute(self, samples: Sequence[ComputeSample]) -> None:
         """Start from measured passes (they stay in every later fit)."""
@@ -82,11 +99,12 @@ class CostTracker:
         self.compute = fit_compute(samples)
 
     def observe_transfer(self, t: Transfer) -> None:
-        """Fold in one measured read (`seconds` include the throttle and the decode)."""
+        """Fold in one measured read (`seconds` include the cap's wait and the decode)."""
         cost = self.tiers.get(t.tier)
         if cost is None or t.num_blocks == 0 or t.num_bytes == 0:
             return
-        per_byte = max(t.seconds - cost.latency_s, 0.0) / t.num_bytes
+        capped = t.num_bytes * self.caps.get(t.tier, 0.0)
+        per_byte = max(t.seconds - cost.latency_s - capped, 0.0) / t.num_bytes
         per_byte = _clamped(per_byte, cost.seconds_per_byte)
         size = t.num_bytes / t.num_blocks
         self.tiers[t.tier] = replace(
@@ -94,6 +112,17 @@ class CostTracker:
             seconds_per_byte=self._ewma(cost.seconds_per_byte, per_byte),
             bytes_per_block=self._ewma(cost.bytes_per_block, size),
         )
+
+    def observe_land(self, num_blocks: int, seconds: float) -> None:
+        """Fold in one measured copy of `num_blocks` fetched blocks into the device caches."""
+        if num_blocks <= 0 or seconds <= 0:
+            return
+        per_block = seconds / num_blocks
+        if self.land_s_per_block > 0:
+            per_block = self._ewma(
+                self.land_s_per_block, _clamped(per_block, self.land_s_per_block)
+            )
+        self.land_s_per_block = per_block
 
     def observe_compute(self, chunks: Sequence[tuple[int, int]], seconds: float) -> None:
         """Fold in one forward pass over `chunks` of (new tokens, context) that took `seconds`."""
@@ -153,42 +182,51 @@ def fit_compute(
     return ComputeCost(alpha, beta, gamma)
 
 
-def default_tier_cost(name: str, bytes_per_block: float, cap_mb_per_s: float | None) -> TierCost:
-    """The prior of a tier before it is probed: the default, or its configured cap."""
+def default_tier_cost(name: str, bytes_per_block: float) -> TierCost:
+    """The prior of a tier's own read cost before it is probed."""
     latency, per_byte = DEFAULT_TIER_COSTS.get(name, (1e-3, 1 / 1e8))
-    if cap_mb_per_s is not None:
-        per_byte = max(per_byte, 1 / (cap_mb_per_s * 1e6))
     return TierCost(latency, per_byte, bytes_per_block)
 
 
-def probe_tier(tier: Tier, blobs: Sequence[bytes], prior: TierCost) -> TierCost:
-    """Time one batched read of `blobs` (written under random hashes, then removed).
+def probe_tier(
+    tier: Tier,
+    codec: Codec,
+    dtype: str,
+    array: np.ndarray,
+    prior: TierCost,
+    num_blocks: int = 4,
+) -> TierCost:
+    """Time reads of one block and of `num_blocks` copies of `array` (written under random
+    hashes, then removed), each blob decoded as a fetch decodes it: a compressing codec's decode
+    costs more than the read itself (shuffle + lz4: ~0.8 GB/s).
 
     Returns `prior` unchanged when the tier refuses the probe (full, down). The write to an NVMe
     tier lands in memory first, so a fresh probe measures the page cache, not the drive: the
     online updates correct it as real reads come.
     """
-    hashes = [BlockHash(os.urandom(16)) for _ in blobs]
-    items = [TierItem(h, None, b) for h, b in zip(hashes, blobs, strict=True)]
+    hashes = [BlockHash(os.urandom(16)) for _ in range(num_blocks)]
+    items = [TierItem(h, None, codec.encode(h, None, dtype, array)) for h in hashes]
     if len(tier.put(items)) != len(items):
         tier.remove(hashes)
         return prior
     flush = getattr(tier, "flush", None)
     if flush is not None:
         flush()
+
+    def read(batch: Sequence[BlockHash]) -> tuple[float, int]:
+        start = time.perf_counter()
+        blobs = tier.get(batch)
+        ok = [b for h, b in zip(batch, blobs, strict=True) if b and codec.decode(b, h)]
+        return time.perf_counter() - start, sum(len(b) for b in ok)
+
     try:
-        start = time.perf_counter()
-        tier.get(hashes[:1])
-        latency = time.perf_counter() - start
-        start = time.perf_counter()
-        got = tier.get(hashes)
-        seconds = time.perf_counter() - start
+        latency, _ = read(hashes[:1])
+        seconds, num_bytes = read(hashes)
     finally:
         tier.remove(hashes)
-    num_bytes = sum(len(b) for b in got if b is not None)
-    if num_bytes == 0 or len(blobs) < 2:
+    if num_bytes == 0 or num_blocks < 2:
         return prior
-    size = num_bytes / len(blobs)
+    size = num_bytes / num_blocks
     # t(1) = latency + one block, t(n) = latency + n blocks: two equations, two unknowns.
-    per_block = max((seconds - latency) / (len(blobs) - 1), size / _MAX_BYTES_PER_S)
+    per_block = max((seconds - latency) / (num_blocks - 1), size / _MAX_BYTES_PER_S)
     return TierCost(max(latency - per_block, 0.0), per_block / size, size)

@@ -147,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
 
     tiers = bench_sub.add_parser("tiers", help="TTFT with the prefix in each tier vs recompute")
     tiers.add_argument("--json", dest="json_path", help="also write the results to this file")
-    tiers.add_argument("--quick", action="store_true", help="contexts 256/512, fewer caps")
+    tiers.add_argument("--quick", action="store_true", help="contexts 256/512 (else 1K/4K/8K)")
     tiers.add_argument("--model", default=None)
     tiers.add_argument("--redis-url", default=None, help="default: a local redis-server")
     tiers.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -11,9 +11,14 @@ ones (`TierHit`s). Three ways to get their KV, and the plan picks the fastest pr
 The fetched range may also stop early (`end` before the last hit): a tier slower than
 recomputing its blocks is bypassed. Times are predicted as
 
-    fetch(tier, n)     = latency + n * bytes_per_block * seconds_per_byte      (per tier run)
-    compute(k, ctx)    = alpha + beta * k + gamma * k * (ctx + k / 2)          (k new tokens)
-    split(m, end)      = max(compute(front), fetch(m..end)) + compute(rest | ctx = end)
+    read(tier, n)    = latency + n * bytes_per_block * seconds_per_byte        (per tier run)
+    land(n)          = n * land_per_block                 (the copy into the device caches)
+    compute(k, ctx)  = alpha + beta * k + gamma * k * (ctx + k / 2)            (k new tokens)
+    fetch(end)       = read(first..end) + land(first..end) + compute(rest | ctx = end)
+    split(m, end)    = max(compute(front), read(m..end)) + land(m..end) + compute(rest | ctx = end)
+
+A split overlaps the read of the back with the compute of the front, not the landing: the
+engine's thread copies the back in once the front is computed.
 
 The coefficients come from a calibration at start, updated online (`cachesvc.calibration`).
 """
@@ -62,7 +67,11 @@ class ComputeCost:
 @dataclass(frozen=True)
 class CostModel:
     compute: ComputeCost
-    tiers: Mapping[str, TierCost]
+    tiers: Mapping[str, TierCost]  # read costs, caps included
+    land_s_per_block: float = 0.0  # copying one fetched block into the device caches
+
+    def land_s(self, num_blocks: int) -> float:
+        return max(num_blocks, 0) * self.land_s_per_block
 
 
 @dataclass(frozen=True)
@@ -103,7 +112,8 @@ class LoadPlan:
         return self.split_block - self.first_block
 
 
-def _fetch_s(runs: Sequence[TierHit], model: CostModel, start: int, end: int) -> float:
+def _read_s(runs: Sequence[TierHit], model: CostModel, start: int, end: int) -> float:
+    """Predicted read time of blocks [start, end) from the tiers holding them."""
     total = 0.0
     for run in runs:
         n = min(run.end, end) - max(run.start, start)
@@ -145,7 +155,8 @@ def _best(
             if strict_split and split == first:
                 continue
             front = c.prefill_s((split - first) * block_size, first * block_size)
-            t = max(front, _fetch_s(runs, model, split, end)) + rest
+            back = _read_s(runs, model, split, end)
+            t = max(front, back) + model.land_s(end - split) + rest
             if best is None or t < best.seconds:
                 best = _Option(t, split, end)
     return best
@@ -169,8 +180,10 @@ def plan_load(
     if not runs:
         return LoadPlan("none", d, d, d, (), recompute_s, recompute_s, recompute_s, recompute_s)
     full_end = runs[-1].end
-    fetch_only = _fetch_s(runs, model, d, full_end) + model.compute.prefill_s(
-        num_tokens - full_end * block_size, full_end * block_size
+    fetch_only = (
+        _read_s(runs, model, d, full_end)
+        + model.land_s(full_end - d)
+        + model.compute.prefill_s(num_tokens - full_end * block_size, full_end * block_size)
     )
     split = _best(runs, d, num_tokens, block_size, model, strict_split=True)
     split_s = split.seconds if split is not None else fetch_only

@@ -1,19 +1,28 @@
 """`cachesvc bench tiers`: time to first token with a reused prefix in each tier, vs recompute.
 
-For each context length, a prompt's prefix is computed once and evicted into one tier (DRAM,
-NVMe, Redis) alone; then requests sharing the prefix (each with a fresh suffix) are timed with
-the planner forced to fetch, to split (Cake) and left to choose, under a sweep of read bandwidth
-caps; recompute (nothing cached) and the device-resident prefix are the baselines. The ratio is
-the planner's choice over the best measured alternative (1.0 is a perfect choice).
-The `codec` section measures lz4 and byte-plane shuffle + lz4 on the real KV of that prefix.
+For each context length, a plain engine measures recomputing the prefix and finding it on the
+device. Then, per tier (DRAM, NVMe, Redis, each alone below the device), a fresh engine computes
+the prefix once (a recompute of its own), lets it leave into the tier, fetches it once untimed
+(a first read is slower), and times requests that share it (each with a fresh suffix) with the
+planner forced to fetch, to split (Cake) and left to choose, under read bandwidth caps chosen
+around the context's crossover bandwidth (prefix bytes over recompute time): uncapped, 4x, 1x
+and 0.25x of it, and on DRAM a cap so slow that one block reads as long as the prefix
+recomputes. Every round interleaves the plans, so a burst of load on a shared machine hits
+them alike; the minimum over rounds is the least disturbed run. A forced plan predicted slower
+than 3 recomputes is not measured but recorded as null, with the reason; the forced plan that is
+the choice's own plan is not run twice (`same_as_chosen`): its time is the choice's.
 
-NVMe here is a folder on the local disk, read mostly from the page cache; on CPU the model is
-slow, so every tier wins uncapped and the caps show where fetching stops paying.
+The ratio is the planner's choice over the best measured alternative of the same engine (1.0 is
+a perfect choice); the summary checks the issue's goals. `bandwidth` times a whole-prefix fetch
+from DRAM (the tier read and the copy into the device caches) against a plain memory copy of as
+many bytes; `codec` measures lz4 and byte-plane shuffle + lz4 on the real KV of the prefix.
+
+NVMe here is a folder on the local disk, read mostly from the page cache.
 """
 
 from __future__ import annotations
 
-import os
+import math
 import platform
 import shutil
 import signal
@@ -22,240 +31,237 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from cachesvc.bench.table import format_table, write_json
+from cachesvc.bench.table import write_json
+from cachesvc.bench.tiers_report import (
+    BandwidthRow,
+    TierRow,
+    codec_rows,
+    print_report,
+)
+from cachesvc.bench.tiers_runner import (
+    BLOCK_SIZE,
+    SKIP_OVER_RECOMPUTE,
+    Cap,
+    Runner,
+    caps_for,
+    estimate_s,
+    memcpy_gb_s,
+    slowest_cap,
+    tier_config,
+)
 from cachesvc.local_redis import local_redis, redis_server_binary
-from cachesvc.types import BlockHash
 
 TIERS = ("dram", "nvme", "redis")
-SUFFIX = 16
+FULL = ((1024, 3), (4096, 1), (8192, 1))  # (context, rounds): fewer rounds where a run is long
+QUICK = ((256, 3), (512, 2))
+FORCED = ("fetch", "split")
 
 
-@dataclass(frozen=True)
-class TierRow:
-    context: int
-    tier: str  # "device" for the prefix already in the device pool
-    cap_mbps: float | None
-    fetch_ms: float | None
-    split_ms: float | None
-    recompute_ms: float
-    chosen_ms: float
-    chosen: str  # the planner's plan kind
-    predicted_ms: float | None  # what the planner expected of its choice
-    ratio: float  # chosen over the best measured alternative (device row: over recompute)
+@dataclass
+class _Sweep:
+    """Measurements of one tier engine, per cap (by index)."""
 
-
-@dataclass(frozen=True)
-class CodecRow:
-    dtype: str
-    mode: str
-    ratio: float
-    encode_mb_s: float
-    decode_mb_s: float
-
-
-def _tokens(n: int, seed: int, vocab: int) -> list[int]:
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(100, vocab, (n,), generator=gen).tolist()
-
-
-class _Runner:
-    """Engines over one loaded model; fresh suffixes so only the prefix is ever reused."""
-
-    def __init__(self, loaded: Any, context: int, repeats: int = 1) -> None:
-        self.loaded = loaded
-        self.context = context
-        self.repeats = repeats
-        self.vocab = loaded.config.vocab_size
-        self.prefix = _tokens(context, context, self.vocab)
-        self._seed = 10_000
-
-    def engine(self, tiers: Any) -> Any:
-        from cachesvc.config import EngineConfig
-        from workers.engine.engine import Engine
-
-        num_blocks = self.context // 16 + 8
-        config = EngineConfig(
-            block_size=16,
-            num_blocks=num_blocks,
-            max_num_batched_tokens=self.context + 64,
-            tiers=tiers,
-        )
-        return Engine(config, loaded=self.loaded)
-
-    def ttft_ms(self, engine: Any) -> float:
-        """One request sharing the prefix (with a fresh suffix); the prefix then leaves the
-        device again (demoted into the tier, which already holds it)."""
-        self._seed += 1
-        prompt = self.prefix + _tokens(SUFFIX, self._seed, self.vocab)
-        [out] = engine.generate([prompt], _one_token())
-        engine.pool.reset_cache()
-        return float(out.ttft_ms)
-
-
-def _tier_config(tier: str, context: int, nvme_dir: str, redis_url: str | None) -> Any:
-    from cachesvc.config import TierConfig
-
-    mb = context / 16 * 0.8 + 16  # the whole prefix fits
-    if tier == "dram":
-        return TierConfig(dram_mb=mb)
-    if tier == "nvme":
-        return TierConfig(nvme_path=os.path.join(nvme_dir, str(context)), nvme_mb=mb)
-    return TierConfig(redis_url=redis_url, redis_min_reuse=0, redis_timeout_s=5.0)
+    recompute: list[float]  # engine-wide: a recompute reads nothing, so no cap matters
+    samples: dict[int, dict[str, list[float]]]  # "auto" and each plan's own
+    plans: dict[int, Any]  # the latest "auto" plan
+    skipped: dict[int, dict[str, str]]
+    same: dict[int, str]  # the forced plan that the choice's run also stood for
 
 
 def _tier_rows(
-    run: _Runner,
-    tier: str,
-    caps: tuple[float | None, ...],
-    recompute_ms: float,
-    nvme_dir: str,
-    redis_url: str | None,
-) -> list[TierRow]:
-    engine = run.engine(_tier_config(tier, run.context, nvme_dir, redis_url))
-    engine.generate([run.prefix + [101]], _one_token())
-    engine.pool.reset_cache()  # the prefix is computed once, then evicted into the tier
-    rows = []
-    for cap in caps:
-        engine.tiering.set_cap(tier, cap)
-        times = _round_robin(run, engine, ("fetch", "split", "recompute", "auto"))
-        plan = engine.tiering.last_plan  # of the last "auto" run
-        row = TierRow(
-            run.context,
-            tier,
-            cap,
-            times["fetch"],
-            times["split"],
-            min(times["recompute"], recompute_ms),
-            times["auto"],
-            plan.kind,
-            plan.predicted_s * 1e3,
-            0.0,  # set once the context's best recompute time is known
-        )
-        rows.append(row)
-        print(
-            f"  {tier:5} cap {cap or '-':>5} MB/s: fetch {row.fetch_ms:.0f} ms, split "
-            f"{row.split_ms:.0f}, recompute {row.recompute_ms:.0f}, chosen {row.chosen} "
-            f"{row.chosen_ms:.0f}",
-            flush=True,
-        )
+    run: Runner, tier: str, caps: list[Cap], nvme_dir: str, redis_url: str | None
+) -> tuple[list[TierRow], BandwidthRow | None]:
+    engine = run.engine(tier_config(tier, run.context, nvme_dir, redis_url))
+    # Nothing is cached yet: this computes the prefix (a recompute), which then leaves into the
+    # tier alone.
+    sweep = _Sweep([run.ttft_ms(engine, "auto")], {}, {}, {}, {})
+    flush = getattr(engine.tiering.manager.tier(tier), "flush", None)
+    if flush is not None:
+        flush()  # the prefix is on disk before any read is timed
+    run.ttft_ms(engine, "fetch")  # warm-up, not timed: the first read of a tier is slower
+    for i in range(len(caps)):
+        sweep.samples[i] = {mode: [] for mode in ("auto", *FORCED, "recompute")}
+        sweep.skipped[i] = {}
+    for round_ in range(run.repeats):
+        if round_:
+            sweep.recompute.append(run.ttft_ms(engine, "recompute"))
+        for i, cap in enumerate(caps):
+            _measure_cap(run, engine, tier, cap, i, sweep)
+    bandwidth = _dram_bandwidth(run, engine) if tier == "dram" else None
     engine.close()
-    return rows
+    rows = [_row(run.context, tier, cap, i, sweep) for i, cap in enumerate(caps)]
+    return rows, bandwidth
 
 
-def _round_robin(run: _Runner, engine: Any, modes: tuple[str, ...]) -> dict[str, float]:
-    """The best TTFT of each plan mode over `run.repeats` rounds, the modes interleaved: on a
-    shared machine a burst of load then hits every mode alike, and the minimum is the least
-    disturbed run."""
-    times: dict[str, list[float]] = {m: [] for m in modes}
+def _measure_cap(run: Runner, engine: Any, tier: str, cap: Cap, i: int, sweep: _Sweep) -> None:
+    """One round at one cap: the choice first, then each other plan its prediction allows.
+
+    The forced plan that is the choice's own plan is not run again: its time is the choice's
+    (a second run of the same work would only measure noise between the two)."""
+    engine.tiering.set_cap(tier, cap.mb_per_s)
+    samples = sweep.samples[i]
+    samples["auto"].append(run.ttft_ms(engine, "auto"))
+    plan = sweep.plans[i] = engine.tiering.last_plan
+    same = _forced_twin(plan)
+    if same is not None:
+        samples[same].append(samples["auto"][-1])
+        sweep.same[i] = same
+    for mode, predicted_s in zip(FORCED, (plan.fetch_only_s, plan.best_split_s), strict=True):
+        if mode == same:
+            continue
+        if predicted_s > SKIP_OVER_RECOMPUTE * plan.recompute_only_s:
+            sweep.skipped[i][mode] = f"predicted over {SKIP_OVER_RECOMPUTE:g}x recompute"
+            continue
+        samples[mode].append(run.ttft_ms(engine, mode))
+    ms = {m: f"{t[-1]:.0f}" for m, t in samples.items() if t}
+    where = "-" if cap.mb_per_s is None else f"{cap.mb_per_s:.3g}"
+    print(f"  {tier:5} cap {where:>6} MB/s: {ms}, chosen {plan.kind}", flush=True)
+
+
+def _forced_twin(plan: Any) -> str | None:
+    """The forced mode that would run exactly the chosen plan, if any (a fetch that bypasses
+    part of the hits, for one, has none)."""
+    if plan.kind == "recompute":
+        return "recompute"
+    predicted = {"fetch": plan.fetch_only_s, "split": plan.best_split_s}.get(plan.kind)
+    if predicted is not None and math.isclose(plan.predicted_s, predicted):
+        return str(plan.kind)
+    return None
+
+
+def _row(context: int, tier: str, cap: Cap, i: int, sweep: _Sweep) -> TierRow:
+    samples, plan = sweep.samples[i], sweep.plans[i]
+    best = {m: min(t) if t else None for m, t in samples.items()}
+    best["recompute"] = min(sweep.recompute + samples["recompute"])
+    recompute = best["recompute"]
+    # The choice ran a forced plan's very work: that plan's best time is the choice's.
+    chosen = best[sweep.same.get(i, "auto")]
+    assert chosen is not None and recompute is not None
+    alternatives = [t for t in (best["fetch"], best["split"], recompute) if t is not None]
+    predicted = {
+        "fetch": plan.fetch_only_s * 1e3,
+        "split": plan.best_split_s * 1e3,
+        "recompute": plan.recompute_only_s * 1e3,
+    }
+    return TierRow(
+        context,
+        tier,
+        cap.mb_per_s,
+        cap.multiple,
+        best["fetch"],
+        best["split"],
+        recompute,
+        chosen,
+        plan.kind,
+        plan.predicted_s * 1e3,
+        chosen / min(alternatives),
+        predicted,
+        {m: why for m, why in sweep.skipped[i].items() if best[m] is None},
+        sweep.same.get(i),
+    )
+
+
+def _dram_bandwidth(run: Runner, engine: Any, repeats: int = 3) -> BandwidthRow:
+    """The best of `repeats` uncapped whole-prefix fetches, from the tiering's own timing."""
+    engine.tiering.set_cap("dram", None)
+    loads = []
+    for _ in range(repeats):
+        run.ttft_ms(engine, "fetch")
+        loads.append(engine.tiering.last_load)
+    load = min(loads, key=lambda t: t.read_s + t.land_s)
+    fetch = load.num_bytes / (load.read_s + load.land_s) / 1e9
+    copy, numpy = memcpy_gb_s(load.num_bytes)
+    return BandwidthRow(
+        run.context,
+        load.num_bytes,
+        load.read_s * 1e3,
+        load.land_s * 1e3,
+        fetch,
+        copy,
+        numpy,
+        fetch / copy,
+        fetch / numpy,
+    )
+
+
+def _plain_rows(run: Runner, want_kv: bool) -> tuple[TierRow, list[Any], float]:
+    """Recompute and the prefix already on the device, on an engine without tiers; the KV of
+    the prefix when `want_kv` (for the codec); and how long the engine took to start."""
+    from cachesvc.config import TierConfig
+
+    start = time.perf_counter()
+    plain = run.engine(TierConfig())
+    setup_s = time.perf_counter() - start
+    recompute, device, kv = [], [], []
     for _ in range(run.repeats):
-        for mode in modes:
-            engine.tiering.mode = mode
-            times[mode].append(run.ttft_ms(engine))
-    return {m: min(t) for m, t in times.items()}
+        recompute.append(run.ttft_ms(plain, keep=True))
+        device.append(run.ttft_ms(plain, keep=True))  # the prefix is still on the device
+        if want_kv:
+            kv = _cached_kv(plain)
+        plain.pool.reset_cache()
+    row = TierRow(
+        context=run.context,
+        tier="device",
+        cap_mbps=None,
+        cap_multiple=None,
+        fetch_ms=None,
+        split_ms=None,
+        recompute_ms=min(recompute),
+        chosen_ms=min(device),
+        chosen="device",
+        predicted_ms=None,
+        ratio=None,
+    )
+    return row, kv, setup_s
+
+
+def _cached_kv(engine: Any) -> list[Any]:
+    import torch
+
+    pool = engine.pool
+    ids = [i for i in range(pool.num_blocks) if pool.block_hash(i) is not None]
+    return [torch.stack([c[i] for c in engine.runner.kv_caches]).clone() for i in ids]
 
 
 def _context_rows(
-    run: _Runner, caps: tuple[float | None, ...], nvme_dir: str, redis_url: str | None
-) -> list[TierRow]:
-    from cachesvc.config import TierConfig
-
-    plain = run.engine(TierConfig())  # no tiers: what nothing cached costs
-    plain.generate([_tokens(32, 1, run.vocab)], _one_token())  # warm-up
-    recompute_ms = min(run.ttft_ms(plain) for _ in range(run.repeats))
-    device_ms = _device_ttft_ms(run, plain)
-    rows = [
-        TierRow(
-            run.context, "device", None, None, None, recompute_ms, device_ms, "device", None, 1.0
-        )
-    ]
+    run: Runner, tiers: tuple[str, ...], nvme_dir: str, redis_url: str | None, want_kv: bool
+) -> tuple[list[TierRow], list[BandwidthRow], list[Any]]:
+    device, kv, setup_s = _plain_rows(run, want_kv)
+    recompute_s = device.recompute_ms / 1e3
+    c = run.loaded.config
+    block_bytes = c.num_layers * 2 * BLOCK_SIZE * c.num_kv_heads * c.head_dim * 4  # float32 KV
+    prefix_bytes = run.num_blocks * block_bytes
+    caps = caps_for(prefix_bytes, recompute_s)
+    slowest = slowest_cap(prefix_bytes, block_bytes, recompute_s)
+    expect = estimate_s(recompute_s, device.chosen_ms / 1e3, setup_s, caps, len(tiers), run.repeats)
     print(
-        f"context {run.context}: recompute {recompute_ms:.0f} ms, prefix on the device "
-        f"{device_ms:.0f} ms",
+        f"context {run.context}: recompute {device.recompute_ms:.0f} ms, on the device "
+        f"{device.chosen_ms:.0f} ms, crossover {prefix_bytes / recompute_s / 1e6:.3g} MB/s; "
+        f"about {expect:.0f} s for this context",
         flush=True,
     )
-    for tier in TIERS:
-        if tier == "redis" and redis_url is None:
-            continue
-        rows.extend(_tier_rows(run, tier, caps, recompute_ms, nvme_dir, redis_url))
-    # Recompute does not depend on the tier: its best time over the whole context is the
-    # baseline of every row.
-    best_recompute = min(r.recompute_ms for r in rows)
-    out = []
-    for r in rows:
-        alternatives = [t for t in (r.fetch_ms, r.split_ms) if t is not None]
-        best = min([*alternatives, best_recompute])
-        out.append(replace(r, recompute_ms=best_recompute, ratio=r.chosen_ms / best))
-    return out
-
-
-def _device_ttft_ms(run: _Runner, engine: Any) -> float:
-    """TTFT with the prefix already in the device pool (no tiers: nothing moves)."""
-    times = []
-    for i in range(run.repeats):
-        engine.generate([run.prefix + [101]], _one_token())  # the prefix stays cached
-        [out] = engine.generate([run.prefix + _tokens(SUFFIX, i, run.vocab)], _one_token())
-        times.append(float(out.ttft_ms))
-    return min(times)
-
-
-def _one_token() -> Any:
-    from workers.engine.sampling_params import SamplingParams
-
-    return SamplingParams(max_tokens=1, ignore_eos=True)
-
-
-def codec_rows(kv_blocks: list[Any]) -> list[CodecRow]:
-    """Ratio and single-thread speed of lz4 and shuffle + lz4 on real KV blocks, per dtype."""
-    import torch
-
-    from cachesvc.codec import Codec
-    from workers.engine.tier_setup import kv_to_numpy
-
-    rows = []
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        name = str(dtype).removeprefix("torch.")
-        arrays = [kv_to_numpy(b.to(dtype)) for b in kv_blocks]
-        raw = sum(a.nbytes for a in arrays)
-        for mode in ("lz4", "shuffle_lz4"):
-            codec = Codec("00" * 16, mode)
-            hashes = [BlockHash(i.to_bytes(16, "little")) for i in range(len(arrays))]
-            start = time.perf_counter()
-            blobs = [codec.encode(h, None, name, a) for h, a in zip(hashes, arrays, strict=True)]
-            enc = time.perf_counter() - start
-            start = time.perf_counter()
-            for h, blob in zip(hashes, blobs, strict=True):
-                codec.decode(blob, h)
-            dec = time.perf_counter() - start
-            ratio = raw / sum(len(b) for b in blobs)
-            rows.append(CodecRow(name, mode, ratio, raw / enc / 1e6, raw / dec / 1e6))
-    return rows
-
-
-def _real_kv(run: _Runner) -> list[Any]:
-    import torch
-
-    from cachesvc.config import TierConfig
-
-    engine = run.engine(TierConfig())
-    engine.generate([run.prefix + [101]], _one_token())
-    ids = sorted(i for i in range(engine.pool.num_blocks) if engine.pool.block_hash(i) is not None)
-    caches = engine.runner.kv_caches
-    return [torch.stack([c[i] for c in caches]).clone() for i in ids]
+    rows, bandwidth = [device], []
+    for tier in tiers:
+        # Under the slowest cap every tier is only its cap: one tier shows it.
+        tier_caps = [*caps, slowest] if tier == tiers[0] else caps
+        tier_rows, bw = _tier_rows(run, tier, tier_caps, nvme_dir, redis_url)
+        rows.extend(tier_rows)
+        if bw is not None:
+            bandwidth.append(bw)
+    return rows, bandwidth, kv
 
 
 @contextmanager
-def _local_redis() -> Iterator[str | None]:
-    """A throwaway redis-server, or None when none is installed."""
-    if redis_server_binary() is None:
-        yield None
-        return
-    with local_redis() as url:
+def _redis(url: str | None) -> Iterator[str | None]:
+    """The given URL, else a throwaway redis-server, else None when none is installed."""
+    if url is not None or redis_server_binary() is None:
         yield url
+        return
+    with local_redis() as local:
+        yield local
 
 
 def run_tiers_bench(
@@ -276,24 +282,35 @@ def run_tiers_bench(
 
     from workers.model.loader import load_model
 
-    contexts = (256, 512) if quick else (1024, 4096, 8192)
-    caps: tuple[float | None, ...] = (None, 20.0, 2.0) if quick else (None, 200.0, 20.0, 2.0)
+    start = time.perf_counter()
+    contexts = QUICK if quick else FULL
     if quick:
         print("--quick: contexts scaled down to 256 and 512 tokens (1K/4K/8K without it)")
     loaded = load_model(model)
     nvme_dir = tempfile.mkdtemp(prefix="cachesvc-bench-nvme-")
     rows: list[TierRow] = []
+    bandwidth: list[BandwidthRow] = []
     try:
-        with _local_redis() if redis_url is None else _given(redis_url) as url:
+        with _redis(redis_url) as url:
+            tiers = TIERS if url is not None else TIERS[:2]
             if url is None:
                 print("redis-server not installed: no Redis rows")
-            for context in contexts:
-                runner = _Runner(loaded, context, repeats=3)
-                rows.extend(_context_rows(runner, caps, nvme_dir, url))
-        codec = codec_rows(_real_kv(_Runner(loaded, contexts[-1])))
+            for context, repeats in contexts:
+                began = time.perf_counter()
+                run = Runner(loaded, context, repeats)
+                last = context == contexts[-1][0]
+                context_rows, bw, kv = _context_rows(run, tiers, nvme_dir, url, want_kv=last)
+                rows.extend(context_rows)
+                bandwidth.extend(bw)
+                print(f"context {run.context}: {time.perf_counter() - began:.0f} s", flush=True)
+        codec = codec_rows(kv)
     finally:
         shutil.rmtree(nvme_dir, ignore_errors=True)
-    _print(rows, codec, loaded)
+    header = (
+        f"model {loaded.path.name}, float32 KV, torch threads: {torch.get_num_threads()}, "
+        f"{time.perf_counter() - start:.0f} s"
+    )
+    summary = print_report(rows, bandwidth, codec, header)
     write_json(
         json_path,
         {
@@ -302,61 +319,11 @@ def run_tiers_bench(
             "quick": quick,
             "threads": torch.get_num_threads(),
             "machine": platform.machine(),
+            "duration_s": time.perf_counter() - start,
             "rows": [asdict(r) for r in rows],
+            "summary": asdict(summary),
+            "bandwidth": [asdict(b) for b in bandwidth],
             "codec": [asdict(c) for c in codec],
         },
     )
     return 0
-
-
-@contextmanager
-def _given(url: str) -> Iterator[str | None]:
-    yield url
-
-
-def _print(rows: list[TierRow], codec: list[CodecRow], loaded: Any) -> None:
-    import torch
-
-    print(
-        f"\nmodel {loaded.path.name}, float32 KV, torch threads: {torch.get_num_threads()}; "
-        "TTFT in ms"
-    )
-    headers = [
-        "context",
-        "tier",
-        "cap MB/s",
-        "fetch",
-        "split",
-        "recompute",
-        "chosen",
-        "plan",
-        "predicted",
-        "ratio",
-    ]
-    print(
-        format_table(
-            headers,
-            [
-                [
-                    r.context,
-                    r.tier,
-                    r.cap_mbps or "-",
-                    r.fetch_ms or "-",
-                    r.split_ms or "-",
-                    r.recompute_ms,
-                    r.chosen_ms,
-                    r.chosen,
-                    r.predicted_ms or "-",
-                    r.ratio,
-                ]
-                for r in rows
-            ],
-        )
-    )
-    print("\ncodec on the real KV of the prefix (single thread)")
-    print(
-        format_table(
-            ["dtype", "mode", "ratio", "encode MB/s", "decode MB/s"],
-            [[c.dtype, c.mode, c.ratio, c.encode_mb_s, c.decode_mb_s] for c in codec],
-        )
-    )

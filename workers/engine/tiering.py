@@ -3,10 +3,11 @@
 * Demote: the block pool calls `on_evict` just before a cached block is reused; its KV is copied
   out of `kv_caches` and handed to the `TierManager` (DRAM, then NVMe).
 * Load: when a waiting request's device prefix match ends, the following hashes are looked up in
-  the tiers and the planner decides. A fetch is read at once into freshly allocated device
-  blocks, registered, and counted as cached. A split (Cake) starts the fetch of the back part on
-  a background thread while the scheduler computes the front part; when the front is computed
-  up to the split point (`on_computed`), the fetched blocks land and the request jumps ahead.
+  the tiers and the planner decides. A fetch is read at once (from DRAM, straight out of its
+  slots) into freshly allocated device blocks, registered, and counted as cached. A split
+  (Cake) starts the fetch of the back part on a background thread while the scheduler computes
+  the front part; when the front is computed up to the split point (`on_computed`), the fetched
+  blocks land and the request jumps ahead.
   Whatever fails to read back (a miss, a corrupt blob) is simply computed.
 * Share: blocks reused `redis_min_reuse` times are written to Redis for the other workers.
 
@@ -16,10 +17,12 @@ thread only reads tiers.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,14 +32,15 @@ from cachesvc.calibration import CostTracker, default_tier_cost
 from cachesvc.codec import Codec, KVBlock, header_size
 from cachesvc.config import TierConfig
 from cachesvc.events import TIER_HBM
-from cachesvc.planner import ComputeCost, LoadPlan, TierCost, plan_load
+from cachesvc.planner import ComputeCost, LoadPlan, plan_load
 from cachesvc.tiers.base import Throttle
 from cachesvc.tiers.results import FetchResult, TierHit
 from cachesvc.tiers.tier_manager import TierManager
 from cachesvc.types import BlockHash, BlockId, RequestId
+from workers.engine.kv_copy import read_block, write_blocks
 from workers.engine.request import Request
 from workers.engine.scheduler import SchedulerOutput
-from workers.engine.tier_setup import build_tiers, kv_to_numpy
+from workers.engine.tier_setup import build_tiers
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _MAX_USAGE = 10_000  # per-request usage reports kept after the request ends
@@ -51,6 +55,17 @@ class PendingLoad:
     split_token: int
     ranges: Ranges  # pinned until the fetch lands or is dropped
     future: Future[FetchResult]
+
+
+@dataclass(frozen=True)
+class LoadTiming:
+    """The last fetched run that landed: its KV bytes, the reads (tier get + decode, overlapped
+    with compute in a split) and the copy into the device caches (on the request's path)."""
+
+    num_blocks: int
+    num_bytes: int
+    read_s: float
+    land_s: float
 
 
 @dataclass
@@ -100,45 +115,33 @@ class KVTiering:
         self.manager = TierManager(
             local, shared, codecs, pool.events, config.redis_min_reuse, device_has=pool.contains
         )
+        self.costs = CostTracker(
+            _PRIOR_COMPUTE,
+            {t.name: default_tier_cost(t.name, raw_bytes) for t in self.manager.all_tiers},
+        )
         caps = {
             "dram": config.dram_cap_mbps,
             "nvme": config.nvme_cap_mbps,
             "redis": config.redis_cap_mbps,
         }
-        self.costs = CostTracker(
-            _PRIOR_COMPUTE,
-            {
-                t.name: default_tier_cost(t.name, raw_bytes, caps[t.name])
-                for t in self.manager.all_tiers
-            },
-        )
+        for t in self.manager.all_tiers:
+            self.costs.set_cap(t.name, caps[t.name])
         self.mode = config.plan  # "auto", or forced (tests, benchmarks)
         self.stats = TieringStats()
         self.last_plan: LoadPlan | None = None
+        self.last_load: LoadTiming | None = None
         self._pending: dict[RequestId, PendingLoad] = {}
         self._usage: OrderedDict[RequestId, dict[str, int]] = OrderedDict()
         self._share_queue: list[tuple[BlockHash, BlockId, BlockHash | None]] = []
-        self._uncapped: dict[str, TierCost] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
         pool.on_evict = self.on_evict
 
     # ---- device <-> numpy -------------------------------------------------------------------
 
-    def _read_block(self, block_id: BlockId) -> np.ndarray:
-        return kv_to_numpy(torch.stack([cache[block_id] for cache in self.kv_caches]))
-
-    def _write_blocks(self, block_ids: Sequence[BlockId], blocks: Sequence[KVBlock]) -> None:
-        for block_id, block in zip(block_ids, blocks, strict=True):
-            src = torch.from_numpy(block.array)
-            if self.dtype == "bfloat16":
-                src = src.view(torch.int16).view(torch.bfloat16)
-            for layer, cache in enumerate(self.kv_caches):
-                cache[block_id].copy_(src[layer])
-
     def _kv_block(
         self, block_id: BlockId, block_hash: BlockHash, parent: BlockHash | None
     ) -> KVBlock:
-        return KVBlock(block_hash, parent, self.dtype, self._read_block(block_id))
+        return KVBlock(block_hash, parent, self.dtype, read_block(self.kv_caches, block_id))
 
     # ---- demotion ---------------------------------------------------------------------------
 
@@ -187,11 +190,21 @@ class KVTiering:
                 _landed_by_tier(ranges, plan.num_fetch_blocks, self.block_size)
             )
             return plan.num_fetch_blocks * self.block_size
-        result = self.manager.read(ranges)
-        self.manager.unpin(ranges)
-        num_loaded = self._land(request, result, d, ranges)
+        with self._borrowed(ranges):  # the blocks land at once: read views of DRAM, no copies
+            result = self.manager.read(ranges)
+            self.manager.unpin(ranges)
+            num_loaded = self._land(request, result, d, ranges)
         self._trim_blocks(request)
         return num_loaded * self.block_size
+
+    def _borrowed(self, ranges: Ranges) -> ExitStack:
+        """Borrow the tiers of `ranges` that lend views of their memory (DRAM) until exit."""
+        stack = ExitStack()
+        for name in sorted({name for name, _ in ranges}):
+            borrow = getattr(self.manager.tier(name), "borrow", None)
+            if borrow is not None:
+                stack.enter_context(borrow())
+        return stack
 
     def _land(self, request: Request, result: FetchResult, first: int, ranges: Ranges) -> int:
         """Write fetched blocks into the request's blocks from index `first`, register them and
@@ -201,7 +214,12 @@ class KVTiering:
             self.costs.observe_transfer(transfer)
         n = len(result.blocks)
         ids = request.block_ids[first : first + n]
-        self._write_blocks(ids, result.blocks)
+        start = time.perf_counter()
+        write_blocks(self.kv_caches, ids, [b.array for b in result.blocks], self.dtype)
+        land_s = time.perf_counter() - start
+        self.costs.observe_land(n, land_s)
+        read_s = sum(t.seconds for t in result.transfers)
+        self.last_load = LoadTiming(n, sum(b.array.nbytes for b in result.blocks), read_s, land_s)
         tokens = request.all_token_ids
         bs = self.block_size
         for i, (block_id, block) in enumerate(zip(ids, result.blocks, strict=True)):
@@ -285,11 +303,9 @@ class KVTiering:
 
     def set_cap(self, tier_name: str, mb_per_s: float | None) -> None:
         """Cap (None: uncap) a tier's read bandwidth from now on, for tests and benchmarks; the
-        cost model adds the cap to the tier's calibrated cost."""
+        cost model adds the cap to what it learned of the tier."""
         self.manager.tier(tier_name).throttle = Throttle(mb_per_s)
-        base = self._uncapped.setdefault(tier_name, self.costs.tiers[tier_name])
-        extra = 0.0 if mb_per_s is None else 1 / (mb_per_s * 1e6)
-        self.costs.tiers[tier_name] = replace(base, seconds_per_byte=base.seconds_per_byte + extra)
+        self.costs.set_cap(tier_name, mb_per_s)
 
     def metrics(self) -> dict[str, int]:
         """Flat counters for a metrics endpoint: per tier, per plan kind, and block moves."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from cachesvc.tiers.base import TierItem, make_tier
@@ -64,3 +65,21 @@ def test_bandwidth_cap_throttles_reads() -> None:
     start = time.perf_counter()
     tier.get([h(0)])
     assert time.perf_counter() - start >= 0.09  # 100 kB at 1 MB/s
+
+
+def test_borrowed_reads_are_views_and_hold_off_other_threads() -> None:
+    tier = DramTier(capacity_mb=1, slot_bytes=128)
+    tier.put([item(0), item(1)])
+    [copy] = tier.get([h(0)])
+    assert isinstance(copy, bytearray) and copy == item(0).data
+    done = threading.Event()
+    with tier.borrow():
+        [view] = tier.get([h(1)])
+        assert isinstance(view, memoryview) and view == item(1).data
+        other = threading.Thread(target=lambda: (tier.get([h(0)]), done.set()))
+        other.start()
+        assert not done.wait(0.05)  # another thread waits while the views are out
+    other.join(timeout=5)
+    assert done.is_set()
+    [after] = tier.get([h(1)])
+    assert isinstance(after, bytearray)  # borrowing ended: copies again
