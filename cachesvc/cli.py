@@ -13,17 +13,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cachesvc.cli_bench import add_bench_parser, run_bench_command
 from cachesvc.cli_chat import add_chat_parser, run_chat_command
 from cachesvc.cli_score import add_score_parser, run_score_command
 from cachesvc.cli_serving import (
     add_client_tls_flags,
     add_demo_serve_parser,
-    add_routing_bench_parser,
     add_serve_flags,
     client_tls,
     router_options,
     run_demo_serve_command,
-    run_routing_bench_command,
     serve_options,
 )
 from cachesvc.cli_types import CliError
@@ -120,41 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_engine_args(serve, redis_flag="--redis-tier-url")
     add_serve_flags(serve)
 
-    bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
-    bench_sub = bench.add_subparsers(dest="suite", required=True)
-    eng = bench_sub.add_parser("engine", help="prefill/decode tokens/s vs Hugging Face")
-    eng.add_argument("--json", dest="json_path", help="also write the results to this file")
-    eng.add_argument("--quick", action="store_true", help="a small run, under a minute or two")
-    eng.add_argument("--model", default=None)
-    eng.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    eng.add_argument("--threads", type=int, default=None, help="torch CPU threads, both engines")
-    for name, help_text in (
-        ("prefill-schemes", "the seed's P x S x M grid: every shared-prefix prefill scheme"),
-        ("decode-cascade", "cascade vs batch decode over shared prefixes"),
-        ("prefix-cache", "TTFT and throughput: caching off, split, in-batch dedup"),
-    ):
-        b = bench_sub.add_parser(name, help=help_text)
-        b.add_argument("--json", dest="json_path", help="also write the results to this file")
-        b.add_argument("--quick", action="store_true", help="a small run, under a minute")
-        b.add_argument("--backend", default="torch", help="attention backend (torch, flashinfer)")
-        if name == "prefix-cache":
-            b.add_argument("--model", default=None)
-            b.add_argument("--groups", type=int, default=4, help="prefix groups")
-            b.add_argument("--requests", type=int, default=4, help="requests per group")
-            b.add_argument("--system-len", type=int, default=512, help="shared prefix tokens")
-            b.add_argument("--question-len", type=int, default=32, help="own suffix tokens")
-            b.add_argument("--output-len", type=int, default=16, help="generated tokens")
-
-    tiers = bench_sub.add_parser("tiers", help="TTFT with the prefix in each tier vs recompute")
-    tiers.add_argument("--json", dest="json_path", help="also write the results to this file")
-    tiers.add_argument("--quick", action="store_true", help="contexts 256/512 (else 1K/4K/8K)")
-    tiers.add_argument("--model", default=None)
-    tiers.add_argument("--redis-url", default=None, help="default: a local redis-server")
-    tiers.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_bench_parser(sub)
 
     add_score_parser(sub, _add_engine_args)
     add_chat_parser(sub, _add_engine_args, _add_sampling_args)
-    add_routing_bench_parser(bench_sub)
     add_demo_serve_parser(sub, _add_engine_args)
     return parser
 
@@ -349,45 +317,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(_engine_config(args), max_tokens=args.max_tokens)
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    if args.suite == "routing":
-        return run_routing_bench_command(args)
-    if args.suite == "engine":
-        from cachesvc.bench.engine import run_engine_bench
-
-        if args.threads:
-            import torch
-
-            torch.set_num_threads(args.threads)
-        return run_engine_bench(
-            model=args.model, quick=args.quick, json_path=args.json_path, with_hf=not args.no_hf
-        )
-    if args.suite == "prefill-schemes":
-        from cachesvc.bench.prefill_schemes import run_prefill_schemes_bench
-
-        return run_prefill_schemes_bench(args.quick, args.json_path, backend=args.backend)
-    if args.suite == "decode-cascade":
-        from cachesvc.bench.decode_cascade import run_decode_cascade_bench
-
-        return run_decode_cascade_bench(args.quick, args.json_path, backend=args.backend)
-    if args.suite == "tiers":
-        from cachesvc.bench.tiers import run_tiers_bench
-
-        return run_tiers_bench(args.model, args.quick, args.json_path, args.redis_url, args.threads)
-    if args.suite == "prefix-cache":
-        from cachesvc.bench.prefix_cache import run_prefix_cache_bench
-
-        return run_prefix_cache_bench(args)
-    raise CliError(f"unknown benchmark {args.suite!r}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `cachesvc` console script."""
     args = _parser().parse_args(argv)
     commands = {
         "generate": _cmd_generate,
         "demo": _cmd_demo,
-        "bench": _cmd_bench,
+        "bench": run_bench_command,
         "serve": _cmd_serve,
         "demo-serve": lambda a: run_demo_serve_command(a, _engine_config(a)),
         "score": lambda a: run_score_command(
