@@ -74,6 +74,8 @@ class CostTracker:
         self.tiers = dict(tiers)  # each tier's own read cost, without a cap
         self.caps: dict[str, float] = {}  # seconds per byte a cap adds to a tier's reads
         self.land_s_per_block = 0.0  # until measured (the first measurement is taken as is)
+        # Per tier: what a read in the background of a split costs more per byte than alone.
+        self.background_s_per_byte: dict[str, float] = {}
         self.weight = weight
         # Until calibrated, the prior itself is a weak anchor.
         self._anchors = [ComputeSample.of([(k, c)], compute.prefill_s(k, c)) for k, c in _SHAPES]
@@ -85,7 +87,9 @@ class CostTracker:
             name: replace(c, seconds_per_byte=c.seconds_per_byte + self.caps.get(name, 0.0))
             for name, c in self.tiers.items()
         }
-        return CostModel(self.compute, tiers, self.land_s_per_block)
+        return CostModel(
+            self.compute, tiers, self.land_s_per_block, dict(self.background_s_per_byte)
+        )
 
     def set_cap(self, tier: str, mb_per_s: float | None) -> None:
         """A tier's reads are capped at `mb_per_s` from now on (None: uncapped)."""
@@ -98,13 +102,22 @@ class CostTracker:
         self._recent.clear()
         self.compute = fit_compute(samples)
 
-    def observe_transfer(self, t: Transfer) -> None:
-        """Fold in one measured read (`seconds` include the cap's wait and the decode)."""
+    def observe_transfer(self, t: Transfer, background: bool = False) -> None:
+        """Fold in one measured read (`seconds` include the cap's wait and the decode). A
+        `background` read (a split's back, run while the engine computed) teaches only what
+        the overlap costs the tier's reads, not the tier's own speed."""
         cost = self.tiers.get(t.tier)
         if cost is None or t.num_blocks == 0 or t.num_bytes == 0:
             return
         capped = t.num_bytes * self.caps.get(t.tier, 0.0)
         per_byte = max(t.seconds - cost.latency_s - capped, 0.0) / t.num_bytes
+        if background:
+            extra = max(per_byte - cost.seconds_per_byte, 0.0)
+            old = self.background_s_per_byte.get(t.tier)
+            # Bounded like the tier's own cost: at most the clamp's multiple of a plain read.
+            extra = min(extra, cost.seconds_per_byte * (_CLAMP[1] - 1))
+            self.background_s_per_byte[t.tier] = extra if old is None else self._ewma(old, extra)
+            return
         per_byte = _clamped(per_byte, cost.seconds_per_byte)
         size = t.num_bytes / t.num_blocks
         self.tiers[t.tier] = replace(

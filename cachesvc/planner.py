@@ -15,10 +15,14 @@ recomputing its blocks is bypassed. Times are predicted as
     land(n)          = n * land_per_block                 (the copy into the device caches)
     compute(k, ctx)  = alpha + beta * k + gamma * k * (ctx + k / 2)            (k new tokens)
     fetch(end)       = read(first..end) + land(first..end) + compute(rest | ctx = end)
-    split(m, end)    = max(compute(front), read(m..end)) + land(m..end) + compute(rest | ctx = end)
+    split(m, end)    = max(compute(front), bg_read(m..end)) + land(m..end)
+                       + compute(rest | ctx = end)
+    bg_read(tier, n) = read(tier, n) + n * bytes_per_block * background_s_per_byte[tier]
 
 A split overlaps the read of the back with the compute of the front, not the landing: the
-engine's thread copies the back in once the front is computed.
+engine's thread copies the back in once the front is computed. A read in the background shares
+the machine with that compute (a decode thread, a Redis server on the same host): what it costs
+more than the same read alone is learned per tier from the splits that ran.
 
 The coefficients come from a calibration at start, updated online (`cachesvc.calibration`).
 """
@@ -26,7 +30,7 @@ The coefficients come from a calibration at start, updated online (`cachesvc.cal
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from cachesvc.tiers.results import TierHit
@@ -69,6 +73,8 @@ class CostModel:
     compute: ComputeCost
     tiers: Mapping[str, TierCost]  # read costs, caps included
     land_s_per_block: float = 0.0  # copying one fetched block into the device caches
+    # Extra seconds per stored byte of a tier's read in the background of a split's compute.
+    background_s_per_byte: Mapping[str, float] = field(default_factory=dict)
 
     def land_s(self, num_blocks: int) -> float:
         return max(num_blocks, 0) * self.land_s_per_block
@@ -112,13 +118,20 @@ class LoadPlan:
         return self.split_block - self.first_block
 
 
-def _read_s(runs: Sequence[TierHit], model: CostModel, start: int, end: int) -> float:
-    """Predicted read time of blocks [start, end) from the tiers holding them."""
+def _read_s(
+    runs: Sequence[TierHit], model: CostModel, start: int, end: int, background: bool = False
+) -> float:
+    """Predicted read time of blocks [start, end) from the tiers holding them; `background`:
+    while the engine computes (a split's back)."""
     total = 0.0
     for run in runs:
         n = min(run.end, end) - max(run.start, start)
         if n > 0:
-            total += model.tiers[run.tier].fetch_s(n)
+            cost = model.tiers[run.tier]
+            total += cost.fetch_s(n)
+            if background:
+                extra = model.background_s_per_byte.get(run.tier, 0.0)
+                total += n * cost.bytes_per_block * extra
     return total
 
 
@@ -155,7 +168,7 @@ def _best(
             if strict_split and split == first:
                 continue
             front = c.prefill_s((split - first) * block_size, first * block_size)
-            back = _read_s(runs, model, split, end)
+            back = _read_s(runs, model, split, end, background=split > first)
             t = max(front, back) + model.land_s(end - split) + rest
             if best is None or t < best.seconds:
                 best = _Option(t, split, end)

@@ -231,3 +231,38 @@ def test_landing_cost_follows_measurements_within_a_clamp() -> None:
     assert tracker.land_s_per_block == pytest.approx(3e-4, rel=0.01)
     tracker.observe_land(0, 1.0)  # nothing landed: nothing learned
     assert tracker.land_s_per_block == pytest.approx(3e-4, rel=0.01)
+
+
+def test_a_read_slowed_by_the_overlap_makes_the_split_lose_to_a_fetch() -> None:
+    # Fast enough that a split with a small front looks best when the overlap is free ...
+    runs, num_tokens = [TierHit("redis", 0, 60)], 60 * BS + 5
+    free = model(redis=1000)
+    assert plan_load(runs, 0, num_tokens, BS, free).kind == "split"
+    # ... but a background read costing 30% more per byte than a plain one is not worth it.
+    slowed = CostModel(COMPUTE, free.tiers, background_s_per_byte={"redis": 0.3 / 1000e6})
+    plan = plan_load(runs, 0, num_tokens, BS, slowed)
+    assert plan.kind == "fetch"
+    assert plan.predicted_s == pytest.approx(plan_load(runs, 0, num_tokens, BS, free).fetch_only_s)
+    # A slow tier still splits: the overlap's cost shifts the split point toward the front.
+    slow = model(redis=60)
+    slow_bg = CostModel(COMPUTE, slow.tiers, background_s_per_byte={"redis": 0.3 / 60e6})
+    plain, contended = (
+        plan_load(runs, 0, num_tokens, BS, slow),
+        plan_load(runs, 0, num_tokens, BS, slow_bg),
+    )
+    assert plain.kind == contended.kind == "split"
+    assert contended.split_block > plain.split_block
+
+
+def test_background_reads_teach_the_overlap_not_the_tier_speed() -> None:
+    tracker = CostTracker(COMPUTE, dict(model(redis=1000).tiers))
+    own = tracker.tiers["redis"].seconds_per_byte
+    nbytes = 8 * BLOCK_BYTES
+    for _ in range(30):  # reads in a split's background take 40% longer per byte
+        tracker.observe_transfer(Transfer("redis", nbytes, 1e-3 + nbytes * own * 1.4, 8), True)
+    assert tracker.tiers["redis"].seconds_per_byte == own
+    learned = tracker.model().background_s_per_byte["redis"]
+    assert learned == pytest.approx(0.4 * own, rel=0.01)
+    tracker.observe_transfer(Transfer("redis", nbytes, 1e-3 + nbytes * own * 0.9, 8), True)
+    assert tracker.model().background_s_per_byte["redis"] < learned  # faster: it drops
+    assert tracker.model().background_s_per_byte["redis"] >= 0

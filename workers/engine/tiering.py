@@ -206,12 +206,20 @@ class KVTiering:
                 stack.enter_context(borrow())
         return stack
 
-    def _land(self, request: Request, result: FetchResult, first: int, ranges: Ranges) -> int:
+    def _land(
+        self,
+        request: Request,
+        result: FetchResult,
+        first: int,
+        ranges: Ranges,
+        background: bool = False,
+    ) -> int:
         """Write fetched blocks into the request's blocks from index `first`, register them and
-        move its computed tokens past them; returns how many landed."""
+        move its computed tokens past them; returns how many landed. `background`: the blocks
+        were read while the engine computed (a split)."""
         self.manager.settle(result)
         for transfer in result.transfers:
-            self.costs.observe_transfer(transfer)
+            self.costs.observe_transfer(transfer, background)
         n = len(result.blocks)
         ids = request.block_ids[first : first + n]
         start = time.perf_counter()
@@ -261,7 +269,8 @@ class KVTiering:
         del self._pending[request.request_id]
         result = pending.future.result()  # the front is computed: wait for the back (Cake)
         self.manager.unpin(pending.ranges)
-        landed = self._land(request, result, pending.split_token // self.block_size, pending.ranges)
+        first = pending.split_token // self.block_size
+        landed = self._land(request, result, first, pending.ranges, background=True)
         missed = sum(len(h) for _, h in pending.ranges) - landed
         if missed and request.num_preemptions == 0:
             request.num_cached_tokens -= missed * self.block_size  # computed after all
