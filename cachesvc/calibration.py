@@ -74,7 +74,7 @@ class CostTracker:
         self.tiers = dict(tiers)  # each tier's own read cost, without a cap
         self.caps: dict[str, float] = {}  # seconds per byte a cap adds to a tier's reads
         self.land_s_per_block = 0.0  # until measured (the first measurement is taken as is)
-        # Per tier: what a read in the background of a split costs more per byte than alone.
+        # Per tier: how much a split's overlap ends later, per byte read in the background.
         self.background_s_per_byte: dict[str, float] = {}
         self.weight = weight
         # Until calibrated, the prior itself is a weak anchor.
@@ -104,20 +104,15 @@ class CostTracker:
 
     def observe_transfer(self, t: Transfer, background: bool = False) -> None:
         """Fold in one measured read (`seconds` include the cap's wait and the decode). A
-        `background` read (a split's back, run while the engine computed) teaches only what
-        the overlap costs the tier's reads, not the tier's own speed."""
+        `background` read (a split's back, run while the engine computed) does not teach the
+        tier's own speed."""
         cost = self.tiers.get(t.tier)
         if cost is None or t.num_blocks == 0 or t.num_bytes == 0:
             return
         capped = t.num_bytes * self.caps.get(t.tier, 0.0)
         per_byte = max(t.seconds - cost.latency_s - capped, 0.0) / t.num_bytes
         if background:
-            extra = max(per_byte - cost.seconds_per_byte, 0.0)
-            old = self.background_s_per_byte.get(t.tier)
-            # Bounded like the tier's own cost: at most the clamp's multiple of a plain read.
-            extra = min(extra, cost.seconds_per_byte * (_CLAMP[1] - 1))
-            self.background_s_per_byte[t.tier] = extra if old is None else self._ewma(old, extra)
-            return
+            return  # slowed by the compute it overlapped: `observe_overlap` learns from it
         per_byte = _clamped(per_byte, cost.seconds_per_byte)
         size = t.num_bytes / t.num_blocks
         self.tiers[t.tier] = replace(
@@ -125,6 +120,26 @@ class CostTracker:
             seconds_per_byte=self._ewma(cost.seconds_per_byte, per_byte),
             bytes_per_block=self._ewma(cost.bytes_per_block, size),
         )
+
+    def observe_overlap(self, transfers: Sequence[Transfer], delay_s: float) -> None:
+        """Fold in one split: its front compute and back read ended `delay_s` later than the
+        slower of the two was predicted to (negative: earlier). The delay is spread over the
+        bytes read in the background, per tier, bounded by the clamp's multiple of each tier's
+        own read cost; noise either way averages out (negative values stay in the average, the
+        model uses the positive part)."""
+        num_bytes = sum(t.num_bytes for t in transfers)
+        if num_bytes <= 0:
+            return
+        for tier in {t.tier for t in transfers}:
+            cost = self.tiers.get(tier)
+            if cost is None:
+                continue
+            bound = cost.seconds_per_byte * (_CLAMP[1] - 1)
+            per_byte = min(max(delay_s / num_bytes, -bound), bound)
+            old = self.background_s_per_byte.get(tier)
+            self.background_s_per_byte[tier] = (
+                per_byte if old is None else self._ewma(old, per_byte)
+            )
 
     def observe_land(self, num_blocks: int, seconds: float) -> None:
         """Fold in one measured copy of `num_blocks` fetched blocks into the device caches."""

@@ -15,14 +15,15 @@ recomputing its blocks is bypassed. Times are predicted as
     land(n)          = n * land_per_block                 (the copy into the device caches)
     compute(k, ctx)  = alpha + beta * k + gamma * k * (ctx + k / 2)            (k new tokens)
     fetch(end)       = read(first..end) + land(first..end) + compute(rest | ctx = end)
-    split(m, end)    = max(compute(front), bg_read(m..end)) + land(m..end)
+    split(m, end)    = max(compute(front), read(m..end)) + overlap(m..end) + land(m..end)
                        + compute(rest | ctx = end)
-    bg_read(tier, n) = read(tier, n) + n * bytes_per_block * background_s_per_byte[tier]
+    overlap(tier, n) = n * bytes_per_block * background_s_per_byte[tier]
 
 A split overlaps the read of the back with the compute of the front, not the landing: the
-engine's thread copies the back in once the front is computed. A read in the background shares
-the machine with that compute (a decode thread, a Redis server on the same host): what it costs
-more than the same read alone is learned per tier from the splits that ran.
+engine's thread copies the back in once the front is computed. The two share the machine (a
+decode thread, a Redis server on the same host), so the overlap ends later than the slower of
+the two alone: that delay, per byte read in the background, is learned per tier from the splits
+that ran (`overlap_s` of a plan is the part predicted without it).
 
 The coefficients come from a calibration at start, updated online (`cachesvc.calibration`).
 """
@@ -108,6 +109,7 @@ class LoadPlan:
     recompute_only_s: float
     best_split_s: float
     bypassed: tuple[str, ...] = ()
+    overlap_s: float = 0.0  # a split's max(front compute, back read), without the overlap delay
 
     @property
     def num_fetch_blocks(self) -> int:
@@ -118,20 +120,24 @@ class LoadPlan:
         return self.split_block - self.first_block
 
 
-def _read_s(
-    runs: Sequence[TierHit], model: CostModel, start: int, end: int, background: bool = False
-) -> float:
-    """Predicted read time of blocks [start, end) from the tiers holding them; `background`:
-    while the engine computes (a split's back)."""
+def _read_s(runs: Sequence[TierHit], model: CostModel, start: int, end: int) -> float:
+    """Predicted read time of blocks [start, end) from the tiers holding them."""
     total = 0.0
     for run in runs:
         n = min(run.end, end) - max(run.start, start)
         if n > 0:
-            cost = model.tiers[run.tier]
-            total += cost.fetch_s(n)
-            if background:
-                extra = model.background_s_per_byte.get(run.tier, 0.0)
-                total += n * cost.bytes_per_block * extra
+            total += model.tiers[run.tier].fetch_s(n)
+    return total
+
+
+def _overlap_delay_s(runs: Sequence[TierHit], model: CostModel, start: int, end: int) -> float:
+    """What reading blocks [start, end) while the engine computes delays the pair."""
+    total = 0.0
+    for run in runs:
+        n = min(run.end, end) - max(run.start, start)
+        if n > 0:
+            per_byte = max(model.background_s_per_byte.get(run.tier, 0.0), 0.0)
+            total += n * model.tiers[run.tier].bytes_per_block * per_byte
     return total
 
 
@@ -149,6 +155,7 @@ class _Option:
     seconds: float
     split: int
     end: int
+    overlap_s: float = 0.0
 
 
 def _best(
@@ -168,10 +175,11 @@ def _best(
             if strict_split and split == first:
                 continue
             front = c.prefill_s((split - first) * block_size, first * block_size)
-            back = _read_s(runs, model, split, end, background=split > first)
-            t = max(front, back) + model.land_s(end - split) + rest
+            back = _read_s(runs, model, split, end)
+            delay = _overlap_delay_s(runs, model, split, end) if split > first else 0.0
+            t = max(front, back) + delay + model.land_s(end - split) + rest
             if best is None or t < best.seconds:
-                best = _Option(t, split, end)
+                best = _Option(t, split, end, max(front, back))
     return best
 
 
@@ -219,4 +227,7 @@ def plan_load(
     used = {f.tier for f in fetch}
     bypassed = tuple(sorted({r.tier for r in runs} - used))
     kind: PlanKind = "fetch" if choice.split == d else "split"
-    return LoadPlan(kind, d, choice.split, choice.end, fetch, choice.seconds, *times, bypassed)
+    overlap = choice.overlap_s if kind == "split" else 0.0
+    return LoadPlan(
+        kind, d, choice.split, choice.end, fetch, choice.seconds, *times, bypassed, overlap
+    )

@@ -243,7 +243,7 @@ def test_a_read_slowed_by_the_overlap_makes_the_split_lose_to_a_fetch() -> None:
     plan = plan_load(runs, 0, num_tokens, BS, slowed)
     assert plan.kind == "fetch"
     assert plan.predicted_s == pytest.approx(plan_load(runs, 0, num_tokens, BS, free).fetch_only_s)
-    # A slow tier still splits: the overlap's cost shifts the split point toward the front.
+    # A slow tier still splits, predicted later by the delay of the bytes read behind it.
     slow = model(redis=60)
     slow_bg = CostModel(COMPUTE, slow.tiers, background_s_per_byte={"redis": 0.3 / 60e6})
     plain, contended = (
@@ -251,18 +251,28 @@ def test_a_read_slowed_by_the_overlap_makes_the_split_lose_to_a_fetch() -> None:
         plan_load(runs, 0, num_tokens, BS, slow_bg),
     )
     assert plain.kind == contended.kind == "split"
-    assert contended.split_block > plain.split_block
+    back_bytes = (60 - contended.split_block) * BLOCK_BYTES
+    delay = back_bytes * 0.3 / 60e6
+    rest = COMPUTE.prefill_s(5, 60 * BS)
+    assert contended.predicted_s == pytest.approx(contended.overlap_s + delay + rest)
+    assert contended.predicted_s > plain.predicted_s
 
 
-def test_background_reads_teach_the_overlap_not_the_tier_speed() -> None:
+def test_splits_teach_the_overlap_delay_not_the_tier_speed() -> None:
     tracker = CostTracker(COMPUTE, dict(model(redis=1000).tiers))
     own = tracker.tiers["redis"].seconds_per_byte
     nbytes = 8 * BLOCK_BYTES
-    for _ in range(30):  # reads in a split's background take 40% longer per byte
-        tracker.observe_transfer(Transfer("redis", nbytes, 1e-3 + nbytes * own * 1.4, 8), True)
+    slow = Transfer("redis", nbytes, 1e-3 + nbytes * own * 1.4, 8)
+    tracker.observe_transfer(slow, background=True)  # slowed by the compute it overlapped
     assert tracker.tiers["redis"].seconds_per_byte == own
+    for _ in range(30):  # each split ends 2 ms later than the slower of its two halves
+        tracker.observe_overlap([slow], 2e-3)
     learned = tracker.model().background_s_per_byte["redis"]
-    assert learned == pytest.approx(0.4 * own, rel=0.01)
-    tracker.observe_transfer(Transfer("redis", nbytes, 1e-3 + nbytes * own * 0.9, 8), True)
-    assert tracker.model().background_s_per_byte["redis"] < learned  # faster: it drops
-    assert tracker.model().background_s_per_byte["redis"] >= 0
+    assert learned == pytest.approx(2e-3 / nbytes, rel=0.01)
+    for _ in range(30):  # noise around zero averages out instead of piling up
+        tracker.observe_overlap([slow], 1e-3)
+        tracker.observe_overlap([slow], -1e-3)
+    assert abs(tracker.model().background_s_per_byte["redis"]) < 2e-4 / nbytes
+    tracker.observe_overlap([slow], 1e6)  # a wild one moves it by a bounded amount
+    assert tracker.background_s_per_byte["redis"] <= 0.3 * 3 * own + 1e-18
+    tracker.observe_overlap([], 1.0)  # nothing read: nothing learned

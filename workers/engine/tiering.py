@@ -55,6 +55,8 @@ class PendingLoad:
     split_token: int
     ranges: Ranges  # pinned until the fetch lands or is dropped
     future: Future[FetchResult]
+    started: float  # perf_counter when the fetch was submitted
+    overlap_s: float  # predicted max(front compute, back read), without the overlap delay
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,9 @@ class KVTiering:
         if plan.kind == "split":
             future = self._executor.submit(self.manager.read, ranges)
             split_token = plan.split_block * self.block_size
-            self._pending[request.request_id] = PendingLoad(split_token, ranges, future)
+            self._pending[request.request_id] = PendingLoad(
+                split_token, ranges, future, time.perf_counter(), plan.overlap_s
+            )
             self._usage[request.request_id].update(
                 _landed_by_tier(ranges, plan.num_fetch_blocks, self.block_size)
             )
@@ -268,6 +272,9 @@ class KVTiering:
             return
         del self._pending[request.request_id]
         result = pending.future.result()  # the front is computed: wait for the back (Cake)
+        waited = time.perf_counter() - pending.started
+        if request.num_preemptions == 0:  # a preempted request's front computed twice
+            self.costs.observe_overlap(result.transfers, waited - pending.overlap_s)
         self.manager.unpin(pending.ranges)
         first = pending.split_token // self.block_size
         landed = self._land(request, result, first, pending.ranges, background=True)
