@@ -17,7 +17,7 @@ from cachesvc.cli_bench import add_bench_parser, run_bench_command
 from cachesvc.cli_chat import add_chat_parser, run_chat_command
 from cachesvc.cli_score import add_score_parser, run_score_command
 from cachesvc.cli_serving import (
-    add_client_tls_flags,
+    add_client_flags,
     add_demo_serve_parser,
     add_serve_flags,
     client_tls,
@@ -89,12 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message for --chat")
     _add_sampling_args(gen)
     gen.add_argument("--json", action="store_true", help="one JSON object per output line")
-    gen.add_argument("--cache-salt", default=None, help="isolate this tenant's prefix cache")
-    gen.add_argument(
-        "--server", metavar="HOST:PORT", help="send the prompts to a running `cachesvc serve`"
-    )
-    gen.add_argument("--auth-token-file", help="bearer token for --server (a file holding it)")
-    add_client_tls_flags(gen)
+    add_client_flags(gen, "isolate this tenant's prefix cache")
     _add_engine_args(gen)
 
     demo = sub.add_parser("demo", help="chat with the embedded model on a few prompts")

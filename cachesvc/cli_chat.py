@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
-from cachesvc.cli_serving import add_client_tls_flags, client_tls
+from cachesvc.cli_serving import add_client_flags, client_tls
 from cachesvc.cli_types import CliError
 
 Message = dict[str, str]  # {"role": ..., "content": ...}, as the chat template takes them
@@ -39,12 +39,7 @@ def add_chat_parser(
     p.add_argument("--system", default=None, help="system message at the start of the history")
     add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per assistant turn")
-    p.add_argument("--cache-salt", default=None, help="isolate this tenant's prefix cache")
-    p.add_argument(
-        "--server", metavar="HOST:PORT", help="send the turns to a running `cachesvc serve`"
-    )
-    p.add_argument("--auth-token-file", help="bearer token for --server (a file holding it)")
-    add_client_tls_flags(p)
+    add_client_flags(p, "isolate this tenant's prefix cache")
     add_engine_args(p)
 
 

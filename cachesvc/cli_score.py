@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cachesvc.cli_serving import add_client_tls_flags, client_tls
+from cachesvc.cli_serving import add_client_flags, client_tls
 from cachesvc.cli_types import CliError
 
 
@@ -26,10 +26,7 @@ def add_score_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParse
     p.add_argument("--json", action="store_true", help="one JSON object per item")
     # Only routing looks at the salt: a scoring pass reuses no cached blocks, so offline it
     # changes nothing.
-    p.add_argument("--cache-salt", default=None, help="this tenant's salt for --server routing")
-    p.add_argument("--server", metavar="HOST:PORT", help="score on a running `cachesvc serve`")
-    p.add_argument("--auth-token-file", help="bearer token for --server (a file holding it)")
-    add_client_tls_flags(p)
+    add_client_flags(p, "this tenant's salt for --server routing")
     add_engine_args(p)
 
 

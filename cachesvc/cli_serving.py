@@ -89,8 +89,13 @@ def serve_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"ray_namespace": args.ray_namespace, "attach": args.attach}
 
 
-def add_client_tls_flags(p: argparse.ArgumentParser) -> None:
-    """TLS flags of a `--server` client, read back by `client_tls`."""
+def add_client_flags(p: argparse.ArgumentParser, salt_help: str) -> None:
+    """The flags every client command shares: `--server`, its token and TLS, `--cache-salt`."""
+    p.add_argument("--cache-salt", default=None, help=salt_help)
+    p.add_argument(
+        "--server", metavar="HOST:PORT", help="send the work to a running `cachesvc serve`"
+    )
+    p.add_argument("--auth-token-file", help="bearer token for --server (a file holding it)")
     p.add_argument(
         "--tls-ca-file",
         help="speak TLS to --server, trusting the PEM CA that signed its certificate",
