@@ -2,8 +2,9 @@
 
 For each context length, a plain engine measures recomputing the prefix and finding it on the
 device. Then, per tier (DRAM, NVMe, Redis, each alone below the device), a fresh engine computes
-the prefix once (a recompute of its own), lets it leave into the tier, fetches it once untimed
-(a first read is slower), and times requests that share it (each with a fresh suffix) with the
+the prefix once (a recompute of its own), lets it leave into the tier, fetches it once and
+splits once untimed (a first read is slower; the planner learns what an overlap costs from the
+splits it sees), and times requests that share it (each with a fresh suffix) with the
 planner forced to fetch, to split (Cake) and left to choose, under read bandwidth caps chosen
 around the context's crossover bandwidth (prefix bytes over recompute time): uncapped, 4x, 1x
 and 0.25x of it, and on DRAM a cap so slow that one block reads as long as the prefix
@@ -82,6 +83,9 @@ def _tier_rows(
     if flush is not None:
         flush()  # the prefix is on disk before any read is timed
     run.ttft_ms(engine, "fetch")  # warm-up, not timed: the first read of a tier is slower
+    # And one split, not timed: the planner learns online what overlapping a read with compute
+    # costs on this machine; a serving engine learns it from its first splits.
+    run.ttft_ms(engine, "split")
     for i in range(len(caps)):
         sweep.samples[i] = {mode: [] for mode in ("auto", *FORCED, "recompute")}
         sweep.skipped[i] = {}
