@@ -28,14 +28,17 @@ class AttentionBackend(ABC):
     def plan(self, layout: BatchLayout) -> None:  # noqa: B027 - optional hook
         """Prepare for many `forward` calls (one per layer) on the same layout. Default: nothing."""
 
-    @abstractmethod
     def write_kv(
         self, kv_cache: torch.Tensor, layout: BatchLayout, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Store new keys/values `[num_tokens, num_kv_heads, head_dim]` at `layout.write_slots`.
 
-        Mutates `kv_cache` in place.
+        Mutates `kv_cache` in place. The paged layout is the same for every backend, so one
+        index_put writes keys and values together (target view `[num_tokens, 2, Hk, D]`).
         """
+        slots = layout.write_slots.to(kv_cache.device)
+        pages, offsets = slots // layout.page_size, slots % layout.page_size
+        kv_cache[pages, :, offsets] = torch.stack((k, v), dim=1).to(kv_cache.dtype)
 
     @abstractmethod
     def forward(

@@ -186,14 +186,6 @@ class FlashInferBackend(AttentionBackend):
             )
         return _Planned(layout, key, wrapper)
 
-    def write_kv(
-        self, kv_cache: torch.Tensor, layout: BatchLayout, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        slots = layout.write_slots.to(kv_cache.device)
-        pages, offsets = slots // layout.page_size, slots % layout.page_size
-        # One index_put for keys and values, as the torch backend: target [num_tokens, 2, Hk, D].
-        kv_cache[pages, :, offsets] = torch.stack((k, v), dim=1).to(kv_cache.dtype)
-
     def forward(
         self,
         q: torch.Tensor,

@@ -248,14 +248,6 @@ class TorchBackend(AttentionBackend):
         assert self._planned is not None
         return self._planned[1]
 
-    def write_kv(
-        self, kv_cache: torch.Tensor, layout: BatchLayout, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        slots = layout.write_slots
-        pages, offsets = slots // layout.page_size, slots % layout.page_size
-        # One index_put for keys and values: the target view is [num_tokens, 2, Hk, D].
-        kv_cache[pages, :, offsets] = torch.stack((k, v), dim=1).to(kv_cache.dtype)
-
     def forward(
         self,
         q: torch.Tensor,
