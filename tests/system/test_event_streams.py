@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from routing_support import GROUPS, PREFIX_LEN, assert_two_routers_route_alike, serve_ids
 
 from cachesvc.config import EngineConfig
 from cachesvc.events_redis import EventStreamConfig, stream_key
@@ -20,8 +21,6 @@ from router.events_source import RedisStreamEvents
 
 pytestmark = pytest.mark.system
 NAMESPACE = f"streams-{uuid.uuid4().hex[:8]}"
-PREFIX_LEN = 24  # six blocks of 4 tokens
-GROUPS = [[10 + 7 * g + i for i in range(PREFIX_LEN)] for g in range(4)]
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +54,6 @@ def _router(make_server: Any, redis_url: str) -> Any:
     )
 
 
-def _serve(server: Any, ids: list[int]) -> pb.Usage:
-    stub = pb_grpc.InferenceStub(server.channel())
-    request = pb.GenerateRequest(
-        prompt=pb.Prompt(token_ids=pb.TokenIds(ids=ids)),
-        sampling=pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-    )
-    return list(stub.Generate(request, timeout=60))[-1].usage
-
-
 def test_blocks_reach_the_index_through_the_stream(make_server: Any, redis_url: str) -> None:
     import redis
 
@@ -74,7 +64,7 @@ def test_blocks_reach_the_index_through_the_stream(make_server: Any, redis_url: 
     pb_grpc.AdminStub(server.channel()).Flush(pb.FlushRequest())
     events_before, resyncs_before = pool.events.num_events, pool.num_resyncs
 
-    first = _serve(server, GROUPS[0] + [200])
+    first = serve_ids(server, GROUPS[0] + [200])
     holder = WorkerId(first.worker_id)
     # The answer is complete only once the index holds its blocks (read-your-writes): they
     # came through the stream, as the router's polls carry no events and it took no snapshot.
@@ -84,7 +74,7 @@ def test_blocks_reach_the_index_through_the_stream(make_server: Any, redis_url: 
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     assert client.xlen(stream_key(NAMESPACE, holder)) > 0
 
-    second = _serve(server, GROUPS[0] + [201])
+    second = serve_ids(server, GROUPS[0] + [201])
     assert second.worker_id == holder
     assert sum(second.cached_tokens.values()) >= PREFIX_LEN
     assert not any(s.stream_lagging for s in pool.states())
@@ -92,18 +82,7 @@ def test_blocks_reach_the_index_through_the_stream(make_server: Any, redis_url: 
 
 def test_two_routers_on_one_redis_route_identically(make_server: Any, redis_url: str) -> None:
     first, second = _router(make_server, redis_url), _router(make_server, redis_url)
-    pb_grpc.AdminStub(first.channel()).Flush(pb.FlushRequest())
-    served: dict[int, list[str]] = {}
-    for turn in range(3):
-        for g, prefix in enumerate(GROUPS):
-            router = (first, second)[(turn + g) % 2]
-            usage = _serve(router, prefix + [210 + turn])
-            served.setdefault(g, []).append(usage.worker_id)
-            if turn:
-                assert sum(usage.cached_tokens.values()) >= PREFIX_LEN, (g, turn)
-    for g, workers in served.items():
-        assert len(set(workers)) == 1, f"group {g} was split between workers: {served}"
-    assert len({w[0] for w in served.values()}) == 2, "groups should use both workers"
+    assert_two_routers_route_alike(first, second, turns=3, suffix=210)
     # Both followed the same streams into one index: the second applied nothing twice.
     for router in (first, second):
         assert router.router.pool.events.num_errors == 0
@@ -118,7 +97,7 @@ def test_a_gap_or_a_past_life_in_the_stream_resyncs(make_server: Any, redis_url:
 
     server = _router(make_server, redis_url)
     pool = server.router.pool
-    holder = WorkerId(_serve(server, GROUPS[2] + [230]).worker_id)
+    holder = WorkerId(serve_ids(server, GROUPS[2] + [230]).worker_id)
     state = pool.state(holder)
     held = pool.index.num_blocks(holder)
     # Entries no worker wrote (a lost event cannot be made on demand): one that skips ahead in
@@ -134,7 +113,7 @@ def test_a_gap_or_a_past_life_in_the_stream_resyncs(make_server: Any, redis_url:
         assert time.monotonic() < deadline, "the router did not resync"
         time.sleep(0.02)
     assert pool.index.num_blocks(holder) == held
-    usage = _serve(server, GROUPS[2] + [231])  # later events still apply after the snapshot
+    usage = serve_ids(server, GROUPS[2] + [231])  # later events still apply after the snapshot
     assert usage.worker_id == holder and sum(usage.cached_tokens.values()) >= PREFIX_LEN
     assert not state.stream_lagging
 
@@ -146,10 +125,10 @@ def test_a_killed_worker_leaves_the_index(
 
     server = _router(make_server, redis_url)
     pool = server.router.pool
-    holder = WorkerId(_serve(server, GROUPS[1] + [220]).worker_id)
+    holder = WorkerId(serve_ids(server, GROUPS[1] + [220]).worker_id)
     assert pool.index.num_blocks(holder) > 0
     ray.kill(worker_pair[holder])
-    survivor = _serve(server, GROUPS[1] + [221]).worker_id  # retried on the other worker
+    survivor = serve_ids(server, GROUPS[1] + [221]).worker_id  # retried on the other worker
     assert survivor != holder
     assert pool.index.num_blocks(holder) == 0
     assert holder not in pool.index.workers()
