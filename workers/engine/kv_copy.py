@@ -2,8 +2,10 @@
 numpy storage arrays (`[layers, ...]` per block): what a demotion reads and a fetch writes.
 
 A layer's slice of a block is small (24 KB for SmolLM2 in float32), so the cost of a fetch is in
-how many copy calls land it: host caches take a numpy assignment per slice, in source order;
-device caches take one stacked transfer per layer and run of consecutive blocks.
+how many copy calls land it. The engine allocates the layers as slices of one
+`[layers, num_blocks, ...]` tensor (`LlamaModel.allocate_kv_cache`), so a block across all layers
+is one strided copy: one numpy assignment per block on the host, one transfer per run of
+consecutive blocks on a device. Separately allocated caches still work, a copy per layer.
 """
 
 from __future__ import annotations
@@ -26,9 +28,42 @@ def kv_to_numpy(data: torch.Tensor) -> np.ndarray:
     return data.numpy()
 
 
+def layered(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The `[layers, num_blocks, ...]` view of caches that are evenly spaced slices of one
+    storage (as `allocate_kv_cache` makes them), else None."""
+    first = kv_caches[0]
+    if len(kv_caches) < 2:
+        return first.unsqueeze(0)
+    ptr = first.untyped_storage().data_ptr()
+    step = kv_caches[1].data_ptr() - first.data_ptr()
+    if step <= 0 or step % first.element_size() or not first.is_contiguous():
+        return None
+    for layer, cache in enumerate(kv_caches):
+        same_storage = cache.untyped_storage().data_ptr() == ptr
+        if not same_storage or cache.data_ptr() != first.data_ptr() + layer * step:
+            return None
+        if cache.shape != first.shape or cache.stride() != first.stride():
+            return None
+    shape = (len(kv_caches), *first.shape)
+    return first.as_strided(shape, (step // first.element_size(), *first.stride()))
+
+
 def read_block(kv_caches: Sequence[torch.Tensor], block_id: BlockId) -> np.ndarray:
     """A copy of one block's KV across the layers."""
+    whole = layered(kv_caches)
+    if whole is not None:
+        return kv_to_numpy(whole[:, block_id].clone(memory_format=torch.contiguous_format))
     return kv_to_numpy(torch.stack([cache[block_id] for cache in kv_caches]))
+
+
+def copy_blocks(kv_caches: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the KV of blocks `src` into blocks `dst` (index tensors) in every layer."""
+    whole = layered(kv_caches)
+    if whole is not None:
+        whole[:, dst] = whole[:, src]
+        return
+    for cache in kv_caches:
+        cache[dst] = cache[src]
 
 
 def write_blocks(
@@ -47,13 +82,19 @@ def write_blocks(
 def write_host(
     kv_caches: Sequence[torch.Tensor], block_ids: Sequence[BlockId], arrays: Sequence[np.ndarray]
 ) -> None:
-    """Host caches: a numpy assignment per layer slice, block by block (the source is read in
-    order). A numpy assignment costs a fraction of a torch `copy_` call, which matters at one
-    call per layer and block: measured on SmolLM2, a 4K prefix lands ~1.5x faster this way."""
-    dests = [kv_to_numpy(cache) for cache in kv_caches]  # views: writing them writes the caches
+    """Host caches: numpy assignments, block by block (the source is read in order). A numpy
+    assignment costs a fraction of a torch `copy_` call, which matters at one call per block
+    (or per layer and block, for separate caches)."""
+    whole = layered(kv_caches)
+    if whole is not None:
+        dest = kv_to_numpy(whole)  # a view: writing it writes the caches
+        for block_id, array in zip(block_ids, arrays, strict=True):
+            dest[:, block_id] = array
+        return
+    dests = [kv_to_numpy(cache) for cache in kv_caches]
     for block_id, array in zip(block_ids, arrays, strict=True):
-        for layer, dest in enumerate(dests):
-            dest[block_id] = array[layer]
+        for layer, layer_dest in enumerate(dests):
+            layer_dest[block_id] = array[layer]
 
 
 def write_stacked(
@@ -62,14 +103,17 @@ def write_stacked(
     arrays: Sequence[np.ndarray],
     dtype: str,
 ) -> None:
-    """Device caches: one transfer per layer and run of consecutive block ids (a transfer per
-    block and layer would pay a launch for every slice)."""
-    layers = [_as_tensor(array, dtype).unbind(0) for array in arrays]
+    """Device caches: one transfer per run of consecutive block ids (and per layer, for
+    separate caches): a transfer per block and layer would pay a launch for every slice."""
+    whole = layered(kv_caches)
     for lo, hi in _runs(block_ids):
         first = block_ids[lo]
+        staged = torch.stack([_as_tensor(array, dtype) for array in arrays[lo:hi]], dim=1)
+        if whole is not None:
+            whole[:, first : first + hi - lo].copy_(staged)
+            continue
         for layer, cache in enumerate(kv_caches):
-            staged = torch.stack([per_block[layer] for per_block in layers[lo:hi]])
-            cache[first : first + hi - lo].copy_(staged)
+            cache[first : first + hi - lo].copy_(staged[layer])
 
 
 def _as_tensor(array: np.ndarray, dtype: str) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from cachesvc.types import RequestId
 from workers.attention.base import AttentionBackend
 from workers.attention.schemes import SchemeCosts
+from workers.engine.kv_copy import copy_blocks
 from workers.engine.request import Request
 from workers.engine.sampler import sample
 from workers.engine.scheduler import SchedulerOutput
@@ -122,5 +123,4 @@ class ModelRunner:
             return
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
-        for cache in self.kv_caches:
-            cache[dst] = cache[src]
+        copy_blocks(self.kv_caches, src, dst)

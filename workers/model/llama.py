@@ -174,10 +174,13 @@ class LlamaModel(nn.Module):
     ) -> list[torch.Tensor]:
         """Zeroed paged caches, one per layer, `[num_blocks, 2, block_size, kv_heads, head_dim]`.
 
-        dtype and device default to the model's.
+        dtype and device default to the model's. The layers are consecutive slices of one
+        `[layers, num_blocks, ...]` tensor, each contiguous: a block's KV across all layers then
+        moves to and from the tiers in one strided copy instead of one copy per layer
+        (`kv_copy.layered`).
         """
         config = self.config
-        shape = (num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
+        shape = (len(self.layers), num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
         dtype = dtype or self.embed_tokens.dtype
         device = device or self.embed_tokens.device
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        return list(torch.zeros(shape, dtype=dtype, device=device).unbind(0))
