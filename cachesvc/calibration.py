@@ -34,6 +34,7 @@ DEFAULT_TIER_COSTS: Mapping[str, tuple[float, float]] = {
 }
 _CLAMP = (0.25, 4.0)  # one measurement moves a coefficient by at most this factor
 _MAX_BYTES_PER_S = 100e9  # a floor on measured read time, against timer noise
+_TYPICAL_FETCH_BLOCKS = 64  # codecs are compared on a fetch this long (1K tokens at 16/block)
 
 
 @dataclass(frozen=True)
@@ -258,3 +259,29 @@ def probe_tier(
     # t(1) = latency + one block, t(n) = latency + n blocks: two equations, two unknowns.
     per_block = max((seconds - latency) / (num_blocks - 1), size / _MAX_BYTES_PER_S)
     return TierCost(max(latency - per_block, 0.0), per_block / size, size)
+
+
+def probe_codecs(
+    tier: Tier,
+    codec: Codec,
+    modes: Sequence[str],
+    dtype: str,
+    array: np.ndarray,
+    prior: TierCost,
+) -> tuple[Codec, TierCost] | None:
+    """Probe `tier` with each codec mode (`probe_tier`) and return the codec whose fetch of a
+    typical prefix reads and decodes fastest, with its measured cost; None when the tier refused
+    every probe.
+
+    Whole fetches are compared, not bytes: compression makes a block smaller but its decode
+    slower, so it pays only on a tier slower than the decode.
+    """
+    measured: dict[str, TierCost] = {}
+    for mode in modes:
+        cost = probe_tier(tier, codec.with_mode(mode), dtype, array, prior)
+        if cost is not prior:
+            measured[mode] = cost
+    if not measured:
+        return None
+    best = min(measured, key=lambda m: measured[m].fetch_s(_TYPICAL_FETCH_BLOCKS))
+    return codec.with_mode(best), measured[best]

@@ -90,6 +90,11 @@ class Codec:
         self.fingerprint = fingerprint_bytes(fingerprint)
         self.mode = mode
         self.num_rejected = 0  # blobs that failed verification (a metric)
+        self._fingerprint_text = fingerprint
+
+    def with_mode(self, mode: str) -> Codec:
+        """A codec of the same model that encodes with `mode`."""
+        return Codec(self._fingerprint_text, mode)
 
     def encode(
         self, block_hash: BlockHash, parent: BlockHash | None, dtype: str, array: np.ndarray
@@ -175,8 +180,18 @@ def _decompress(payload: memoryview, flags: int, raw_len: int, itemsize: int) ->
         raise CodecError("decompressed length does not match")
     planes = np.frombuffer(data, dtype=np.uint8)
     if flags & FLAG_SHUFFLE:
-        return planes.reshape(itemsize, -1).T.copy().reshape(-1)
+        return _unshuffle(planes, itemsize)
     return planes.copy()
+
+
+def _unshuffle(planes: np.ndarray, itemsize: int) -> np.ndarray:
+    """The inverse of `shuffle`. One strided copy per byte plane: ~3.5x faster than a transposed
+    copy of the `[itemsize, n]` array, which made decoding slower than lz4 itself."""
+    by_plane = planes.reshape(itemsize, -1)
+    out = np.empty((by_plane.shape[1], itemsize), dtype=np.uint8)
+    for k in range(itemsize):
+        out[:, k] = by_plane[k]
+    return out.reshape(-1)
 
 
 def _mode_of(blob: bytes) -> str:

@@ -13,7 +13,10 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message says how to fix it."""
 
 
-TIER_CODECS = ("raw", "lz4", "shuffle_lz4")
+# "auto": at start, the engine probes the tier with each of `AUTO_CODECS` and keeps the one whose
+# read + decode is fastest (compressing pays only on a link slower than the decode).
+TIER_CODECS = ("auto", "raw", "lz4", "shuffle_lz4")
+AUTO_CODECS = ("raw", "shuffle_lz4")  # the first of them until a probe decides
 PLAN_MODES = ("auto", "fetch", "split", "recompute")
 
 
@@ -38,8 +41,8 @@ class TierConfig:
     redis_timeout_s: float = 0.5
     redis_retry_s: float = 2.0
     dram_codec: str = "raw"
-    nvme_codec: str = "shuffle_lz4"
-    redis_codec: str = "shuffle_lz4"
+    nvme_codec: str = "auto"
+    redis_codec: str = "auto"
     dram_cap_mbps: float | None = None
     nvme_cap_mbps: float | None = None
     redis_cap_mbps: float | None = None
@@ -76,6 +79,11 @@ class TierConfig:
     @property
     def enabled(self) -> bool:
         return self.dram_mb > 0 or self.nvme_path is not None or self.redis_url is not None
+
+    @property
+    def codecs(self) -> dict[str, str]:
+        """The configured codec mode of each tier, by tier name."""
+        return {"dram": self.dram_codec, "nvme": self.nvme_codec, "redis": self.redis_codec}
 
 
 @dataclass(frozen=True)

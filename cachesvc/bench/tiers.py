@@ -9,9 +9,11 @@ planner forced to fetch, to split (Cake) and left to choose, under read bandwidt
 around the context's crossover bandwidth (prefix bytes over recompute time): uncapped, 4x, 1x
 and 0.25x of it, and on DRAM a cap so slow that one block reads as long as the prefix
 recomputes. Every round interleaves the plans, so a burst of load on a shared machine hits
-them alike; the minimum over rounds is the least disturbed run. A forced plan predicted slower
-than 3 recomputes is not measured but recorded as null, with the reason; the forced plan that is
-the choice's own plan is not run twice (`same_as_chosen`): its time is the choice's.
+them alike; the minimum over rounds is the least disturbed run. A cap whose plans all take
+under a tenth of a recompute gets 5 rounds even at contexts too long to repeat recomputes. A
+forced plan predicted slower than 3 recomputes is not measured but recorded as null, with the
+reason; the forced plan that is the choice's own plan is not run twice (`same_as_chosen`): its
+time is the choice's.
 
 The ratio is the planner's choice over the best measured alternative of the same engine (1.0 is
 a perfect choice); the summary checks the issue's goals. `bandwidth` times a whole-prefix fetch
@@ -59,6 +61,7 @@ TIERS = ("dram", "nvme", "redis")
 FULL = ((1024, 3), (4096, 1), (8192, 1))  # (context, rounds): fewer rounds where a run is long
 QUICK = ((256, 3), (512, 2))
 FORCED = ("fetch", "split")
+CHEAP_ROUNDS, CHEAP_SHARE = 5, 0.1
 
 
 @dataclass
@@ -89,15 +92,24 @@ def _tier_rows(
     for i in range(len(caps)):
         sweep.samples[i] = {mode: [] for mode in ("auto", *FORCED, "recompute")}
         sweep.skipped[i] = {}
-    for round_ in range(run.repeats):
-        if round_:
+    for round_ in range(max(run.repeats, CHEAP_ROUNDS)):
+        if 0 < round_ < run.repeats:
             sweep.recompute.append(run.ttft_ms(engine, "recompute"))
         for i, cap in enumerate(caps):
-            _measure_cap(run, engine, tier, cap, i, sweep)
+            if round_ < run.repeats or _cheap(sweep, i):
+                _measure_cap(run, engine, tier, cap, i, sweep)
     bandwidth = _dram_bandwidth(run, engine) if tier == "dram" else None
     engine.close()
     rows = [_row(run.context, tier, cap, i, sweep) for i, cap in enumerate(caps)]
     return rows, bandwidth
+
+
+def _cheap(sweep: _Sweep, i: int) -> bool:
+    """Whether every plan measured at cap `i` took under `CHEAP_SHARE` of a recompute: such
+    rows get `CHEAP_ROUNDS` rounds even where a recompute is too long to repeat, since a near
+    tie between two fast plans is decided by noise in a single round."""
+    measured = [t for mode, t in sweep.samples[i].items() if mode != "recompute" and t]
+    return bool(measured) and max(max(t) for t in measured) < CHEAP_SHARE * min(sweep.recompute)
 
 
 def _measure_cap(run: Runner, engine: Any, tier: str, cap: Cap, i: int, sweep: _Sweep) -> None:

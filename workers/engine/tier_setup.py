@@ -7,13 +7,14 @@ the prefill cost.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
-from cachesvc.calibration import ComputeSample, probe_tier
-from cachesvc.config import TierConfig
+from cachesvc.calibration import ComputeSample, probe_codecs
+from cachesvc.config import AUTO_CODECS, TierConfig
 from cachesvc.tiers.base import Tier, TierStats, make_tier
 from cachesvc.types import BlockId, RequestId
 from workers.engine.kv_copy import kv_to_numpy, write_blocks
@@ -22,6 +23,8 @@ from workers.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
     from workers.engine.tiering import KVTiering
+
+_log = logging.getLogger(__name__)
 
 
 def build_tiers(
@@ -74,7 +77,8 @@ def calibrate(tiering: KVTiering, runner: ModelRunner, max_tokens: int) -> None:
 
 
 def calibrate_tiers(tiering: KVTiering) -> None:
-    """Measure each tier's read cost (and its codec's decode) with a few synthetic blocks."""
+    """Measure each tier's read cost (and its codec's decode) with a few synthetic blocks; a
+    tier whose codec is "auto" keeps the mode whose read + decode of a fetch is fastest."""
     gen = torch.Generator().manual_seed(0)
     sample = torch.randn(tiering.block_shape, generator=gen).to(tiering.kv_caches[0].dtype)
     array = kv_to_numpy(sample)  # compresses about as well as real KV (1.08x vs 1.06x)
@@ -82,9 +86,16 @@ def calibrate_tiers(tiering: KVTiering) -> None:
         if tier.throttle.bytes_per_s is not None:
             continue  # a capped tier's cost is mostly its cap (and probing it would be slow)
         codec = tiering.manager.codecs[tier.name]
+        auto = tiering.config.codecs[tier.name] == "auto"
+        modes = AUTO_CODECS if auto else (codec.mode,)
         prior = tiering.costs.tiers[tier.name]
-        tiering.costs.tiers[tier.name] = probe_tier(tier, codec, tiering.dtype, array, prior)
+        probed = probe_codecs(tier, codec, modes, tiering.dtype, array, prior)
         tier.stats = TierStats()  # probes are not traffic
+        if probed is None:
+            continue  # the tier refused the probe (full, down): keep the prior and the codec
+        tiering.manager.codecs[tier.name], tiering.costs.tiers[tier.name] = probed
+        if auto:
+            _log.info("tier %s codec: %s (probed %s)", tier.name, probed[0].mode, modes)
 
 
 @torch.inference_mode()

@@ -30,7 +30,7 @@ import torch
 from cachesvc.block_pool import BlockPool
 from cachesvc.calibration import CostTracker, default_tier_cost
 from cachesvc.codec import Codec, KVBlock, header_size
-from cachesvc.config import TierConfig
+from cachesvc.config import AUTO_CODECS, TierConfig
 from cachesvc.events import TIER_HBM
 from cachesvc.planner import ComputeCost, LoadPlan, plan_load
 from cachesvc.tiers.base import Throttle
@@ -109,10 +109,10 @@ class KVTiering:
         local, shared = build_tiers(
             config, fingerprint, raw_bytes + header_size(len(self.block_shape))
         )
+        # "auto" starts uncompressed; calibration keeps the fastest mode of each tier.
         codecs = {
-            "dram": Codec(fingerprint, config.dram_codec),
-            "nvme": Codec(fingerprint, config.nvme_codec),
-            "redis": Codec(fingerprint, config.redis_codec),
+            name: Codec(fingerprint, AUTO_CODECS[0] if mode == "auto" else mode)
+            for name, mode in config.codecs.items()
         }
         self.manager = TierManager(
             local, shared, codecs, pool.events, config.redis_min_reuse, device_has=pool.contains
