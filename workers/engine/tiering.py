@@ -194,7 +194,7 @@ class KVTiering:
                 _landed_by_tier(ranges, plan.num_fetch_blocks, self.block_size)
             )
             return plan.num_fetch_blocks * self.block_size
-        with self._borrowed(ranges):  # the blocks land at once: read views of DRAM, no copies
+        with self._borrowed(ranges):  # they land at once: read into views, not fresh buffers
             result = self.manager.read(ranges)
             self.manager.unpin(ranges)
             num_loaded = self._land(request, result, d, ranges)
@@ -202,7 +202,8 @@ class KVTiering:
         return num_loaded * self.block_size
 
     def _borrowed(self, ranges: Ranges) -> ExitStack:
-        """Borrow the tiers of `ranges` that lend views of their memory (DRAM) until exit."""
+        """Borrow the tiers of `ranges` that lend views of their memory (DRAM's slots, NVMe's
+        read arena) until exit."""
         stack = ExitStack()
         for name in sorted({name for name, _ in ranges}):
             borrow = getattr(self.manager.tier(name), "borrow", None)

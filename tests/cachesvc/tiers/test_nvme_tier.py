@@ -112,3 +112,34 @@ def test_vanished_file_is_a_miss_and_lost(tmp_path: Path) -> None:
     assert tier.get([h(0)]) == [None]
     assert tier.drain_lost() == [h(0)] and tier.contains_prefix([h(0)]) == 0
     tier.close()
+
+
+def test_borrowed_reads_reuse_memory_and_stay_exact(tmp_path: Path) -> None:
+    tier = NvmeTier(tmp_path, capacity_mb=1)
+    items = [item(i, size=2000 - 100 * i) for i in range(4)]
+    tier.put(items)
+    tier.flush()
+    [fresh] = tier.get([h(0)])
+    assert bytes(fresh) == items[0].data
+    views = []
+    for batch in ((0, 1), (2, 3)):  # the second borrow reuses the first's (larger) slots
+        with tier.borrow():
+            got = tier.get([h(i) for i in batch])
+            assert [bytes(b) for b in got] == [items[i].data for i in batch]
+            views.append(got)
+    first, second = (memoryview(v[0]) for v in views)
+    assert bytes(first[:10]) == items[2].data[:10]  # slot 0 now holds block 2: memory reused
+    assert bytes(fresh) == items[0].data  # a read outside a borrow owns its buffer
+    tier.close()
+
+
+def test_a_truncated_file_reads_short_inside_a_borrow(tmp_path: Path) -> None:
+    tier = NvmeTier(tmp_path, capacity_mb=1)
+    tier.put([item(0, size=4000)])
+    tier.flush()
+    path = tmp_path / file_name(h(0), None)
+    path.write_bytes(item(0).data[:100])
+    with tier.borrow():
+        [got] = tier.get([h(0)])
+        assert got is not None and bytes(got) == item(0).data[:100]  # the codec rejects it
+    tier.close()
