@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import partial
 from typing import cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +20,19 @@ from workers.attention.base import AttentionBackend
 from workers.attention.layout import BatchLayout
 from workers.model.config import ModelConfig
 from workers.model.rope import RotaryEmbedding, apply_rope
+
+
+def _host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor in memory numpy allocated: numpy asks Linux for transparent huge
+    pages on large buffers (madvise; NUMPY_MADVISE_HUGEPAGE=0 turns it off), torch's CPU
+    allocator does not. With 2 MB pages, landing fetched blocks in the KV cache (30 strided
+    slices per block for SmolLM2) ran ~25% faster here: fewer TLB misses."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for n in shape:
+        numel *= n
+    raw = torch.from_numpy(np.zeros(numel * itemsize, dtype=np.uint8))  # shares the memory
+    return raw.view(dtype).view(shape)
 
 
 def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -182,5 +196,7 @@ class LlamaModel(nn.Module):
         config = self.config
         shape = (len(self.layers), num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
         dtype = dtype or self.embed_tokens.dtype
-        device = device or self.embed_tokens.device
+        device = torch.device(device or self.embed_tokens.device)
+        if device.type == "cpu":
+            return list(_host_zeros(shape, dtype).unbind(0))
         return list(torch.zeros(shape, dtype=dtype, device=device).unbind(0))
