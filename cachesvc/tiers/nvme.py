@@ -5,8 +5,9 @@ is rebuilt from a directory listing on start: a restarted worker keeps its disk 
 through a background thread as temp file + fsync + rename, so a reader (or a crash) never sees a
 half-written block; files are mode 0600 in a 0700 folder. Until a write lands, `get` serves the
 blob from memory. A fetch that lands at once (`borrow`) reads into reused memory (`ReadArena`),
-5x faster from the page cache than into fresh buffers. A failed write (disk full, read-only folder) stops admission for a while and
-reports the block as lost; the worker never fails because of this tier.
+5x faster from the page cache than into fresh buffers. A failed write (disk full, read-only
+folder) stops admission for a while and reports the block as lost; the worker never fails
+because of this tier.
 """
 
 from __future__ import annotations
