@@ -32,6 +32,13 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
         "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port"
     )
     serve.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also serve the gRPC health service alone, in plaintext, on 127.0.0.1:PORT (for "
+        "probes that cannot speak TLS)",
+    )
+    serve.add_argument(
         "--max-queued-per-worker",
         type=int,
         default=None,
@@ -75,6 +82,7 @@ def router_options(args: argparse.Namespace) -> dict[str, Any]:
         "redis_url": args.redis_url,
         "redis_namespace": args.redis_namespace,
         "metrics_port": args.metrics_port,
+        "health_port": args.health_port,
         "max_queued_per_worker": args.max_queued_per_worker,
         "max_inflight": args.max_inflight,
         "tenant_tokens": () if tenants is None else load_tenant_tokens(tenants),

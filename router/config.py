@@ -74,6 +74,9 @@ class RouterConfig:
     redis_namespace: str = "cachesvc"
     # Serve Prometheus metrics on http://host:metrics_port/metrics (0: any free port).
     metrics_port: int | None = None
+    # Also serve the health service alone, in plaintext, on 127.0.0.1:health_port (0: any free
+    # port): for probes inside the pod that cannot speak (mutual) TLS. None: no such port.
+    health_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -90,8 +93,10 @@ class RouterConfig:
             raise ConfigError(
                 f"max_queued_per_worker must be positive, got {self.max_queued_per_worker}"
             )
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"metrics port must be in [0, 65535], got {self.metrics_port}")
+        for name in ("metrics_port", "health_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ConfigError(f"{name} must be in [0, 65535], got {value}")
         if self.redis_url is not None and not self.redis_url.startswith(
             ("redis://", "rediss://", "unix://")
         ):

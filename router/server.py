@@ -227,6 +227,14 @@ class RouterServer:
         names = (INFERENCE, ADMIN, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
         self.port = listen(self.server, f"{config.host}:{config.port}", config.read_tls())
+        # The health service alone, plaintext and loopback only: probes in the pod use it when
+        # the main port speaks TLS (a health check reveals no data and needs no token).
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
+        if config.health_port is not None:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = listen(self.health_server, f"127.0.0.1:{config.health_port}", None)
         self._router = router
         self._watch: asyncio.Task[None] | None = None
         self._metrics_port = config.metrics_port
@@ -238,6 +246,8 @@ class RouterServer:
         if port is not None:
             self.metrics = MetricsHttpServer(registry, self._router.config.host, port)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         await self._publish_health()
         self._watch = asyncio.get_running_loop().create_task(self._watch_health())
 
@@ -248,6 +258,8 @@ class RouterServer:
             await asyncio.gather(self._watch, return_exceptions=True)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         if self.metrics is not None:
             self.metrics.close()
 

@@ -273,3 +273,10 @@ def test_interceptor_admits_every_known_token_and_only_them() -> None:
     ]
     codes = asyncio.run(_codes(TokenTable("s3cret", TENANTS), [call for call, _ in expected]))
     assert codes == [code for _, code in expected]
+
+
+@pytest.mark.parametrize("field", ["metrics_port", "health_port"])
+def test_side_ports_out_of_range_name_their_field(field: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{field} must be in"):
+        RouterConfig(**{field: 70000})  # type: ignore[arg-type]
+    assert getattr(RouterConfig(**{field: 0}), field) == 0  # type: ignore[arg-type]

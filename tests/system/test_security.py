@@ -6,6 +6,8 @@ import asyncio
 import datetime
 import ipaddress
 import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from router.config import ServerTls, TenantToken
 from router.server import listen
 
 pytestmark = pytest.mark.system
+HEALTHCHECK = Path(__file__).resolve().parents[2] / "deploy" / "docker" / "healthcheck.py"
 SAMPLING = RemoteSampling(
     max_tokens=3, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=(), n=1, ignore_eos=True
 )
@@ -165,6 +168,27 @@ def test_mutual_tls_requires_a_client_certificate(make_server: Any, pki: Pki) ->
     with RouterClient(server.address, tls=anonymous) as client, pytest.raises(RemoteError) as err:
         client.generate("hello", SAMPLING)
     assert "UNAVAILABLE" in str(err.value)
+
+
+def test_the_health_port_answers_probes_in_plaintext_and_serves_nothing_else(
+    make_server: Any, pki: Pki
+) -> None:
+    server = make_server(
+        tls_cert_file=str(pki.server_cert),
+        tls_key_file=str(pki.server_key),
+        tls_client_ca_file=str(pki.ca),
+        auth_token="operator-tok",
+        health_port=0,
+    )
+    health = f"127.0.0.1:{server.server.health_port}"
+    probe = [sys.executable, str(HEALTHCHECK), health]
+    for service in ("", "cachesvc.v1.Admin", "cachesvc.v1.Inference"):
+        done = subprocess.run([*probe, service], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+    with grpc.insecure_channel(health) as plain:
+        assert _tokenize_code(plain) == grpc.StatusCode.UNIMPLEMENTED  # health only
+    with grpc.insecure_channel(server.address) as plain:  # the main port still needs mTLS
+        assert _tokenize_code(plain) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_tenant_tokens_isolate_caches(make_server: Any) -> None:
