@@ -301,3 +301,75 @@ def test_every_value_is_documented() -> None:
         if value.strip() and not documented:
             undocumented.append(key)
     assert not undocumented, f"values.yaml keys without a comment: {undocumented}"
+
+
+def test_router_tls_and_tenant_tokens_mount_their_secrets_and_probe_in_plaintext(
+    renderer: Renderer,
+) -> None:
+    from cachesvc.cli import _parser
+
+    sets = [
+        "router.tls.enabled=true",
+        "router.tls.secretName=router-tls",
+        "router.tls.clientCaSecretName=clients-ca",
+        "router.tls.healthPort=9191",
+        "auth.tenantTokensSecret=tenant-tokens",
+        "ingress.enabled=true",
+    ]
+    docs = renderer.manifests(sets=sets)
+    for doc in docs:
+        if doc["kind"] != "RayCluster":
+            _validate_k8s(doc, KUBE_VERSIONS[-1])
+    [deploy] = [d for d in docs if d["kind"] == "Deployment"]
+    pod = deploy["spec"]["template"]["spec"]
+    router = _container(pod, "router")
+    args = router["args"]
+    mounts = {m["name"]: m["mountPath"] for m in router["volumeMounts"]}
+    volumes = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+
+    def mounted(flag: str, volume: str, key: str, secret: str) -> None:
+        assert args[args.index(flag) + 1] == f"{mounts[volume]}/{key}", flag
+        assert volumes[volume]["secretName"] == secret
+        assert {i["key"] for i in volumes[volume]["items"]} >= {key}
+
+    mounted("--tls-cert-file", "tls", "tls.crt", "router-tls")
+    mounted("--tls-key-file", "tls", "tls.key", "router-tls")
+    mounted("--tls-client-ca-file", "client-ca", "ca.crt", "clients-ca")
+    mounted("--tenant-tokens-file", "tenants", "tokens", "tenant-tokens")
+    # The flags are ones `cachesvc serve` takes, and the health port reaches the router.
+    parsed = _parser().parse_args(args[:3] + args[args.index("--tls-cert-file") :])
+    assert parsed.health_port == 9191
+    assert router_options_without_files(parsed)["health_port"] == 9191
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        command = router[probe]["exec"]["command"]
+        assert command[:3] == ["python", "/opt/cachesvc/healthcheck.py", "127.0.0.1:9191"]
+    assert router["livenessProbe"]["exec"]["command"][3:] == ["cachesvc.v1.Admin"]
+    assert router["readinessProbe"]["exec"]["command"][3:] == []
+    [ingress] = [d for d in docs if d["kind"] == "Ingress"]
+    assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/backend-protocol"] == (
+        "GRPCS"
+    )
+    notes = renderer.notes(sets=[*sets[:3], "ingress.enabled=false"])
+    assert "-cacert" in notes and "-plaintext" not in notes
+
+
+def router_options_without_files(parsed: Any) -> dict[str, Any]:
+    """`router_options` of parsed flags, without reading the tenant tokens file they name."""
+    from cachesvc.cli_serving import router_options
+
+    parsed.tenant_tokens_file = None
+    return router_options(parsed)
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["router.tls.enabled=true"], "needs router.tls.secretName"),
+        (["router.tls.clientCaSecretName=ca"], "needs router.tls.enabled"),
+    ],
+)
+def test_router_tls_misconfigurations_fail_the_render(
+    renderer: Renderer, sets: list[str], message: str
+) -> None:
+    with pytest.raises(RenderError, match=message):
+        renderer.render(sets=sets)

@@ -180,3 +180,25 @@ allowPrivilegeEscalation: false
 capabilities:
   drop: [ALL]
 {{- end -}}
+
+{{/* A router probe of one health service ("" = overall): the kubelet's gRPC probe, or over TLS
+(which the kubelet cannot speak) the image's health check on the plaintext loopback port. */}}
+{{- define "cachesvc.routerProbe" -}}
+{{- $r := .root.Values.router -}}
+{{- if $r.tls.enabled -}}
+exec:
+  command:
+    - python
+    - /opt/cachesvc/healthcheck.py
+    - {{ printf "127.0.0.1:%v" $r.tls.healthPort | quote }}
+    {{- if .service }}
+    - {{ .service }}
+    {{- end }}
+{{- else -}}
+grpc:
+  port: {{ include "cachesvc.grpcPort" .root }}
+  {{- if .service }}
+  service: {{ .service }}
+  {{- end }}
+{{- end -}}
+{{- end -}}
