@@ -43,12 +43,16 @@ def add_chat_parser(
     add_engine_args(p)
 
 
+TextSink = Callable[[str], None]
+
+
 class Replier(Protocol):
     """Produces the assistant's reply to a conversation."""
 
-    def reply(self, messages: list[Message]) -> dict[str, Any]:
+    def reply(self, messages: list[Message], on_text: TextSink | None = None) -> dict[str, Any]:
         """The reply to `messages` (oldest first, ending with a user turn) as the JSON object
-        `generate --json` prints for one sample, `worker_id` included; blocks until done."""
+        `generate --json` prints for one sample, `worker_id` included; blocks until done.
+        `on_text` gets the reply's text piece by piece as it is generated."""
         ...
 
 
@@ -59,11 +63,20 @@ class _OfflineReplier:
     cache_salt: str | None
     output_json: Callable[[str, Any], dict[str, Any]]
 
-    def reply(self, messages: list[Message]) -> dict[str, Any]:
+    def reply(self, messages: list[Message], on_text: TextSink | None = None) -> dict[str, Any]:
         prompt = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        [out] = self.engine.generate([prompt], self.params, cache_salt=self.cache_salt)
+        [request_id] = self.engine.add_request(prompt, self.params, cache_salt=self.cache_salt)
+        final = None
+        while final is None:
+            for out in self.engine.step():
+                if out.request_id != request_id:
+                    continue
+                if on_text is not None and out.delta_text:
+                    on_text(out.delta_text)
+                if out.finished:
+                    final = out
         # No worker in-process; the key is there so both modes print the same keys.
-        return {**self.output_json(prompt, out), "worker_id": None}
+        return {**self.output_json(prompt, final), "worker_id": None}
 
 
 @dataclass(frozen=True)
@@ -73,12 +86,14 @@ class _RemoteReplier:
     cache_salt: str | None
     address: str
 
-    def reply(self, messages: list[Message]) -> dict[str, Any]:
+    def reply(self, messages: list[Message], on_text: TextSink | None = None) -> dict[str, Any]:
         from router.client import RemoteError
 
         out: dict[str, Any]
         try:
-            [out] = self.client.chat(messages, self.sampling, cache_salt=self.cache_salt)
+            [out] = self.client.chat(
+                messages, self.sampling, cache_salt=self.cache_salt, on_text=on_text
+            )
         except RemoteError as exc:
             raise CliError(f"--server {self.address}: {exc}") from exc
         return out
@@ -107,10 +122,11 @@ def converse(
     replier: Replier,
     system: str | None,
     emit: Callable[[dict[str, Any]], None],
+    on_text: TextSink | None = None,
 ) -> None:
     """Run the conversation: one reply per user turn, handed to `emit` with its `turn` (index
-    within the current conversation). `/reset` drops the history (the system message stays);
-    `/exit` stops."""
+    within the current conversation) when complete, and to `on_text` piece by piece while it
+    is generated. `/reset` drops the history (the system message stays); `/exit` stops."""
     opening: list[Message] = [{"role": "system", "content": system}] if system else []
     history = list(opening)
     turn = 0
@@ -121,7 +137,7 @@ def converse(
             history, turn = list(opening), 0
             continue
         history.append({"role": "user", "content": text})
-        out = replier.reply(history)
+        out = replier.reply(history, on_text)
         # The reply's text (not its token ids) goes into the history: the next turn's template
         # renders it like any assistant message, as a served chat client would send it.
         history.append({"role": "assistant", "content": out["text"]})
@@ -140,11 +156,17 @@ def _check_args(args: argparse.Namespace) -> None:
         raise CliError("--system: the system message is empty")
 
 
-def _emit(as_json: bool) -> Callable[[dict[str, Any]], None]:
-    def emit(out: dict[str, Any]) -> None:
-        print(json.dumps(out) if as_json else out["text"], flush=True)
+def _output(as_json: bool) -> tuple[Callable[[dict[str, Any]], None], TextSink | None]:
+    """How replies are printed: a JSON object per complete reply, or the text streamed as it
+    comes and a newline at the end of each reply."""
+    if as_json:
+        return lambda out: print(json.dumps(out), flush=True), None
 
-    return emit
+    def stream(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    return lambda out: print(flush=True), stream
 
 
 def run_chat_command(
@@ -166,7 +188,7 @@ def run_chat_command(
         token = read_token(args.auth_token_file)
         with RouterClient(args.server, token, client_tls(args)) as client:
             remote = _RemoteReplier(client, remote_sampling, args.cache_salt, args.server)
-            converse(turns, remote, args.system, _emit(args.json))
+            converse(turns, remote, args.system, *_output(args.json))
         return 0
     from workers.engine.engine import Engine
     from workers.engine.sampling_params import SamplingParams
@@ -175,5 +197,5 @@ def run_chat_command(
     if engine.tokenizer is None:
         raise CliError("--model: this model has no tokenizer, so it has no chat template")
     offline = _OfflineReplier(engine, SamplingParams(**sampling), args.cache_salt, output_json)
-    converse(turns, offline, args.system, _emit(args.json))
+    converse(turns, offline, args.system, *_output(args.json))
     return 0

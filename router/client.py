@@ -5,7 +5,7 @@ Prints the same objects as offline `generate --json`, plus the worker that serve
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,12 +107,14 @@ class RouterClient:
         sampling: RemoteSampling,
         *,
         cache_salt: str | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> list[dict[str, Any]]:
         """The assistant's reply to `messages` ({"role", "content"} each, oldest first), one
-        JSON-ready dict per sample; the server appends the template's assistant header."""
+        JSON-ready dict per sample; the server appends the template's assistant header.
+        `on_text` gets the first sample's text piece by piece as it streams in."""
         turns = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
         prompt = pb.Prompt(chat=pb.ChatMessages(messages=turns))
-        return self._generate(prompt, "", sampling, cache_salt)
+        return self._generate(prompt, "", sampling, cache_salt, on_text)
 
     def score(
         self,
@@ -149,7 +151,12 @@ class RouterClient:
             raise _remote_error(exc) from exc
 
     def _generate(
-        self, prompt: pb.Prompt, text: str, sampling: RemoteSampling, cache_salt: str | None
+        self,
+        prompt: pb.Prompt,
+        text: str,
+        sampling: RemoteSampling,
+        cache_salt: str | None,
+        on_text: Callable[[str], None] | None = None,
     ) -> list[dict[str, Any]]:
         try:
             ids = self.inference.Tokenize(
@@ -160,7 +167,7 @@ class RouterClient:
                 request.cache_salt = cache_salt
             stream = self.inference.Generate(request, metadata=self._metadata)
             # Offline `generate --json` reports the prompt as the model saw it (templated).
-            return _collect(ids.text or text, list(ids.token_ids), stream, sampling.n)
+            return _collect(ids.text or text, list(ids.token_ids), stream, sampling.n, on_text)
         except grpc.RpcError as exc:
             raise _remote_error(exc) from exc
 
@@ -169,10 +176,18 @@ def _remote_error(exc: grpc.RpcError) -> RemoteError:
     return RemoteError(f"{exc.code().name}: {exc.details()}")  # type: ignore[attr-defined]
 
 
-def _collect(prompt: str, prompt_ids: list[int], stream: Any, n: int) -> list[dict[str, Any]]:
+def _collect(
+    prompt: str,
+    prompt_ids: list[int],
+    stream: Any,
+    n: int,
+    on_text: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
     samples = [_empty(prompt, prompt_ids) for _ in range(n)]
     for msg in stream:
         sample = samples[msg.index]
+        if on_text is not None and msg.index == 0 and msg.text:
+            on_text(msg.text)
         sample["request_id"] = msg.request_id if n == 1 else f"{msg.request_id}-{msg.index}"
         sample["token_ids"].extend(msg.token_ids)
         sample["text"] += msg.text

@@ -124,9 +124,13 @@ class _Echo:
     def __init__(self) -> None:
         self.sent: list[list[Message]] = []
 
-    def reply(self, messages: list[Message]) -> dict[str, Any]:
+    def reply(self, messages: list[Message], on_text: Any = None) -> dict[str, Any]:
         self.sent.append(list(messages))
-        return {"text": f"r{len(messages)}"}
+        text = f"r{len(messages)}"
+        if on_text is not None:
+            for piece in text:
+                on_text(piece)
+        return {"text": text}
 
 
 def test_converse_resends_the_whole_history() -> None:
@@ -184,3 +188,21 @@ def test_bad_flags_exit_2_with_one_line(
     assert main(["chat", "--message", "hi", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_replies_stream_piece_by_piece_and_add_up_to_the_reply(chat_model: Path) -> None:
+    from cachesvc.cli_chat import _OfflineReplier
+    from cachesvc.config import EngineConfig
+    from workers.engine.engine import Engine
+    from workers.engine.sampling_params import SamplingParams
+
+    engine = Engine(EngineConfig(model=str(chat_model), num_blocks=64, block_size=4))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    replier = _OfflineReplier(engine, params, None, lambda prompt, out: {"text": out.text})
+    pieces: list[str] = []
+    out = replier.reply([{"role": "user", "content": "hello there"}], pieces.append)
+    assert len(pieces) > 1, "the text must come as it is generated, not at the end"
+    assert "".join(pieces) == out["text"] != ""
+    emitted: list[dict[str, Any]] = []
+    converse(["hi", "/exit"], _Echo(), None, emitted.append, pieces.append)
+    assert pieces[-2:] == ["r", "1"] and emitted == [{"text": "r1", "turn": 0}]
