@@ -52,12 +52,15 @@ class EventStreamConfig:
     """Where a worker publishes its events: a Redis URL and the deployment's namespace.
 
     `maxlen` bounds each stream (trimmed approximately): a router that falls further behind
-    than that resyncs from a snapshot.
+    than that resyncs from a snapshot. A worker that closes leaves its stream to expire after
+    `closed_ttl_s` (time for the last readers to see its final events; None: kept), so ended
+    deployments leave no streams behind; publishing again lifts the expiry.
     """
 
     redis_url: str
     namespace: str = "cachesvc"
     maxlen: int = 100_000
+    closed_ttl_s: int | None = 3600
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -66,6 +69,10 @@ class EventStreamConfig:
             )
         if self.maxlen < 1:
             raise ConfigError(f"event stream maxlen must be positive, got {self.maxlen}")
+        if self.closed_ttl_s is not None and self.closed_ttl_s < 1:
+            raise ConfigError(
+                f"event stream closed_ttl_s must be positive or None, got {self.closed_ttl_s}"
+            )
 
 
 # ---- encoding ------------------------------------------------------------------------------------
@@ -139,9 +146,16 @@ class StreamPublisher:
     """
 
     def __init__(
-        self, client: Any, key: str, maxlen: int, max_pending: int = 65536, retry_s: float = 1.0
+        self,
+        client: Any,
+        key: str,
+        maxlen: int,
+        max_pending: int = 65536,
+        retry_s: float = 1.0,
+        closed_ttl_s: int | None = None,
     ) -> None:
         self.key = key
+        self.closed_ttl_s = closed_ttl_s
         self.num_published = 0
         self.num_errors = 0
         self.num_dropped = 0
@@ -170,7 +184,8 @@ class StreamPublisher:
             socket_connect_timeout=2.0,
             retry=Retry(NoBackoff(), 0),  # the thread retries whole batches itself
         )
-        return cls(client, stream_key(config.namespace, worker_id), config.maxlen)
+        key = stream_key(config.namespace, worker_id)
+        return cls(client, key, config.maxlen, closed_ttl_s=config.closed_ttl_s)
 
     def publish(self, incarnation: str, events: Sequence[Event]) -> None:
         """Queue events (oldest first) for the stream; returns at once."""
@@ -178,12 +193,20 @@ class StreamPublisher:
             self._queue.put([encode_event(incarnation, e) for e in events])
 
     def close(self, timeout_s: float = 10.0) -> bool:
-        """Send what is queued (one try when Redis is down), stop the thread and close the
-        client; False when the thread did not finish within `timeout_s`."""
+        """Send what is queued (one try when Redis is down), stop the thread, let the stream
+        expire after `closed_ttl_s` and close the client; False when the thread did not finish
+        within `timeout_s`."""
+        import redis
+
         self._queue.put(_STOP)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             return False
+        if self.closed_ttl_s is not None:
+            try:
+                self._client.expire(self.key, self.closed_ttl_s)
+            except redis.RedisError as exc:
+                _log.warning("cannot set the expiry of %s: %s", self.key, exc)
         self._client.close()
         return True
 
@@ -227,6 +250,7 @@ class StreamPublisher:
         pipe = self._client.pipeline(transaction=False)
         for fields in batch:
             pipe.xadd(self.key, fields, maxlen=self._maxlen, approximate=True)
+        pipe.persist(self.key)  # a worker publishing again (restarted) keeps its stream
         try:
             pipe.execute()
         except redis.RedisError as exc:

@@ -114,6 +114,33 @@ def test_publisher_writes_events_in_order(redis_url: str) -> None:
     assert (publisher.num_published, publisher.num_errors) == (len(EVENTS), 0)
 
 
+def test_a_closed_stream_expires_until_published_again(redis_url: str) -> None:
+    import redis
+
+    config, key = _stream(redis_url)
+    config = EventStreamConfig(config.redis_url, config.namespace, closed_ttl_s=120)
+    client = redis.Redis.from_url(redis_url)
+    publisher = StreamPublisher.from_config(config, W)
+    publisher.publish("inc", EVENTS[:1])
+    assert publisher.close(timeout_s=10)
+    assert 0 < client.ttl(key) <= 120
+    again = StreamPublisher.from_config(config, W)  # a restarted worker of the same id
+    again.publish("inc-2", EVENTS[1:2])
+    assert again.close(timeout_s=10)
+    assert 0 < client.ttl(key) <= 120
+    kept = StreamPublisher.from_config(EventStreamConfig(redis_url, config.namespace), W)
+    kept.publish("inc-3", EVENTS[2:3])
+    # Publishing lifts the expiry; the default config (3600 s) then sets it again at close.
+    assert kept.close(timeout_s=10) and 120 < client.ttl(key) <= 3600
+    live = StreamPublisher.from_config(config, W)
+    live.publish("inc-4", EVENTS[3:4])
+    deadline = time.monotonic() + 10
+    while live.num_published < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.ttl(key) == -1, "a publishing worker's stream must not expire"
+    live.close(timeout_s=10)
+
+
 def test_publisher_trims_the_stream(redis_url: str) -> None:
     config, key = _stream(redis_url, maxlen=100)
     publisher = StreamPublisher.from_config(config, W)
