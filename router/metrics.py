@@ -9,6 +9,7 @@ from the pool when scraped, so they are never stale and cost nothing between scr
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -197,11 +198,49 @@ class _PoolCollector:
                     blocks.add_metric([worker, tier, kind], float(getattr(tb, kind)))
         yield from gauges.values()
         yield blocks
+        yield from _tiering_families(list(self._pool.states()))
         resyncs = CounterMetricFamily(
             "cachesvc_index_resyncs", "Prefix index resyncs from a worker snapshot"
         )
         resyncs.add_metric([], float(self._pool.num_resyncs))
         yield resyncs
+
+
+_PLAN_TIMING = re.compile(r"^plan_(?P<kind>[a-z]+)_(?P<what>timed|predicted_s|actual_s)$")
+
+
+def _tiering_families(states: list[Any]) -> Iterator[Metric]:
+    """The workers' tier counters (`KVTiering.metrics`): timed plans with their predicted and
+    measured seconds (rate(actual) / rate(predicted) is how far the cost model is off), and
+    every other counter (tier hits, misses, bytes, moves) by name."""
+    plans = CounterMetricFamily(
+        "cachesvc_worker_plans_timed",
+        "Load plans timed to the end of their prompt, per worker and kind",
+        labels=["worker", "kind"],
+    )
+    seconds = CounterMetricFamily(
+        "cachesvc_worker_plan_seconds",
+        "Sum of the predicted and of the measured time of timed load plans",
+        labels=["worker", "kind", "time"],
+    )
+    other = CounterMetricFamily(
+        "cachesvc_worker_tiering",
+        "Lower-tier counters per worker: <tier>_<hits|misses|bytes_read|...>, plan_<kind>, "
+        "demoted, dropped, shared, loaded_blocks, failed_blocks",
+        labels=["worker", "counter"],
+    )
+    for state in states:
+        worker = str(state.worker_id)
+        for name, value in sorted(dict(state.load.tiering).items()):
+            match = _PLAN_TIMING.match(name)
+            if match is None:
+                other.add_metric([worker, name], float(value))
+            elif match["what"] == "timed":
+                plans.add_metric([worker, match["kind"]], float(value))
+            else:
+                time_kind = match["what"].removesuffix("_s")
+                seconds.add_metric([worker, match["kind"], time_kind], float(value))
+    yield from (plans, seconds, other)
 
 
 _WORKER_GAUGES = {

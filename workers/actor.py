@@ -64,6 +64,8 @@ class WorkerLoad:
     num_waiting: int = 0
     num_queued_tokens: int = 0
     blocks: Mapping[str, TierBlocks] = field(default_factory=dict)
+    # The lower tiers' counters (`KVTiering.metrics`): reads, misses, plans and their timing.
+    tiering: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -321,7 +323,11 @@ class WorkerActor:
             cached=load.num_cached_blocks,
         )
         return WorkerLoad(
-            load.num_running, load.num_waiting, load.num_queued_tokens, {TIER_HBM: hbm}
+            load.num_running,
+            load.num_waiting,
+            load.num_queued_tokens,
+            {TIER_HBM: hbm},
+            dict(load.tiering),
         )
 
     def _delta(

@@ -13,8 +13,8 @@ import asyncio
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from cachesvc.types import RequestId
@@ -42,6 +42,7 @@ class EngineLoad:
     num_blocks: int = 0
     num_free_blocks: int = 0
     num_cached_blocks: int = 0
+    tiering: Mapping[str, float] = field(default_factory=dict)  # KVTiering.metrics()
 
 
 def _measure(engine: Engine) -> EngineLoad:
@@ -56,6 +57,7 @@ def _measure(engine: Engine) -> EngineLoad:
         num_blocks=engine.pool.num_blocks,
         num_free_blocks=engine.pool.num_free,
         num_cached_blocks=engine.pool.num_cached,
+        tiering={} if engine.tiering is None else engine.tiering.metrics(),
     )
 
 

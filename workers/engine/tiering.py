@@ -38,6 +38,7 @@ from cachesvc.tiers.results import FetchResult, TierHit
 from cachesvc.tiers.tier_manager import TierManager
 from cachesvc.types import BlockHash, BlockId, RequestId
 from workers.engine.kv_copy import read_block, write_blocks
+from workers.engine.plan_timing import PlanTimer
 from workers.engine.request import Request
 from workers.engine.scheduler import SchedulerOutput
 from workers.engine.tier_setup import build_tiers
@@ -132,6 +133,7 @@ class KVTiering:
         self.stats = TieringStats()
         self.last_plan: LoadPlan | None = None
         self.last_load: LoadTiming | None = None
+        self.timer = PlanTimer()
         self._pending: dict[RequestId, PendingLoad] = {}
         self._usage: OrderedDict[RequestId, dict[str, int]] = OrderedDict()
         self._share_queue: list[tuple[BlockHash, BlockId, BlockHash | None]] = []
@@ -178,6 +180,7 @@ class KVTiering:
         )
         self.last_plan = plan
         self.stats.plans[plan.kind] = self.stats.plans.get(plan.kind, 0) + 1
+        self.timer.start(request, plan)
         if plan.kind in ("none", "recompute"):
             return 0
         ranges: Ranges = [(f.tier, list(hashes[f.start : f.end])) for f in plan.fetch]
@@ -268,6 +271,7 @@ class KVTiering:
 
     @torch.inference_mode()
     def on_computed(self, request: Request) -> None:
+        self.timer.on_computed(request)
         pending = self._pending.get(request.request_id)
         if pending is None or request.num_computed_tokens < pending.split_token:
             return
@@ -284,6 +288,7 @@ class KVTiering:
             request.num_cached_tokens -= missed * self.block_size  # computed after all
 
     def release(self, request: Request) -> None:
+        self.timer.drop(request.request_id)
         pending = self._pending.pop(request.request_id, None)
         if pending is not None:
             pending.future.cancel()
@@ -324,9 +329,10 @@ class KVTiering:
         self.manager.tier(tier_name).throttle = Throttle(mb_per_s)
         self.costs.set_cap(tier_name, mb_per_s)
 
-    def metrics(self) -> dict[str, int]:
-        """Flat counters for a metrics endpoint: per tier, per plan kind, and block moves."""
-        out = {
+    def metrics(self) -> dict[str, float]:
+        """Flat counters for a metrics endpoint: per tier, per plan kind (with the predicted and
+        measured seconds of timed plans), and block moves."""
+        out: dict[str, float] = {
             f"{t.name}_{k}": v for t in self.manager.all_tiers for k, v in t.stats.as_dict().items()
         }
         out.update({f"plan_{kind}": n for kind, n in self.stats.plans.items()})
@@ -338,6 +344,7 @@ class KVTiering:
             loaded_blocks=self.stats.loaded_blocks,
             failed_blocks=self.stats.failed_blocks,
         )
+        out.update(self.timer.metrics())
         return out
 
     def usage(self, request_id: RequestId) -> dict[str, int]:

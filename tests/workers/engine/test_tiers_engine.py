@@ -115,6 +115,10 @@ def test_prefix_from_each_tier_matches_no_cache(
         assert engine.tiering.last_plan.kind == "fetch" and usage[kind] == 48
     if mode == "split":  # the front is recomputed while the back is fetched
         assert engine.tiering.last_plan.kind == "split" and 0 < usage[kind] < 48
+    # B's plan (A found nothing to plan) was timed to the end of its prompt, for the metrics.
+    plan, metrics = engine.tiering.last_plan.kind, engine.tiering.metrics()
+    assert metrics[f"plan_{plan}_timed"] == 1
+    assert metrics[f"plan_{plan}_predicted_s"] > 0 and metrics[f"plan_{plan}_actual_s"] > 0
     check(engine)
     engine.close()
 
