@@ -33,6 +33,7 @@ DEFAULT_TIER_COSTS: Mapping[str, tuple[float, float]] = {
     "redis": (500e-6, 1 / 0.5e9),
 }
 _CLAMP = (0.25, 4.0)  # one measurement moves a coefficient by at most this factor
+_OUTLIER_RUN = 3  # ... unless this many in a row fall outside it on the same side
 _MAX_BYTES_PER_S = 100e9  # a floor on measured read time, against timer noise
 _TYPICAL_FETCH_BLOCKS = 64  # codecs are compared on a fetch this long (1K tokens at 16/block)
 
@@ -82,6 +83,7 @@ class CostTracker:
         self._anchors = [ComputeSample.of([(k, c)], compute.prefill_s(k, c)) for k, c in _SHAPES]
         self._anchor_weight = 0.05
         self._recent: deque[ComputeSample] = deque(maxlen=window)
+        self._outliers: dict[str, list[float]] = {}  # see `_fold`
 
     def model(self) -> CostModel:
         tiers = {
@@ -114,11 +116,10 @@ class CostTracker:
         per_byte = max(t.seconds - cost.latency_s - capped, 0.0) / t.num_bytes
         if background:
             return  # slowed by the compute it overlapped: `observe_overlap` learns from it
-        per_byte = _clamped(per_byte, cost.seconds_per_byte)
         size = t.num_bytes / t.num_blocks
         self.tiers[t.tier] = replace(
             cost,
-            seconds_per_byte=self._ewma(cost.seconds_per_byte, per_byte),
+            seconds_per_byte=self._fold(f"read:{t.tier}", cost.seconds_per_byte, per_byte),
             bytes_per_block=self._ewma(cost.bytes_per_block, size),
         )
 
@@ -148,9 +149,7 @@ class CostTracker:
             return
         per_block = seconds / num_blocks
         if self.land_s_per_block > 0:
-            per_block = self._ewma(
-                self.land_s_per_block, _clamped(per_block, self.land_s_per_block)
-            )
+            per_block = self._fold("land", self.land_s_per_block, per_block)
         self.land_s_per_block = per_block
 
     def observe_compute(self, chunks: Sequence[tuple[int, int]], seconds: float) -> None:
@@ -166,6 +165,25 @@ class CostTracker:
 
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self.weight) * old + self.weight * new
+
+    def _fold(self, key: str, old: float, new: float) -> float:
+        """A coefficient after measuring `new`: an EWMA step toward it, the measurement clamped
+        to the clamp's band around `old`. Measurements held back by the clamp that come
+        `_OUTLIER_RUN` times in a row on the same side mean the coefficient itself is off (a
+        calibration disturbed by a stall, a tier that really changed): it then jumps to their
+        median instead of creeping there a clamp step at a time."""
+        lo, hi = _CLAMP
+        if old * lo <= new <= old * hi:
+            self._outliers.pop(key, None)
+            return self._ewma(old, new)
+        run = self._outliers.setdefault(key, [])
+        if run and (run[-1] > old) != (new > old):
+            run.clear()
+        run.append(new)
+        if len(run) >= _OUTLIER_RUN:
+            del self._outliers[key]
+            return sorted(run)[len(run) // 2]
+        return self._ewma(old, _clamped(new, old))
 
 
 def _clamped(value: float, reference: float) -> float:

@@ -8,10 +8,11 @@ to 1.4 ms with huge pages, against 0.06 ms into memory already faulted in; a dem
 on the request's path. Huge pages themselves pay off afterwards: copies that touch many
 scattered slices (a block's 30 layer slices) miss the TLB less, ~25% faster here.
 
-So buffers are mapped privately, asked for huge pages (`MADV_HUGEPAGE`), and populated with
-`MADV_POPULATE_WRITE` (Linux 5.14+), which faults every page in without writing it: at once,
-or on a background thread while the buffer is already in use (it never changes the contents).
-Where the kernel refuses either, the buffer still works and pages fault in on first use.
+So buffers are mapped privately, asked for huge pages (`MADV_HUGEPAGE`) where that pays, and
+populated with `MADV_POPULATE_WRITE` (Linux 5.14+), which faults every page in without writing
+it: at once, or on a background thread while the buffer is already in use (it never changes
+the contents). Where the kernel refuses either, the buffer still works and pages fault in on
+first use.
 """
 
 from __future__ import annotations
@@ -29,18 +30,22 @@ _MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module does not name it
 _log = logging.getLogger(__name__)
 
 
-def host_buffer(num_bytes: int, populate: str = "now") -> np.ndarray:
+def host_buffer(num_bytes: int, populate: str = "now", huge_pages: bool = True) -> np.ndarray:
     """A zeroed, writable uint8 array of `num_bytes` in its own anonymous mapping.
 
     `populate`: "now" faults every page in before returning, "background" on a daemon thread
-    (the array is usable at once), "lazy" leaves pages to fault in on first use.
+    (the array is usable at once), "lazy" leaves pages to fault in on first use. `huge_pages`
+    asks for transparent huge pages: worth it where copies touch many scattered slices (the KV
+    cache), but finding 2 MB pages may compact memory, which can stall other threads' memory
+    accesses while it runs: a buffer populated in the background while the engine serves
+    should not ask for them.
     """
     if populate not in ("now", "background", "lazy"):
         raise ValueError(f"populate must be now, background or lazy, got {populate!r}")
     if num_bytes <= 0:
         return np.zeros(0, dtype=np.uint8)
     region = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # no transparent huge pages: 4 KB pages work too
             region.madvise(mmap.MADV_HUGEPAGE)
     array = np.frombuffer(region, dtype=np.uint8)  # keeps the mapping alive

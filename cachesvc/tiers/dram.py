@@ -39,8 +39,9 @@ def _host_buffer(num_bytes: int, pin: bool) -> np.ndarray:
 
         return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True).numpy()
     # Faulted in on a background thread: a demotion into a never-touched slot would otherwise
-    # pay the page faults (and huge page compaction) on the request's path, ~10x a warm copy.
-    return host_buffer(num_bytes, populate="background")
+    # pay the page faults on the request's path, ~8x a warm copy. Plain pages: slots are read
+    # and written whole, and compaction for huge pages could stall the serving engine.
+    return host_buffer(num_bytes, populate="background", huge_pages=False)
 
 
 @register_tier("dram")

@@ -3,6 +3,8 @@ Cake property (the plan is never predicted slower than fetching all or recomputi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -231,6 +233,27 @@ def test_landing_cost_follows_measurements_within_a_clamp() -> None:
     assert tracker.land_s_per_block == pytest.approx(3e-4, rel=0.01)
     tracker.observe_land(0, 1.0)  # nothing landed: nothing learned
     assert tracker.land_s_per_block == pytest.approx(3e-4, rel=0.01)
+
+
+def test_a_run_of_outliers_on_one_side_resets_a_coefficient_to_their_median() -> None:
+    tracker = CostTracker(COMPUTE, dict(model(nvme=1000).tiers))
+    tracker.observe_land(8, 8.0)  # a calibration stalled 10,000x: 1 s per block
+    for seconds, expected in ((1e-4, None), (3e-4, None), (2e-4, 2e-4)):
+        tracker.observe_land(1, seconds)
+        if expected is None:  # held back by the clamp: still far off
+            assert tracker.land_s_per_block > 0.1
+    assert tracker.land_s_per_block == pytest.approx(2e-4)  # the median of the three
+    # An outlier on the other side breaks the run: one stall does not reset anything.
+    for seconds in (1e-6, 1e-6, 1.0, 1e-6):
+        tracker.observe_land(1, seconds)
+    assert tracker.land_s_per_block > 2e-4 * 0.25**3
+    # Reads too: a tier probed 100x too slow follows its real speed after three reads.
+    slow = 100 / 1000e6
+    tracker.tiers["nvme"] = replace(tracker.tiers["nvme"], seconds_per_byte=slow)
+    for _ in range(3):
+        nbytes = 4 * BLOCK_BYTES
+        tracker.observe_transfer(Transfer("nvme", nbytes, 1e-3 + nbytes / 1000e6, 4))
+    assert tracker.tiers["nvme"].seconds_per_byte == pytest.approx(1 / 1000e6, rel=0.05)
 
 
 def test_a_read_slowed_by_the_overlap_makes_the_split_lose_to_a_fetch() -> None:
