@@ -38,6 +38,10 @@ from cachesvc.tiers.results import TierHit
 
 PlanKind = Literal["none", "fetch", "split", "recompute"]
 PLAN_MODES = ("auto", "fetch", "split", "recompute")
+# A split must be predicted this much faster than fetching the same blocks whole: its prediction
+# carries the overlap's uncertainty (a background read sharing the cores with the compute), so
+# in a near tie the plain fetch is the safer choice.
+SPLIT_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,19 @@ def _best(
     return best
 
 
+def _fetch_whole(
+    runs: Sequence[TierHit],
+    first: int,
+    end: int,
+    num_tokens: int,
+    block_size: int,
+    model: CostModel,
+) -> _Option:
+    """Fetching blocks [first, end) with nothing recomputed, then computing the rest."""
+    rest = model.compute.prefill_s(num_tokens - end * block_size, end * block_size)
+    return _Option(_read_s(runs, model, first, end) + model.land_s(end - first) + rest, first, end)
+
+
 def plan_load(
     runs: Sequence[TierHit],
     first_block: int,
@@ -217,6 +234,10 @@ def plan_load(
         choice = split or _Option(fetch_only, d, full_end)
     else:
         choice = _best(runs, d, num_tokens, block_size, model, strict_split=False)
+        if choice is not None and choice.split > d:
+            whole = _fetch_whole(runs, d, choice.end, num_tokens, block_size, model)
+            if whole.seconds <= choice.seconds * (1 + SPLIT_MARGIN):
+                choice = whole
         if choice is not None and choice.seconds >= recompute_s:
             choice = None  # fetching anything would be slower than recomputing it all
     times = (fetch_only, recompute_s, split_s)

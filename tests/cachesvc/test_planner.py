@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachesvc.calibration import ComputeSample, CostTracker, fit_compute
-from cachesvc.planner import ComputeCost, CostModel, TierCost, plan_load
+from cachesvc.planner import SPLIT_MARGIN, ComputeCost, CostModel, TierCost, plan_load
 from cachesvc.tiers.results import TierHit, Transfer
 
 BS = 16
@@ -256,13 +256,24 @@ def test_a_run_of_outliers_on_one_side_resets_a_coefficient_to_their_median() ->
     assert tracker.tiers["nvme"].seconds_per_byte == pytest.approx(1 / 1000e6, rel=0.05)
 
 
+def test_a_split_must_beat_the_whole_fetch_by_the_margin() -> None:
+    runs, num_tokens = [TierHit("redis", 0, 60)], 60 * BS + 5
+    near = plan_load(runs, 0, num_tokens, BS, model(redis=1000))
+    assert near.best_split_s < near.fetch_only_s < near.best_split_s * (1 + SPLIT_MARGIN)
+    assert near.kind == "fetch" and near.predicted_s == near.fetch_only_s  # a near tie: fetch
+    assert plan_load(runs, 0, num_tokens, BS, model(redis=1000), "split").kind == "split"
+    clear = plan_load(runs, 0, num_tokens, BS, model(redis=500))
+    assert clear.fetch_only_s > clear.best_split_s * (1 + SPLIT_MARGIN)
+    assert clear.kind == "split" and clear.predicted_s == clear.best_split_s
+
+
 def test_a_read_slowed_by_the_overlap_makes_the_split_lose_to_a_fetch() -> None:
     # Fast enough that a split with a small front looks best when the overlap is free ...
     runs, num_tokens = [TierHit("redis", 0, 60)], 60 * BS + 5
-    free = model(redis=1000)
+    free = model(redis=500)
     assert plan_load(runs, 0, num_tokens, BS, free).kind == "split"
     # ... but a background read costing 30% more per byte than a plain one is not worth it.
-    slowed = CostModel(COMPUTE, free.tiers, background_s_per_byte={"redis": 0.3 / 1000e6})
+    slowed = CostModel(COMPUTE, free.tiers, background_s_per_byte={"redis": 0.3 / 500e6})
     plan = plan_load(runs, 0, num_tokens, BS, slowed)
     assert plan.kind == "fetch"
     assert plan.predicted_s == pytest.approx(plan_load(runs, 0, num_tokens, BS, free).fetch_only_s)
