@@ -227,6 +227,8 @@ def test_an_unknown_chart_value_fails_the_render(renderer: Renderer) -> None:
         (["config.router.auth_token=x"], "set auth.token"),
         (["config.engine.tiers.redis_password=x"], "set redis.auth.password"),
         (["rayCluster.enabled=false"], "set config.ray_address"),
+        (["router.tls.enabled=true"], "needs router.tls.secretName"),
+        (["router.tls.clientCaSecretName=ca"], "needs router.tls.enabled"),
     ],
 )
 def test_misconfigurations_fail_the_render(
@@ -339,7 +341,7 @@ def test_router_tls_and_tenant_tokens_mount_their_secrets_and_probe_in_plaintext
     # The flags are ones `cachesvc serve` takes, and the health port reaches the router.
     parsed = _parser().parse_args(args[:3] + args[args.index("--tls-cert-file") :])
     assert parsed.health_port == 9191
-    assert router_options_without_files(parsed)["health_port"] == 9191
+    assert _router_options_without_files(parsed)["health_port"] == 9191
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         command = router[probe]["exec"]["command"]
         assert command[:3] == ["python", "/opt/cachesvc/healthcheck.py", "127.0.0.1:9191"]
@@ -353,23 +355,9 @@ def test_router_tls_and_tenant_tokens_mount_their_secrets_and_probe_in_plaintext
     assert "-cacert" in notes and "-plaintext" not in notes
 
 
-def router_options_without_files(parsed: Any) -> dict[str, Any]:
+def _router_options_without_files(parsed: Any) -> dict[str, Any]:
     """`router_options` of parsed flags, without reading the tenant tokens file they name."""
     from cachesvc.cli_serving import router_options
 
     parsed.tenant_tokens_file = None
     return router_options(parsed)
-
-
-@pytest.mark.parametrize(
-    ("sets", "message"),
-    [
-        (["router.tls.enabled=true"], "needs router.tls.secretName"),
-        (["router.tls.clientCaSecretName=ca"], "needs router.tls.enabled"),
-    ],
-)
-def test_router_tls_misconfigurations_fail_the_render(
-    renderer: Renderer, sets: list[str], message: str
-) -> None:
-    with pytest.raises(RenderError, match=message):
-        renderer.render(sets=sets)
