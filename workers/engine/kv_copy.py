@@ -48,9 +48,12 @@ def layered(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided(shape, (step // first.element_size(), *first.stride()))
 
 
-def read_block(kv_caches: Sequence[torch.Tensor], block_id: BlockId) -> np.ndarray:
-    """A copy of one block's KV across the layers."""
-    whole = layered(kv_caches)
+def read_block(
+    kv_caches: Sequence[torch.Tensor], block_id: BlockId, whole: torch.Tensor | None = None
+) -> np.ndarray:
+    """A copy of one block's KV across the layers; `whole` is `layered(kv_caches)` when the
+    caller keeps it (it checks every layer: worth computing once, not once per block)."""
+    whole = whole if whole is not None else layered(kv_caches)
     if whole is not None:
         return kv_to_numpy(whole[:, block_id].clone(memory_format=torch.contiguous_format))
     return kv_to_numpy(torch.stack([cache[block_id] for cache in kv_caches]))

@@ -37,7 +37,7 @@ from cachesvc.tiers.base import Throttle
 from cachesvc.tiers.results import FetchResult, TierHit
 from cachesvc.tiers.tier_manager import TierManager
 from cachesvc.types import BlockHash, BlockId, RequestId
-from workers.engine.kv_copy import read_block, write_blocks
+from workers.engine.kv_copy import layered, read_block, write_blocks
 from workers.engine.plan_timing import PlanTimer
 from workers.engine.request import Request
 from workers.engine.scheduler import SchedulerOutput
@@ -103,6 +103,7 @@ class KVTiering:
         self.config = config
         self.pool = pool
         self.kv_caches = kv_caches
+        self._whole = layered(kv_caches)  # for demotions: one strided copy per block
         self.block_size = block_size
         self.dtype = _DTYPE_NAMES[kv_caches[0].dtype]
         self.block_shape = (len(kv_caches), *kv_caches[0].shape[1:])
@@ -145,7 +146,8 @@ class KVTiering:
     def _kv_block(
         self, block_id: BlockId, block_hash: BlockHash, parent: BlockHash | None
     ) -> KVBlock:
-        return KVBlock(block_hash, parent, self.dtype, read_block(self.kv_caches, block_id))
+        array = read_block(self.kv_caches, block_id, self._whole)
+        return KVBlock(block_hash, parent, self.dtype, array)
 
     # ---- demotion ---------------------------------------------------------------------------
 
