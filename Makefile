@@ -29,6 +29,7 @@ run: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: setup
 	$(VENV)/bin/mypy cachesvc workers router
@@ -67,7 +68,7 @@ gpu-check:
 	export PYTHONPATH="$(GPU_SITE):$$PWD" PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a \
 		FLASHINFER_WORKSPACE_BASE="$$PWD" MAX_JOBS=$$(nproc) \
 		FLASHINFER_JIT_PREBUILD_MAX_JOBS=$$(nproc); \
-	python3 -m cachesvc.gpu_check --out "$$out" 2>&1 | tee "$$out/gpu_check.log"; \
+	python3 -m cachesvc.bench.gpu_check --out "$$out" 2>&1 | tee "$$out/gpu_check.log"; \
 	status=$$?; \
 	timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu \
 		tests/workers/attention/test_flashinfer_backend.py 2>&1 | tee "$$out/pytest-gpu.log"; \

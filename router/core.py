@@ -1,6 +1,6 @@
 """What the router decides: tokenize, hash, look up, choose, forward, retry.
 
-Takes and returns the router's own types (`router.domain`, `workers.actor` messages); the gRPC
+Takes and returns the router's own types (`router.domain`, `workers.protocol` messages); the gRPC
 edge (`server.py`) translates. Block hashes are computed exactly as the workers compute them
 (same fingerprint, block size and salt), so the routing key is the storage key.
 """
@@ -34,8 +34,8 @@ from router.policy import Candidate, Policy, RouteDecision, RouteRequest
 from router.pool import Health, WorkerDied, WorkerPool, raise_stream_error
 from router.resume import Part, RequestProgress
 from router.streams import merged
-from workers.actor import StreamDelta, StreamError, Usage
-from workers.model.tokenizer import Tokenizer, TokenizerError
+from workers.protocol import StreamDelta, StreamError, Usage
+from workers.text.tokenizer import Tokenizer, TokenizerError
 
 _log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from workers.engine.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 class RouterError(Exception):

@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 if TYPE_CHECKING:
     from router.pool import WorkerPool
-    from workers.actor import Usage
+    from workers.protocol import Usage
 
 _request_log = logging.getLogger("router.requests")
 

@@ -23,7 +23,7 @@ from cachesvc.types import WorkerId
 from router.config import RouterConfig
 from router.domain import Exhausted, InvalidInput, Unimplemented
 from router.events_source import EventSource, StreamPosition, make_event_source
-from workers.actor import PollResult, StreamDelta, StreamError, WorkerInfo, WorkerLoad
+from workers.protocol import PollResult, StreamDelta, StreamError, WorkerInfo, WorkerLoad
 
 _log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cachesvc.types import WorkerId
-from workers.actor import StreamDelta, Usage
-from workers.engine.sampling_params import SamplingParams
-from workers.model.detokenizer import IncrementalDetokenizer
-from workers.model.tokenizer import Tokenizer
+from workers.protocol import StreamDelta, Usage
+from workers.sampling_params import SamplingParams
+from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.tokenizer import Tokenizer
 
 
 @dataclass

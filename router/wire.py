@@ -19,8 +19,8 @@ from router.domain import (
     ScoreResult,
     WorkerStatus,
 )
-from workers.actor import StreamDelta
-from workers.engine.sampling_params import SamplingParams
+from workers.protocol import StreamDelta
+from workers.sampling_params import SamplingParams
 
 _MAX_ID_LEN = 256
 _MAX_STOP_STRINGS = 16

@@ -13,7 +13,7 @@ from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
-from cachesvc.local_redis import local_redis, redis_server_binary  # noqa: E402
+from cachesvc.bench.local_redis import local_redis, redis_server_binary  # noqa: E402
 
 
 @pytest.fixture(scope="session")

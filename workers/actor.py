@@ -1,8 +1,8 @@
 """The Ray actor of one worker: a thin async wrapper around AsyncEngine.
 
-Everything that crosses the process boundary is a plain frozen dataclass defined here (no proto
-and no torch types), so the router imports this module without importing torch or ray: the
-engine is imported inside the actor, and ray only inside `spawn_worker`.
+What crosses the process boundary is defined in `workers/protocol.py` (plain dataclasses): the
+router imports that, never this module. The engine is imported inside the actor, and ray only
+inside `spawn_worker`.
 
 KV events are numbered by the engine and collected here between steps. They are kept in a
 bounded buffer that `poll` answers from, and, when the worker was given an `EventStreamConfig`,
@@ -16,8 +16,7 @@ import asyncio
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from cachesvc.config import EngineConfig
@@ -25,90 +24,21 @@ from cachesvc.events import TIER_HBM, Event
 from cachesvc.events_redis import EventStreamConfig
 from cachesvc.index import IndexSnapshot
 from cachesvc.types import BlockId
+from workers.protocol import (
+    PollResult,
+    StreamDelta,
+    StreamError,
+    TierBlocks,
+    Usage,
+    WorkerInfo,
+    WorkerLoad,
+)
 
 if TYPE_CHECKING:
     from cachesvc.events_redis import StreamPublisher
     from workers.engine.async_engine import AsyncEngine
     from workers.engine.engine import Engine
     from workers.engine.outputs import RequestOutput
-
-# ---- messages ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """What a worker is; fixed for its lifetime (one incarnation)."""
-
-    worker_id: str
-    incarnation: str
-    model_fingerprint: str
-    block_size: int
-    vocab_size: int
-    max_model_len: int
-    device: str
-    event_stream: str | None = None  # the Redis Stream it publishes its events to, if any
-
-
-@dataclass(frozen=True)
-class TierBlocks:
-    total: int
-    used: int  # held by running requests
-    cached: int  # registered under a hash
-
-
-@dataclass(frozen=True)
-class WorkerLoad:
-    """How busy a worker is; `num_queued_tokens` is the work ahead of a new request."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_queued_tokens: int = 0
-    blocks: Mapping[str, TierBlocks] = field(default_factory=dict)
-    # The lower tiers' counters (`KVTiering.metrics`): reads, misses, plans and their timing.
-    tiering: Mapping[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class PollResult:
-    """The worker's load and its KV events with `seq >= since`, oldest first; `next_seq`
-    numbers the next event it will make (every earlier one is buffered or published)."""
-
-    incarnation: str
-    load: WorkerLoad
-    events: tuple[Event, ...]
-    next_seq: int = 0
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: Mapping[str, int]  # per tier
-    computed_tokens: int
-    ttft_ms: float
-    decode_tokens_per_s: float | None
-    worker_id: str
-
-
-@dataclass(frozen=True)
-class StreamDelta:
-    """New tokens of one sample; `finish_reason` and `usage` are set on its last delta."""
-
-    index: int
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None = None
-    usage: Usage | None = None
-
-
-@dataclass(frozen=True)
-class StreamError:
-    """A request the worker refused; `code` is invalid_argument | resource_exhausted |
-    unimplemented."""
-
-    code: str
-    message: str
-
 
 # ---- the actor ---------------------------------------------------------------------------------
 
@@ -177,7 +107,7 @@ class WorkerActor:
         request from a dead worker.
         """
         from workers.engine.engine import PromptError
-        from workers.engine.sampling_params import SamplingParams
+        from workers.sampling_params import SamplingParams
 
         self._ensure_publishing()
         load = self._engine.load
@@ -216,12 +146,9 @@ class WorkerActor:
 
         `Engine.score` is assumed to run its own forward passes without stepping the shared
         scheduler; it runs exclusively, between steps."""
-        score = getattr(self._engine.engine, "score", None)
-        if score is None:
-            return StreamError("unimplemented", "this worker's engine has no scoring API yet")
         try:
             return await self._engine.run_exclusive(
-                lambda e: score(prefix_ids, items_ids, label_token_ids)
+                lambda e: e.score(prefix_ids, items_ids, label_token_ids)
             )
         except ValueError as exc:
             return StreamError("invalid_argument", str(exc))

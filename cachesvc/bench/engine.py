@@ -40,7 +40,7 @@ def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[in
 
 
 def _ours(engine: Any, prompts: list[list[int]], new_tokens: int) -> Speed:
-    from workers.engine.sampling_params import SamplingParams
+    from workers.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for p in prompts:

@@ -62,7 +62,7 @@ def run_mode(
 ) -> ModeResult:
     from cachesvc.config import EngineConfig
     from workers.engine.engine import Engine
-    from workers.engine.sampling_params import SamplingParams
+    from workers.sampling_params import SamplingParams
 
     config = EngineConfig(max_num_batched_tokens=8192, kv_cache_mb=1024, **MODES[mode])  # type: ignore[arg-type]
     engine = Engine(config, loaded=loaded, tokenizer=tokenizer)
@@ -85,7 +85,7 @@ def run_mode(
 def run_prefix_cache_bench(args: argparse.Namespace) -> int:
     """Print the table (and write JSON); returns the exit status."""
     from workers.model.loader import load_model
-    from workers.model.tokenizer import Tokenizer
+    from workers.text.tokenizer import Tokenizer
 
     if args.quick:
         args.groups, args.requests, args.system_len = 2, 4, 256

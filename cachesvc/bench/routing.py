@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import statistics
 import sys
 import tempfile
 import time
@@ -20,7 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachesvc.bench.routing_report import format_results, plot_results, to_json
+from cachesvc.bench.routing_report import (
+    PolicyResult,
+    RequestRecord,
+    format_results,
+    plot_results,
+    summarize,
+    to_json,
+)
 from cachesvc.bench.table import write_json
 from cachesvc.bench.workloads import (
     Session,
@@ -33,71 +39,6 @@ from cachesvc.bench.workloads import (
 from cachesvc.types import WorkerId
 
 WORKLOADS = ("groups", "multiturn", "trace")
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """One request as the client saw it."""
-
-    worker: str
-    prompt_tokens: int
-    cached_tokens: int
-    computed_tokens: int
-    output_tokens: int
-    ttft_s: float
-    latency_s: float
-
-
-@dataclass(frozen=True)
-class PolicyResult:
-    policy: str
-    workload: str
-    num_requests: int
-    num_errors: int
-    hit_ratio: float
-    computed_tokens: int
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    throughput_tok_s: float
-    imbalance: float  # max / mean requests per worker; 1.0 is perfectly even
-    requests_per_worker: Mapping[str, int]
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
-def summarize(
-    policy: str,
-    workload: str,
-    records: Sequence[RequestRecord],
-    workers: Sequence[str],
-    num_errors: int,
-    wall_s: float,
-) -> PolicyResult:
-    """Aggregate the records of one policy's run (pure)."""
-    per_worker = {w: 0 for w in workers}
-    for r in records:
-        per_worker[r.worker] = per_worker.get(r.worker, 0) + 1
-    mean = statistics.fmean(per_worker.values()) if per_worker else 0.0
-    prompt = sum(r.prompt_tokens for r in records)
-    ttfts = [r.ttft_s * 1e3 for r in records]
-    return PolicyResult(
-        policy=policy,
-        workload=workload,
-        num_requests=len(records),
-        num_errors=num_errors,
-        hit_ratio=sum(r.cached_tokens for r in records) / prompt if prompt else 0.0,
-        computed_tokens=sum(r.computed_tokens for r in records),
-        ttft_p50_ms=_percentile(ttfts, 0.50),
-        ttft_p99_ms=_percentile(ttfts, 0.99),
-        throughput_tok_s=sum(r.output_tokens for r in records) / wall_s if wall_s > 0 else 0.0,
-        imbalance=max(per_worker.values()) / mean if mean else 0.0,
-        requests_per_worker=per_worker,
-    )
 
 
 # ---- one policy over live workers -----------------------------------------------------------
@@ -162,8 +103,8 @@ async def run_policy(
 
     from proto.cachesvc.v1 import cachesvc_pb2 as pb
     from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+    from router.bootstrap import build_router
     from router.config import RouterConfig
-    from router.main import build_router
     from router.server import RouterServer
 
     config = RouterConfig(policy=policy, port=0, **router_options)
@@ -245,26 +186,25 @@ def run_routing_bench(args: RoutingBenchArgs) -> int:
     import ray
 
     from cachesvc.config import EngineConfig
-    from router.config import RouterConfig
-    from router.main import ServeConfig, spawn_workers, stop_workers
     from router.policy import policy_names
+    from workers.cluster import WorkerGroup, spawn_workers, stop_workers
 
     workloads = _workloads(args)
     with tempfile.TemporaryDirectory(prefix="cachesvc-bench-") as tmp:
         model = args.model
         if args.tiny:
-            from cachesvc.bench.tiny_model import write_tiny_llama
+            from workers.model.tiny import write_tiny_model
 
-            model = str(write_tiny_llama(Path(tmp) / "tiny-llama"))
+            folder = Path(tmp) / "tiny-llama"
+            model = str(write_tiny_model(folder, vocab_size=512, max_position_embeddings=2048))
         engine = EngineConfig.from_env(
             model=model, block_size=16, num_blocks=args.num_blocks, num_threads=1
         )
-        serve = ServeConfig(engine, RouterConfig(port=0), args.workers, device="cpu")
         ray.init(include_dashboard=False, log_to_driver=False)
         actors: dict[WorkerId, Any] = {}
         results: list[PolicyResult] = []
         try:
-            actors = spawn_workers(serve)
+            actors = spawn_workers(WorkerGroup(engine, args.workers, device="cpu"))
             vocab = ray.get(next(iter(actors.values())).info.remote()).vocab_size
             for workload in workloads:
                 sessions = build_workload(args, workload, vocab)

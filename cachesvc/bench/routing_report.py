@@ -1,16 +1,83 @@
-"""Tables, JSON and plots of `cachesvc bench routing` results."""
+"""What `cachesvc bench routing` reports: each request as the client saw it, each policy's
+summary of its requests, and those summaries as a table, JSON and plots."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cachesvc.bench.table import format_table
 
-if TYPE_CHECKING:
-    from cachesvc.bench.routing import PolicyResult
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request as the client saw it."""
+
+    worker: str
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    output_tokens: int
+    ttft_s: float
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """One policy's run on one workload, summed up from its requests' records."""
+
+    policy: str
+    workload: str
+    num_requests: int
+    num_errors: int
+    hit_ratio: float
+    computed_tokens: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    throughput_tok_s: float
+    imbalance: float  # max / mean requests per worker; 1.0 is perfectly even
+    requests_per_worker: Mapping[str, int]
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def summarize(
+    policy: str,
+    workload: str,
+    records: Sequence[RequestRecord],
+    workers: Sequence[str],
+    num_errors: int,
+    wall_s: float,
+) -> PolicyResult:
+    """Aggregate the records of one policy's run (pure)."""
+    per_worker = {w: 0 for w in workers}
+    for r in records:
+        per_worker[r.worker] = per_worker.get(r.worker, 0) + 1
+    mean = statistics.fmean(per_worker.values()) if per_worker else 0.0
+    prompt = sum(r.prompt_tokens for r in records)
+    ttfts = [r.ttft_s * 1e3 for r in records]
+    return PolicyResult(
+        policy=policy,
+        workload=workload,
+        num_requests=len(records),
+        num_errors=num_errors,
+        hit_ratio=sum(r.cached_tokens for r in records) / prompt if prompt else 0.0,
+        computed_tokens=sum(r.computed_tokens for r in records),
+        ttft_p50_ms=_percentile(ttfts, 0.50),
+        ttft_p99_ms=_percentile(ttfts, 0.99),
+        throughput_tok_s=sum(r.output_tokens for r in records) / wall_s if wall_s > 0 else 0.0,
+        imbalance=max(per_worker.values()) / mean if mean else 0.0,
+        requests_per_worker=per_worker,
+    )
 
 
 def to_json(result: PolicyResult) -> dict[str, Any]:

@@ -1,14 +1,13 @@
-"""Results of `cachesvc bench tiers`: rows, the goals' summary, the printed tables, the codec."""
+"""What `cachesvc bench tiers` reports: its rows (tiers, DRAM bandwidth, codec), the summary
+that checks the issue's goals, and the printed tables."""
 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from cachesvc.bench.table import format_table
-from cachesvc.types import BlockHash
 
 NEAR_TIE = 2.0  # fetch and recompute within this factor of each other: split should pay most
 SPLIT_GOAL = 1.3  # ... there, split (and the choice) this much faster than both
@@ -172,30 +171,3 @@ def _print_summary(s: Summary) -> None:
         f"both by at least {split} ({s.near_split_goal_met} at >= {SPLIT_GOAL}x), the choice "
         f"by {chosen} ({s.near_chosen_goal_met} at >= {SPLIT_GOAL}x)"
     )
-
-
-def codec_rows(kv_blocks: list[Any]) -> list[CodecRow]:
-    """Ratio and single-thread speed of lz4 and shuffle + lz4 on real KV blocks, per dtype."""
-    import torch
-
-    from cachesvc.codec import Codec
-    from workers.engine.kv_copy import kv_to_numpy
-
-    rows = []
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        name = str(dtype).removeprefix("torch.")
-        arrays = [kv_to_numpy(b.to(dtype)) for b in kv_blocks]
-        raw = sum(a.nbytes for a in arrays)
-        for mode in ("lz4", "shuffle_lz4"):
-            codec = Codec("00" * 16, mode)
-            hashes = [BlockHash(i.to_bytes(16, "little")) for i in range(len(arrays))]
-            start = time.perf_counter()
-            blobs = [codec.encode(h, None, name, a) for h, a in zip(hashes, arrays, strict=True)]
-            enc = time.perf_counter() - start
-            start = time.perf_counter()
-            for h, blob in zip(hashes, blobs, strict=True):
-                codec.decode(blob, h)
-            dec = time.perf_counter() - start
-            ratio = raw / sum(len(b) for b in blobs)
-            rows.append(CodecRow(name, mode, ratio, raw / enc / 1e6, raw / dec / 1e6))
-    return rows

@@ -8,7 +8,6 @@ the crossover bandwidth, where fetching the prefix takes as long as recomputing 
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,7 @@ def tokens(n: int, seed: int, vocab: int) -> list[int]:
 
 
 def one_token() -> Any:
-    from workers.engine.sampling_params import SamplingParams
+    from workers.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -143,24 +142,3 @@ def estimate_s(
             per_tier += recompute_s / m + device_s
     per_round = recompute_s + device_s + num_tiers * per_tier + 2 * recompute_s
     return repeats * per_round + (num_tiers + 1) * setup_s + num_tiers * device_s  # + warm-ups
-
-
-def memcpy_gb_s(num_bytes: int, repeats: int = 3) -> tuple[float, float]:
-    """Best bandwidth of a plain copy of `num_bytes` between preallocated buffers: torch
-    `copy_`, numpy `copyto` (which may use non-temporal stores for large copies)."""
-    import numpy as np
-    import torch
-
-    src = torch.rand(num_bytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # touch the pages first
-    src_np, dst_np = src.numpy(), dst.numpy()
-    best_torch = best_numpy = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best_torch = min(best_torch, time.perf_counter() - start)
-        start = time.perf_counter()
-        np.copyto(dst_np, src_np)
-        best_numpy = min(best_numpy, time.perf_counter() - start)
-    return num_bytes / best_torch / 1e9, num_bytes / best_numpy / 1e9

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from cachesvc.bench.local_redis import LocalRedis, redis_server_binary
 from cachesvc.events import BlockMoved, BlockRemoved, BlockStored, Cleared, Event
 from cachesvc.events_redis import (
     EventStreamConfig,
@@ -24,7 +25,6 @@ from cachesvc.events_redis import (
 from cachesvc.hashing import hash_blocks, root_hash
 from cachesvc.index import IndexSnapshot, MemoryPrefixIndex
 from cachesvc.index_redis import RedisPrefixIndex
-from cachesvc.local_redis import LocalRedis, redis_server_binary
 from cachesvc.types import WorkerId
 
 H = hash_blocks(list(range(48)), 4, root_hash("fp", 4))  # twelve chained hashes

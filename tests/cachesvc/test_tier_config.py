@@ -40,9 +40,10 @@ def test_redis_password_comes_from_the_environment(monkeypatch: pytest.MonkeyPat
 
 
 def test_engine_flags_build_the_tier_config(tmp_path: object) -> None:
-    from cachesvc.cli import _engine_config, _parser
+    from cachesvc.app.cli.common import engine_config
+    from cachesvc.app.cli.main import build_parser
 
-    args = _parser().parse_args(
+    args = build_parser().parse_args(
         [
             "generate",
             "--prompt",
@@ -55,17 +56,18 @@ def test_engine_flags_build_the_tier_config(tmp_path: object) -> None:
             "redis://127.0.0.1:6379/0",
         ]
     )
-    tiers = _engine_config(args).tiers
+    tiers = engine_config(args).tiers
     assert (tiers.dram_mb, tiers.nvme_path, tiers.nvme_mb) == (64, str(tmp_path), 1024)
     assert tiers.redis_url == "redis://127.0.0.1:6379/0"
-    serve = _parser().parse_args(["serve", "--redis-url", "redis://127.0.0.1:6379/0"])
-    assert not _engine_config(serve).tiers.enabled  # serve's --redis-url is the router's index
+    serve = build_parser().parse_args(["serve", "--redis-url", "redis://127.0.0.1:6379/0"])
+    assert not engine_config(serve).tiers.enabled  # serve's --redis-url is the router's index
 
 
 def test_serve_takes_the_kv_tier_redis_apart_from_the_router_index() -> None:
-    from cachesvc.cli import _parser, _serve_config
+    from cachesvc.app.cli.main import build_parser
+    from cachesvc.app.cli.serve import serve_config
 
     args = ["serve", "--redis-url", "redis://index:6379/0", "--redis-tier-url", "redis://kv:1/2"]
-    config = _serve_config(_parser().parse_args(args))
+    config = serve_config(build_parser().parse_args(args))
     assert config.router.redis_url == "redis://index:6379/0"
     assert config.engine.tiers.redis_url == "redis://kv:1/2"

@@ -14,9 +14,9 @@ import pytest
 import yaml
 from chart_render import CASES, CHART, NAMESPACE, RELEASE, Rendered, Renderer, RenderError
 
+from cachesvc.app.config_file import from_mapping
+from cachesvc.app.serve import ServeConfig
 from cachesvc.config import ConfigError
-from cachesvc.config_file import from_mapping
-from router.main import ServeConfig
 
 # The chart's kubeVersion floor and a recent release: schemas of both must accept every manifest.
 KUBE_VERSIONS = ("1.27", "1.33")
@@ -308,7 +308,7 @@ def test_every_value_is_documented() -> None:
 def test_router_tls_and_tenant_tokens_mount_their_secrets_and_probe_in_plaintext(
     renderer: Renderer,
 ) -> None:
-    from cachesvc.cli import _parser
+    from cachesvc.app.cli.main import build_parser
 
     sets = [
         "router.tls.enabled=true",
@@ -339,7 +339,7 @@ def test_router_tls_and_tenant_tokens_mount_their_secrets_and_probe_in_plaintext
     mounted("--tls-client-ca-file", "client-ca", "ca.crt", "clients-ca")
     mounted("--tenant-tokens-file", "tenants", "tokens", "tenant-tokens")
     # The flags are ones `cachesvc serve` takes, and the health port reaches the router.
-    parsed = _parser().parse_args(args[:3] + args[args.index("--tls-cert-file") :])
+    parsed = build_parser().parse_args(args[:3] + args[args.index("--tls-cert-file") :])
     assert parsed.health_port == 9191
     assert _router_options_without_files(parsed)["health_port"] == 9191
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -356,8 +356,8 @@ def test_router_tls_and_tenant_tokens_mount_their_secrets_and_probe_in_plaintext
 
 
 def _router_options_without_files(parsed: Any) -> dict[str, Any]:
-    """`router_options` of parsed flags, without reading the tenant tokens file they name."""
-    from cachesvc.cli_serving import router_options
+    """`_router_options` of parsed flags, without reading the tenant tokens file they name."""
+    from cachesvc.app.cli.serve import _router_options
 
     parsed.tenant_tokens_file = None
-    return router_options(parsed)
+    return _router_options(parsed)

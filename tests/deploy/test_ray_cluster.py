@@ -11,8 +11,8 @@ import jsonschema
 import ray
 import yaml
 
-from cachesvc.config_file import load_config_file
-from router.main import ServeConfig
+from cachesvc.app.config_file import load_config_file
+from cachesvc.app.serve import ServeConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = yaml.safe_load((REPO / "deploy/ray/cluster.yaml").read_text())

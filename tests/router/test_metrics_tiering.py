@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
 from router.metrics import _tiering_families
-from workers.actor import WorkerLoad
+from workers.protocol import WorkerLoad
 
 
 @dataclass

@@ -11,10 +11,10 @@ import pytest
 
 from cachesvc.types import WorkerId
 from router.resume import RequestProgress, StreamProgress
-from workers.actor import StreamDelta, Usage
-from workers.model.default_model import default_model_path
-from workers.model.detokenizer import IncrementalDetokenizer
-from workers.model.tokenizer import Tokenizer
+from workers.protocol import StreamDelta, Usage
+from workers.text.default_model import default_model_path
+from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.tokenizer import Tokenizer
 
 TEXT = "Café ☕ crème brûlée, naïve façade — 日本語のテキスト 🙂 and plain words."
 W1, W2 = WorkerId("w1"), WorkerId("w2")

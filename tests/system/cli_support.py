@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cachesvc.cli import main
+from cachesvc.app.cli.main import main
 
 
 def free_port() -> int:

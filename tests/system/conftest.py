@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
@@ -15,10 +14,11 @@ import pytest
 
 from cachesvc.config import EngineConfig
 from cachesvc.types import WorkerId
+from router.bootstrap import build_router
 from router.config import RouterConfig
 from router.core import Router
-from router.main import build_router
 from router.server import RouterServer
+from workers.model.tiny import BpeTokenizer, write_tiny_model
 
 T = TypeVar("T")
 VOCAB = 320
@@ -32,48 +32,14 @@ CORPUS = [
 ] * 20
 
 
-def _write_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    assert tok.get_vocab_size() <= VOCAB
-    tok.save(str(path / "tokenizer.json"))
-    config = {"eos_token": "<|im_end|>", "bos_token": None}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama (safetensors) with a tokenizer.json next to it."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=CONTEXT,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    tokenizer = BpeTokenizer(corpus=CORPUS, special=SPECIAL, eos="<|im_end|>")
     path = tmp_path_factory.mktemp("tiny-llama-tok")
-    LlamaForCausalLM(config).eval().save_pretrained(path, safe_serialization=True)
-    _write_tokenizer(path)
-    return path
+    return write_tiny_model(
+        path, vocab_size=VOCAB, max_position_embeddings=CONTEXT, tokenizer=tokenizer
+    )
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from cli_support import cli_lines, server_args
 
-from cachesvc.cli import main
+from cachesvc.app.cli.main import main
 
 pytestmark = pytest.mark.system
 ENGINE_ARGS = ["--block-size", "4", "--num-blocks", "256", "--threads", "1"]

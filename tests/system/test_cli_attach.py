@@ -39,7 +39,7 @@ def _serve(cluster: Cluster, *extra: str) -> tuple[subprocess.Popen[bytes], str]
     args = ["serve", "--model", str(cluster.model), "--port", str(port)]
     args += ["--ray-address", cluster.ray_address, "--ray-namespace", cluster.namespace]
     args += ["--redis-url", cluster.redis_url, "--redis-namespace", cluster.namespace]
-    proc = subprocess.Popen([sys.executable, "-m", "cachesvc.cli", *args, *extra])
+    proc = subprocess.Popen([sys.executable, "-m", "cachesvc.app.cli.main", *args, *extra])
     address = f"127.0.0.1:{port}"
     wait_serving(address, proc)
     return proc, address
@@ -90,7 +90,7 @@ def test_attach_routes_over_running_workers_and_leaves_them(
         assert _named_workers(cluster.namespace) == ["cachesvc-worker-0"]
         # Starting a second set of workers under the same names is refused, with the way out.
         clash = subprocess.run(
-            [sys.executable, "-m", "cachesvc.cli", "serve", "--model", str(cluster.model)]
+            [sys.executable, "-m", "cachesvc.app.cli.main", "serve", "--model", str(cluster.model)]
             + ["--ray-address", cluster.ray_address, "--ray-namespace", cluster.namespace],
             capture_output=True,
             text=True,
@@ -123,7 +123,15 @@ def test_attach_routes_over_running_workers_and_leaves_them(
 def test_attach_without_workers_says_how_to_start_them(cluster: Cluster) -> None:
     nobody = f"nobody-{uuid.uuid4().hex[:8]}"
     result = subprocess.run(
-        [sys.executable, "-m", "cachesvc.cli", "serve", "--attach", "--model", str(cluster.model)]
+        [
+            sys.executable,
+            "-m",
+            "cachesvc.app.cli.main",
+            "serve",
+            "--attach",
+            "--model",
+            str(cluster.model),
+        ]
         + ["--ray-address", cluster.ray_address, "--ray-namespace", nobody],
         capture_output=True,
         text=True,

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from cli_support import free_port, wait_serving
 
-from cachesvc.cli import main
+from cachesvc.app.cli.main import main
 
 pytestmark = pytest.mark.system
 ENGINE_ARGS = ["--block-size", "4", "--num-blocks", "256", "--threads", "1"]
@@ -31,7 +31,7 @@ def served(ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: Any) -> It
     args = ["serve", "--model", str(tiny_model_dir), "--port", address.split(":")[1]]
     args += ["--ray-address", ray.get_runtime_context().gcs_address]
     args += ["--auth-token-file", str(token_file), *ENGINE_ARGS]
-    proc = subprocess.Popen([sys.executable, "-m", "cachesvc.cli", *args])
+    proc = subprocess.Popen([sys.executable, "-m", "cachesvc.app.cli.main", *args])
     try:
         wait_serving(address, proc)
         yield address

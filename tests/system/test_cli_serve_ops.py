@@ -15,7 +15,7 @@ import pytest
 from cli_support import free_port, wait_serving
 from test_cli_serve import ENGINE_ARGS
 
-from cachesvc.cli import main
+from cachesvc.app.cli.main import main
 
 pytestmark = pytest.mark.system
 
@@ -38,7 +38,7 @@ def test_serve_with_redis_metrics_and_json_logs(
     args += ["--metrics-port", str(metrics_port), "--log-format", "json"]
     args += ["--max-queued-per-worker", "4"]
     log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "cachesvc.cli", *args], stderr=log)
+    proc = subprocess.Popen([sys.executable, "-m", "cachesvc.app.cli.main", *args], stderr=log)
     try:
         wait_serving(f"127.0.0.1:{port}", proc)
         argv = ["generate", "--server", f"127.0.0.1:{port}", "--prompt", "hello world"]

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.system, pytest.mark.slow]
 
 def test_demo_serve_runs_end_to_end() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "cachesvc.cli", "demo-serve", "--max-tokens", "8"],
+        [sys.executable, "-m", "cachesvc.app.cli.main", "demo-serve", "--max-tokens", "8"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from cli_support import cli_lines, server_args
 
-from cachesvc.cli import main
-from workers.model.tokenizer import Tokenizer
+from cachesvc.app.cli.main import main
+from workers.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.system
 ENGINE_ARGS = ["--block-size", "4", "--num-blocks", "256", "--threads", "1"]

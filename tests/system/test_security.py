@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from cachesvc.cli import main
+from cachesvc.app.cli.main import main
 from cachesvc.config import ConfigError
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc

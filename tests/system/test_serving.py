@@ -15,7 +15,7 @@ from cachesvc.config import EngineConfig
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
 from workers.engine.engine import Engine
-from workers.engine.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.system
 
@@ -265,7 +265,7 @@ def test_score(stub: Any, engine_config: EngineConfig) -> None:
 def test_tokenize_as_a_continuation_matches_score_items(
     make_server: Any, tiny_model_dir: Path
 ) -> None:
-    from workers.model.tokenizer import Tokenizer
+    from workers.text.tokenizer import Tokenizer
 
     stub = pb_grpc.InferenceStub(make_server(policy="round_robin").channel())
     tokenizer = Tokenizer.from_path(tiny_model_dir)

@@ -7,9 +7,10 @@ the shared pages are read once per group instead of once per request; level 1 (t
 lets each request attend causally to its own pages after the shared ones. The two partial states
 merge by base-2 LSE into exactly the attention over the whole sequence.
 
-The levels are two ordinary `BatchLayout`s run through any `AttentionBackend.forward`, so a backend
-gets cascade by implementing plain paged attention; FlashInfer's `MultiLevelCascadeAttentionWrapper`
-takes the same index tensors (`qo_indptr_arr`, `kv_indptr_arr`, ...).
+The levels are two ordinary `BatchLayout`s run through any backend's plain paged attention (the
+interface's default cascade, base.py), so a backend gets cascade by implementing plain paged
+attention; FlashInfer's `MultiLevelCascadeAttentionWrapper` takes the same index tensors
+(`qo_indptr_arr`, `kv_indptr_arr`, ...).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.attention.base import AttentionBackend
 from workers.attention.layout import BatchLayout
 from workers.attention.merge import merge_state_in_place
 
@@ -40,6 +40,10 @@ class CascadeLayout:
     shared_covers_all: bool  # every query row is in level 0, so no gather/scatter is needed
     groups: tuple[tuple[int, ...], ...]  # host copies of the builder's arguments
     shared_num_pages: tuple[int, ...]
+
+    def shared_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """The rows of `q [num_tokens, Hq, D]` that attend to the shared level, in its order."""
+        return q if self.shared_covers_all else q.index_select(0, self.shared_rows)
 
     @property
     def levels(self) -> tuple[BatchLayout, ...]:
@@ -239,48 +243,23 @@ def find_prefix_groups(
     return groups, [n if len(g) > 1 else 0 for g, n in zip(groups, shared, strict=True)]
 
 
-def forward_with_lse(
-    backend: AttentionBackend,
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layout: BatchLayout,
-    sm_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`backend.forward(..., return_lse=True)`, typed as the pair it returns."""
-    result = backend.forward(q, kv_cache, layout, sm_scale=sm_scale, return_lse=True)
-    assert isinstance(result, tuple)
-    return result
-
-
-def cascade_attention(
-    backend: AttentionBackend,
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
+def merge_shared_level(
     layout: CascadeLayout,
-    *,
-    sm_scale: float,
-    return_lse: bool = False,
-    shared_backend: AttentionBackend | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention of `q [num_tokens, Hq, D]` over the paged cache, level by level, then merged.
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    out_shared: torch.Tensor,
+    lse_shared: torch.Tensor,
+) -> None:
+    """Merge the shared level's state into the unique level's `(out, lse)`, mutating both.
 
-    Same contract as `AttentionBackend.forward` (output in q's dtype, base-2 LSE
-    `[num_tokens, Hq]` when `return_lse`). `shared_backend` (default `backend`) runs level 0: a
-    second instance keeps each level's plan cached across layers, as FlashInfer keeps one
-    wrapper per level. Reads only.
+    `out`/`lse` cover every query row; `out_shared`/`lse_shared` cover `layout.shared_rows`, in
+    the order `shared_queries` gave them.
     """
-    out, lse = forward_with_lse(backend, q, kv_cache, layout.unique, sm_scale)
-    if layout.shared is not None:
-        q_shared = q if layout.shared_covers_all else q.index_select(0, layout.shared_rows)
-        o_shared, s_shared = forward_with_lse(
-            shared_backend or backend, q_shared, kv_cache, layout.shared, sm_scale
-        )
-        if layout.shared_covers_all:
-            merge_state_in_place(out, lse, o_shared, s_shared)
-        else:
-            rows = layout.shared_rows
-            o_rows, s_rows = out.index_select(0, rows), lse.index_select(0, rows)
-            merge_state_in_place(o_rows, s_rows, o_shared, s_shared)
-            out.index_copy_(0, rows, o_rows)
-            lse.index_copy_(0, rows, s_rows)
-    return (out, lse) if return_lse else out
+    if layout.shared_covers_all:
+        merge_state_in_place(out, lse, out_shared, lse_shared)
+        return
+    rows = layout.shared_rows
+    o_rows, s_rows = out.index_select(0, rows), lse.index_select(0, rows)
+    merge_state_in_place(o_rows, s_rows, out_shared, lse_shared)
+    out.index_copy_(0, rows, o_rows)
+    lse.index_copy_(0, rows, s_rows)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from workers.attention.base import AttentionBackend, register_backend
+from workers.attention.base import Attention, AttentionBackend, AttentionLayout
 from workers.attention.custom_mask import CustomMaskLayout
 from workers.attention.layout import BatchLayout
 from workers.attention.multi_item import LogicalBatch, MultiItemLayout
@@ -28,8 +28,6 @@ from workers.attention.multi_item import LogicalBatch, MultiItemLayout
 WORKSPACE_BYTES = 128 << 20
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 MISSING = "FlashInfer backend needs CUDA and flashinfer-python (pip install '.[gpu]')"
-
-Attention = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 # One float workspace per device, shared by every wrapper: a wrapper keeps its plan in its own
 # int workspace and uses the float one only inside `run` (split-KV partial results), and runs on
@@ -153,7 +151,7 @@ class FlashInferBackend(AttentionBackend):
 
     # ---- plain paged attention ---------------------------------------------------------------
 
-    def plan(self, layout: BatchLayout) -> None:
+    def plan(self, layout: AttentionLayout) -> None:
         self._planned = None
 
     def _plan_paged(self, layout: BatchLayout, key: _PlanKey, device: torch.device) -> _Planned:
@@ -186,14 +184,14 @@ class FlashInferBackend(AttentionBackend):
             )
         return _Planned(layout, key, wrapper)
 
-    def forward(
+    def _forward_paged(
         self,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         layout: BatchLayout,
         *,
         sm_scale: float,
-        return_lse: bool = False,
+        return_lse: bool,
     ) -> Attention:
         key = _PlanKey.of(q, kv_cache, sm_scale)
         planned = self._current(layout, key) or self._plan_paged(layout, key, q.device)
@@ -245,9 +243,11 @@ class FlashInferBackend(AttentionBackend):
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         layout: MultiItemLayout | CustomMaskLayout,
+        *,
         sm_scale: float,
         return_lse: bool,
     ) -> Attention:
+        """Attention over a logical batch, its K/V gathered into one-token pages per call."""
         key = _PlanKey.of(q, kv_cache, sm_scale)
         planned = self._current(layout, key) or self._plan_logical(layout, key, kv_cache)
         self._planned = planned
@@ -256,29 +256,6 @@ class FlashInferBackend(AttentionBackend):
         result: Attention = planned.wrapper.run(q.contiguous(), pages, return_lse=return_lse)
         return result
 
-    def forward_multi_item(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layout: MultiItemLayout,
-        *,
-        sm_scale: float,
-        return_lse: bool = False,
-    ) -> Attention:
-        """Multi-item scoring attention of `q [num_tokens, Hq, D]`; contract of `forward`."""
-        return self._forward_logical(q, kv_cache, layout, sm_scale, return_lse)
-
-    def forward_custom_mask(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layout: CustomMaskLayout,
-        *,
-        sm_scale: float,
-        return_lse: bool = False,
-    ) -> Attention:
-        """Packed-custom-mask attention of `q [num_tokens, Hq, D]`; contract of `forward`."""
-        return self._forward_logical(q, kv_cache, layout, sm_scale, return_lse)
-
-
-register_backend("flashinfer", FlashInferBackend)
+    # Both logical kinds are the paged wrapper over one-token pages; `_plan_logical` picks the
+    # mask mode from the layout's type.
+    _forward_multi_item = _forward_custom_mask = _forward_logical

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.attention.cascade import check_groups
-from workers.attention.torch_backend import attend
+from workers.attention.ops import attend
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ differ only in what the scheduler put in the batch and are plain paged attention
 runs two levels and merges; "multi_item" and "custom_mask" run each group as one logical request
 under a structured or explicit mask. The model keeps calling `write_kv` then `forward` with ONE
 layout per step: a `SchemeLayout` carries the plain `BatchLayout` (for writing new K/V) and the
-extra index tensors of its scheme.
+layout its scheme attends with, which any backend's `forward` dispatches on.
 """
 
 from __future__ import annotations
@@ -17,11 +17,18 @@ from typing import Any
 
 import torch
 
-from workers.attention.base import AttentionBackend, get_backend
+from workers.attention import get_backend
+from workers.attention.base import (
+    Attention,
+    AttentionBackend,
+    AttentionLayout,
+    KernelLayout,
+    StepLayout,
+    kernel_layout,
+)
 from workers.attention.cascade import (
     CascadeLayout,
     build_cascade_layout,
-    cascade_attention,
     find_prefix_groups,
 )
 from workers.attention.custom_mask import (
@@ -35,9 +42,6 @@ from workers.attention.multi_item import (
 )
 
 SCHEMES = ("naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
-PLAIN_SCHEMES = ("naive", "split", "ragged")
-
-Attention = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,11 @@ class SchemeLayout:
         for scheme, extra in extras.items():
             if (extra is not None) != (scheme == self.scheme):
                 raise ValueError(f"a {self.scheme!r} layout must carry exactly its own extras")
+
+    @property
+    def attention(self) -> KernelLayout:
+        """The layout the scheme attends with: its extras, or `batch` for the plain schemes."""
+        return self.cascade or self.multi_item or self.custom or self.batch
 
 
 def build_scheme_layout(
@@ -103,17 +112,12 @@ def build_scheme_layout(
     return SchemeLayout(scheme, batch)
 
 
-def _batch(layout: BatchLayout | SchemeLayout) -> BatchLayout:
-    return layout.batch if isinstance(layout, SchemeLayout) else layout
-
-
 class SchemeBackend(AttentionBackend):
-    """Wraps a plain backend and runs each scheme on it; a plain `BatchLayout` passes through.
+    """Runs every scheme on a plain backend, with a second instance for cascade's shared level.
 
-    `shared` (default: `inner`) runs cascade level 0; a second instance of the inner backend
-    keeps both levels' plans cached across layers. multi_item / custom_mask call the inner
-    backend's `forward_multi_item` / `forward_custom_mask` when it has them (FlashInfer's ragged
-    wrapper with MIS arguments or a packed mask), else the torch implementation.
+    Plain, multi-item and custom-mask attention go to `inner` (its kernels, or the interface's
+    torch defaults); cascade runs its unique level on `inner` and its shared level on `shared`
+    (default: `inner`), so that each level keeps its plan cached across layers.
     """
 
     name = "schemes"
@@ -122,83 +126,41 @@ class SchemeBackend(AttentionBackend):
         self.inner = inner
         self.shared = shared or inner
 
-    def plan(self, layout: BatchLayout | SchemeLayout) -> None:
-        cascade = layout.cascade if isinstance(layout, SchemeLayout) else None
-        if cascade is None:
-            self.inner.plan(_batch(layout))
+    def plan(self, layout: AttentionLayout) -> None:
+        kind = kernel_layout(layout)
+        if not isinstance(kind, CascadeLayout):
+            self.inner.plan(kind)
             return
-        self.inner.plan(cascade.unique)
-        if cascade.shared is not None:
-            self.shared.plan(cascade.shared)
+        self.inner.plan(kind.unique)
+        if kind.shared is not None:
+            self.shared.plan(kind.shared)
 
     def write_kv(
         self,
         kv_cache: torch.Tensor,
-        layout: BatchLayout | SchemeLayout,
+        layout: BatchLayout | StepLayout,
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> None:
-        self.inner.write_kv(kv_cache, _batch(layout), k, v)
+        self.inner.write_kv(kv_cache, layout, k, v)
 
-    def forward(
+    def _forward_inner(
         self,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
-        layout: BatchLayout | SchemeLayout,
+        layout: BatchLayout | MultiItemLayout | CustomMaskLayout,
         *,
         sm_scale: float,
-        return_lse: bool = False,
+        return_lse: bool,
     ) -> Attention:
-        if isinstance(layout, SchemeLayout):
-            if layout.cascade is not None:
-                return cascade_attention(
-                    self.inner,
-                    q,
-                    kv_cache,
-                    layout.cascade,
-                    sm_scale=sm_scale,
-                    return_lse=return_lse,
-                    shared_backend=self.shared,
-                )
-            if layout.multi_item is not None:
-                return self.forward_multi_item(
-                    q, kv_cache, layout.multi_item, sm_scale=sm_scale, return_lse=return_lse
-                )
-            if layout.custom is not None:
-                return self.forward_custom_mask(
-                    q, kv_cache, layout.custom, sm_scale=sm_scale, return_lse=return_lse
-                )
-        return self.inner.forward(
-            q, kv_cache, _batch(layout), sm_scale=sm_scale, return_lse=return_lse
-        )
+        return self.inner.forward(q, kv_cache, layout, sm_scale=sm_scale, return_lse=return_lse)
 
-    def forward_multi_item(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layout: MultiItemLayout,
-        *,
-        sm_scale: float,
-        return_lse: bool = False,
-    ) -> Attention:
-        """Multi-item scoring attention: the inner backend's kernel (torch path by default)."""
-        return self.inner.forward_multi_item(
-            q, kv_cache, layout, sm_scale=sm_scale, return_lse=return_lse
-        )
+    # Every kind but cascade is the inner backend's own; cascade is the interface's two levels,
+    # the unique one through `_forward_paged` (so on `inner`), the shared one on `shared`.
+    _forward_paged = _forward_multi_item = _forward_custom_mask = _forward_inner
 
-    def forward_custom_mask(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layout: CustomMaskLayout,
-        *,
-        sm_scale: float,
-        return_lse: bool = False,
-    ) -> Attention:
-        """Packed-custom-mask attention: the inner backend's kernel (torch path by default)."""
-        return self.inner.forward_custom_mask(
-            q, kv_cache, layout, sm_scale=sm_scale, return_lse=return_lse
-        )
+    def _shared_level(self) -> AttentionBackend:
+        return self.shared
 
 
 def make_scheme_backend(inner: str = "torch") -> SchemeBackend:

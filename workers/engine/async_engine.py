@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from cachesvc.types import RequestId
 from workers.engine.engine import Engine
 from workers.engine.outputs import RequestOutput
-from workers.engine.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)

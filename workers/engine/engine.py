@@ -21,15 +21,15 @@ from workers.engine.outputs import RequestOutput
 from workers.engine.request import FinishReason, Request
 from workers.engine.runner import ModelRunner
 from workers.engine.sampler import sample
-from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.scoring import ScoreError, ScoreInput, validate
 from workers.engine.scoring import score as run_score
 from workers.engine.stop import check_stop
 from workers.engine.tracking import Tracked, snapshot
-from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.loader import LoadedModel, load_model
-from workers.model.tokenizer import Tokenizer
+from workers.sampling_params import SamplingParams
+from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from workers.engine.tiering import KVTiering
@@ -107,7 +107,7 @@ class Engine:
         """DRAM / NVMe / Redis below the device pool, when configured (config.tiers)."""
         if not config.tiers.enabled:
             return None
-        from workers.engine.tier_setup import calibrate
+        from workers.engine.tier_calibration import calibrate
         from workers.engine.tiering import KVTiering
 
         tiering = KVTiering(

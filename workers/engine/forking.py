@@ -9,8 +9,8 @@ from cachesvc.types import RequestId
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.request import Request, RequestStatus
 from workers.engine.runner import ModelRunner
-from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
+from workers.sampling_params import SamplingParams
 
 
 class Forker:

@@ -10,7 +10,7 @@ import torch
 
 from cachesvc.types import BlockHash, BlockId, RequestId
 from workers.engine.sampler import token_seed
-from workers.engine.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
-from workers.engine.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 def sample(

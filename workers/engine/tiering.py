@@ -34,6 +34,7 @@ from cachesvc.config import AUTO_CODECS, TierConfig
 from cachesvc.events import TIER_HBM
 from cachesvc.planner import ComputeCost, LoadPlan, plan_load
 from cachesvc.tiers.base import Throttle
+from cachesvc.tiers.configured import build_tiers
 from cachesvc.tiers.results import FetchResult, TierHit
 from cachesvc.tiers.tier_manager import TierManager
 from cachesvc.types import BlockHash, BlockId, RequestId
@@ -41,7 +42,6 @@ from workers.engine.kv_copy import layered, read_block, write_blocks
 from workers.engine.plan_timing import PlanTimer
 from workers.engine.request import Request
 from workers.engine.scheduler import SchedulerOutput
-from workers.engine.tier_setup import build_tiers
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _MAX_USAGE = 10_000  # per-request usage reports kept after the request ends
@@ -109,7 +109,10 @@ class KVTiering:
         self.block_shape = (len(kv_caches), *kv_caches[0].shape[1:])
         raw_bytes = int(np.prod(self.block_shape)) * kv_caches[0].element_size()
         local, shared = build_tiers(
-            config, fingerprint, raw_bytes + header_size(len(self.block_shape))
+            config,
+            fingerprint,
+            raw_bytes + header_size(len(self.block_shape)),
+            pin_memory=torch.cuda.is_available(),
         )
         # "auto" starts uncompressed; calibration keeps the fastest mode of each tier.
         codecs = {

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from workers.engine.outputs import RequestOutput
 from workers.engine.request import Request
-from workers.model.detokenizer import IncrementalDetokenizer
+from workers.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclass

@@ -82,7 +82,7 @@ def model_fingerprint(config: ModelConfig, kv_dtype: torch.dtype, weights_identi
 
 def _resolve(path: str | Path | None) -> Path:
     if path is None:
-        from workers.model.default_model import default_model_path
+        from workers.text.default_model import default_model_path
 
         try:
             return default_model_path()

@@ -10,11 +10,11 @@ import torch
 
 from workers.attention.cascade import (
     build_cascade_layout,
-    cascade_attention,
     check_groups,
     find_prefix_groups,
 )
 from workers.attention.layout import build_layout
+from workers.attention.schemes import SchemeBackend
 from workers.attention.torch_backend import TorchBackend
 
 HEAD_DIM = 16
@@ -67,15 +67,9 @@ def plain_and_cascade(batch: GroupedBatch, page_size: int, heads: tuple[int, int
         batch.groups,
         batch.shared_num_pages,
     )
-    got = cascade_attention(
-        TorchBackend(),
-        q,
-        cache,
-        layout,
-        sm_scale=0.25,
-        return_lse=True,
-        shared_backend=TorchBackend(),
-    )
+    # One instance per level, as the engine runs it.
+    backend = SchemeBackend(TorchBackend(), TorchBackend())
+    got = backend.forward(q, cache, layout, sm_scale=0.25, return_lse=True)
     return want, got
 
 
@@ -124,7 +118,7 @@ def test_one_backend_for_both_levels_gives_the_same() -> None:
     )
     backend = TorchBackend()
     for _ in range(2):  # the second pass re-plans both levels on the one instance
-        got = cascade_attention(backend, q, cache, layout, sm_scale=0.25)
+        got = backend.forward(q, cache, layout, sm_scale=0.25)
         torch.testing.assert_close(got, want_o, atol=1e-5, rtol=1e-5)
 
 

@@ -17,14 +17,15 @@ from typing import Any
 import pytest
 import torch
 
-from cachesvc import gpu_check_correctness
+from cachesvc.bench import gpu_check_correctness
 from workers.attention import flashinfer_backend as fb
-from workers.attention.base import get_backend
+from workers.attention import get_backend
 from workers.attention.custom_mask import unpack_segment
 from workers.attention.layout import BatchLayout, build_layout
 from workers.attention.multi_item import multi_item_visible
-from workers.attention.schemes import SchemeBackend, make_scheme_backend
-from workers.attention.torch_backend import TorchBackend, attend, causal_mask
+from workers.attention.ops import attend, causal_mask
+from workers.attention.schemes import SchemeBackend, build_scheme_layout, make_scheme_backend
+from workers.attention.torch_backend import TorchBackend
 
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and flashinfer")
@@ -207,6 +208,34 @@ def test_one_plan_per_layout_serves_every_layer(fake: None) -> None:
     backend.plan(first)  # plan() forgets the previous plan, even of the same layout
     layers(first)
     assert FakePaged.plans == 3
+
+
+def test_cascade_keeps_one_plan_per_level_across_layers(fake: None) -> None:
+    """Each level plans once on its own instance; the layers after the first only run."""
+    case = gpu_check_correctness.make_check_case(8, 3, 2, CPU, "cpu")
+    scheme, qo_lens, kv_lens, extra = gpu_check_correctness.scheme_steps(case)["cascade"]
+    layout = build_scheme_layout(scheme, qo_lens, kv_lens, case.tables, CPU.page_size, **extra)
+    backend = SchemeBackend(fb.FlashInferBackend(), fb.FlashInferBackend())
+    q = case.q[: sum(qo_lens)]
+    FakePaged.plans = 0
+    backend.plan(layout)
+    for _ in range(3):
+        backend.forward(q, case.kv_cache, layout, sm_scale=0.25)
+    assert FakePaged.plans == 2
+
+
+def test_logical_layouts_plan_once_for_every_layer(fake: None) -> None:
+    case = gpu_check_correctness.make_check_case(8, 3, 2, CPU, "cpu")
+    backend = fb.FlashInferBackend()
+    for name in ("multi_item", "custom_mask"):
+        scheme, qo_lens, kv_lens, extra = gpu_check_correctness.scheme_steps(case)[name]
+        layout = build_scheme_layout(scheme, qo_lens, kv_lens, case.tables, 4, **extra)
+        q = case.q[: sum(qo_lens)]
+        FakePaged.plans = 0
+        backend.plan(layout)
+        for _ in range(3):
+            backend.forward(q, case.kv_cache, layout, sm_scale=0.25)
+        assert FakePaged.plans == 1, name
 
 
 def test_float32_is_refused_with_a_hint(fake: None) -> None:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workers.attention.merge import merge_state, merge_state_in_place, merge_states
-from workers.attention.torch_backend import attend
+from workers.attention.ops import attend
 
 NEG_INF = float("-inf")
 

@@ -124,11 +124,13 @@ def test_multi_item_equals_custom_mask_equals_items_alone(
     q = torch.randn(sum(qo_lens), num_qo_heads, HEAD_DIM, generator=gen)
     groups = [list(range(len(item_lens)))]
     mi = build_multi_item_layout(qo_lens, kv_lens, tables, page_size, groups, [prefix_len])
-    got_mi = multi_item_attention(q, cache, mi, sm_scale=0.3)
-    got_cm = custom_mask_attention(q, cache, custom_mask_from_multi_item(mi), sm_scale=0.3)
+    # Through the one entry point: the layout's type picks the kind.
+    backend = TorchBackend()
+    got_mi = backend.forward(q, cache, mi, sm_scale=0.3)
+    got_cm = backend.forward(q, cache, custom_mask_from_multi_item(mi), sm_scale=0.3)
     # Reference: each item scored as its own request [prefix | item] over its own block table.
     plain = build_layout(qo_lens, kv_lens, tables, page_size)
-    want = TorchBackend().forward(q, cache, plain, sm_scale=0.3)
+    want = backend.forward(q, cache, plain, sm_scale=0.3)
     assert isinstance(got_mi, torch.Tensor) and isinstance(got_cm, torch.Tensor)
     torch.testing.assert_close(got_mi, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_cm, got_mi, atol=1e-5, rtol=1e-5)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from workers.attention.base import kernel_layout
 from workers.attention.layout import build_layout
 from workers.attention.schemes import (
     SCHEMES,
@@ -170,13 +171,13 @@ def test_plain_batch_layout_passes_through() -> None:
 
 
 class _KernelBackend(TorchBackend):
-    """A backend with its own multi-item kernel, as the FlashInfer backend will have."""
+    """A backend with its own multi-item kernel, as the FlashInfer backend has."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
 
-    def forward_multi_item(self, q, kv_cache, layout, *, sm_scale, return_lse=False):
+    def _forward_multi_item(self, q, kv_cache, layout, *, sm_scale, return_lse):
         self.calls += 1
         return torch.zeros_like(q)
 
@@ -191,6 +192,30 @@ def test_multi_item_uses_the_inner_backends_kernel_when_it_has_one() -> None:
         torch.ones(104, 2, HEAD_DIM), torch.zeros(8, 2, 16, 1, HEAD_DIM), layout, sm_scale=1.0
     )
     assert inner.calls == 1 and isinstance(out, torch.Tensor) and not out.any()
+
+
+@pytest.mark.parametrize("scheme", ["ragged", "cascade", "multi_item", "custom_mask"])
+def test_a_plain_backend_runs_a_step_layout_as_its_plain_batch(scheme: str) -> None:
+    """The seed's example through one TorchBackend: `forward` unwraps the step's layout."""
+    tables = [[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 7]]
+    qo_lens = [4, 4] if scheme == "cascade" else [100, 4]  # cascade finds its groups itself
+    logical = scheme in ("multi_item", "custom_mask")
+    items = {"groups": [[0, 1]], "prefix_lens": [96]} if logical else {}
+    layout = build_scheme_layout(scheme, qo_lens, [100, 100], tables, 16, **items)
+    extras = {
+        "cascade": layout.cascade,
+        "multi_item": layout.multi_item,
+        "custom_mask": layout.custom,
+    }
+    assert kernel_layout(layout) is extras.get(scheme, layout.batch)
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randn(8, 2, 16, 2, HEAD_DIM, generator=gen)
+    q = torch.randn(sum(qo_lens), 4, HEAD_DIM, generator=gen)
+    backend = TorchBackend()
+    for _ in range(2):  # a cascade's levels take turns on the one instance's plan
+        got = backend.forward(q, cache, layout, sm_scale=SM_SCALE, return_lse=True)
+        want = backend.forward(q, cache, layout.batch, sm_scale=SM_SCALE, return_lse=True)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_seed_worked_example_ragged_layout() -> None:

@@ -1,4 +1,4 @@
-"""The torch backend against a dense float64 reference written from research notes §10."""
+"""The torch backend and its ops against a dense float64 reference (research notes §10)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from workers.attention.base import get_backend
+from workers.attention import get_backend
 from workers.attention.layout import BatchLayout, build_layout
-from workers.attention.torch_backend import (
-    TorchBackend,
-    _attend_dense,
-    _attend_padded,
-    attend,
-    causal_mask,
-)
+from workers.attention.ops import attend, attend_dense, attend_padded, causal_mask
+from workers.attention.torch_backend import TorchBackend
 
 HEAD_DIM = 16
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -222,9 +217,9 @@ def test_attend_mask_combines_with_causal_and_empty_rows_are_zero() -> None:
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", [_attend_padded, _attend_dense])
+@pytest.mark.parametrize("kernel", [attend_padded, attend_dense])
 def test_padded_kernels_match_reference(kernel: Kernel) -> None:
-    # _attend_dense is the path for non-CPU devices; both must agree with the reference on CPU.
+    # attend_dense is the path for non-CPU devices; both must agree with the reference on CPU.
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(3, 4, 6, HEAD_DIM, generator=gen)
     k = torch.randn(3, 20, 2, HEAD_DIM, generator=gen)

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+from workers.model.tiny import write_tiny_model
+
 
 def hf_greedy(model: Any, prompt: Sequence[int], num_tokens: int) -> list[int]:
     """Greedy continuation by Hugging Face transformers with its own KV cache, never stopping."""
@@ -32,23 +34,7 @@ def hf_greedy_fixture() -> Any:
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).eval()
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from cachesvc.types import RequestId
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine, PromptError
 from workers.engine.outputs import RequestOutput
-from workers.engine.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams
 
 T = TypeVar("T")
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

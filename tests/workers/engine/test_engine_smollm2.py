@@ -9,7 +9,7 @@ import torch
 
 from cachesvc.config import EngineConfig
 from workers.engine.engine import Engine
-from workers.engine.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def loaded() -> Any:
 
 @pytest.fixture(scope="module")
 def tokenizer(loaded: Any) -> Any:
-    from workers.model.tokenizer import Tokenizer
+    from workers.text.tokenizer import Tokenizer
 
     return Tokenizer.from_path(loaded.path)
 

@@ -10,7 +10,7 @@ import torch
 
 from cachesvc.config import EngineConfig
 from workers.engine.engine import Engine, PromptError
-from workers.engine.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams
 
 NUM_TOKENS = 12
 LENGTHS = (3, 9, 17, 31, 1, 44, 64, 70)

@@ -11,7 +11,7 @@ import torch
 from cachesvc.config import EngineConfig
 from workers.engine.beam import expand, length_score
 from workers.engine.engine import Engine
-from workers.engine.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 def _engine(path: Path, **kw: Any) -> Engine:

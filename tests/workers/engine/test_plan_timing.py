@@ -12,7 +12,7 @@ from cachesvc.planner import FetchRange, LoadPlan
 from cachesvc.types import RequestId
 from workers.engine.plan_timing import PlanTimer
 from workers.engine.request import Request
-from workers.engine.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 def _plan(kind: str, predicted_s: float = 0.25) -> LoadPlan:

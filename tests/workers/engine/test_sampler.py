@@ -3,7 +3,7 @@
 import torch
 
 from workers.engine.sampler import _top_p_filter, sample
-from workers.engine.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 def _logits(rows: int = 3, vocab: int = 50) -> torch.Tensor:

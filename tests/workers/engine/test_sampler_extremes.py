@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from workers.engine.sampler import sample
-from workers.engine.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 def test_tiny_temperature_is_greedy_and_huge_is_finite() -> None:

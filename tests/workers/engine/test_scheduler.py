@@ -4,8 +4,8 @@ from cachesvc.block_pool import BlockPool
 from cachesvc.types import RequestId
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.request import FinishReason, Request
-from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.sampling_params import SamplingParams
 
 
 def _make(num_blocks: int, block_size: int = 4, **cfg: object) -> Scheduler:

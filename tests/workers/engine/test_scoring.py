@@ -40,7 +40,7 @@ def test_score_equals_separate_requests(
 
 def test_score_leaves_the_engine_usable(tiny_llama_dir: Path) -> None:
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_blocks=64))
-    from workers.engine.sampling_params import SamplingParams
+    from workers.sampling_params import SamplingParams
 
     before = engine.generate([_ids(9, 2)], SamplingParams(max_tokens=5, temperature=0.0))
     engine.score(_ids(9, 2), [_ids(3, 4)], [1])

@@ -19,13 +19,13 @@ import pytest
 import redis
 import torch
 
+from cachesvc.bench.local_redis import LocalRedis, redis_server_binary
 from cachesvc.config import EngineConfig, TierConfig
 from cachesvc.hashing import hash_blocks, root_hash
-from cachesvc.local_redis import LocalRedis, redis_server_binary
 from cachesvc.planner import ComputeCost
 from cachesvc.types import BlockHash
 from workers.engine.engine import Engine
-from workers.engine.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -329,7 +329,7 @@ _ENGINE_B = """
 import json, sys
 from cachesvc.config import EngineConfig, TierConfig
 from workers.engine.engine import Engine
-from workers.engine.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams
 path, url, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 engine = Engine(EngineConfig(model=path, block_size=4, num_blocks=24,
                              tiers=TierConfig(redis_url=url, plan="fetch")))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from workers.attention.base import get_backend
+from workers.attention import get_backend
 from workers.attention.layout import build_layout
 from workers.model.config import ModelConfig
 from workers.model.llama import LlamaModel

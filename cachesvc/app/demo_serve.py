@@ -116,8 +116,8 @@ async def _drive(actors: dict[Any, Any], engine: EngineConfig, max_tokens: int) 
 
     from proto.cachesvc.v1 import cachesvc_pb2 as pb
     from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+    from router.bootstrap import build_router
     from router.config import RouterConfig
-    from router.main import build_router
     from router.server import RouterServer
 
     config = RouterConfig(port=0, policy="prefix_aware")
@@ -158,16 +158,14 @@ def run_demo_serve(engine: EngineConfig, num_workers: int = 2, max_tokens: int =
     answered)."""
     import ray
 
-    from router.config import RouterConfig
-    from router.main import ServeConfig, spawn_workers, stop_workers
+    from workers.cluster import WorkerGroup, spawn_workers, stop_workers
 
     started = time.perf_counter()
     engine = _threads_per_worker(engine, num_workers)
-    serve = ServeConfig(engine, RouterConfig(port=0), num_workers)
     ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     actors: dict[Any, Any] = {}
     try:
-        actors = spawn_workers(serve)
+        actors = spawn_workers(WorkerGroup(engine, num_workers))
         print(f"starting {num_workers} workers (the model loads in each) ...", flush=True)
         answers = asyncio.run(_drive(actors, engine, max_tokens))
     finally:

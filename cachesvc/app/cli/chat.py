@@ -11,23 +11,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
-from cachesvc.cli_serving import add_client_flags, client_tls
-from cachesvc.cli_types import CliError
+from cachesvc.app.cli.common import (
+    CliError,
+    add_client_flags,
+    add_engine_args,
+    add_sampling_args,
+    client_tls,
+    engine_config,
+    output_json,
+    read_token,
+    sampling_kwargs,
+)
 
 Message = dict[str, str]  # {"role": ..., "content": ...}, as the chat template takes them
 RESET = "/reset"
 EXIT = "/exit"
 
 
-def add_chat_parser(
-    sub: Any,
-    add_engine_args: Callable[[argparse.ArgumentParser], None],
-    add_sampling_args: Callable[[argparse.ArgumentParser], None],
-) -> None:
+def add_chat_parser(sub: Any) -> None:
     """Register the `chat` subcommand on the CLI's subparsers."""
     p = sub.add_parser("chat", help="a multi-turn conversation (earlier turns come from cache)")
     p.add_argument(
@@ -169,17 +174,11 @@ def _output(as_json: bool) -> tuple[Callable[[dict[str, Any]], None], TextSink |
     return lambda out: print(flush=True), stream
 
 
-def run_chat_command(
-    args: argparse.Namespace,
-    *,
-    sampling: Mapping[str, Any],
-    engine_config: Callable[[], Any],
-    read_token: Callable[[str | None], str | None],
-    output_json: Callable[[str, Any], dict[str, Any]],
-) -> int:
+def run_chat_command(args: argparse.Namespace) -> int:
     """Hold the conversation offline (the engine in-process) or through `--server`; print each
-    reply (or its JSON object). The helpers are `generate`'s, handed over by cli.py."""
+    reply (or its JSON object)."""
     _check_args(args)
+    sampling = sampling_kwargs(args)
     turns = user_turns(args.message, sys.stdin, sys.stderr)
     if args.server:
         from router.client import RemoteSampling, RouterClient
@@ -191,9 +190,9 @@ def run_chat_command(
             converse(turns, remote, args.system, *_output(args.json))
         return 0
     from workers.engine.engine import Engine
-    from workers.engine.sampling_params import SamplingParams
+    from workers.sampling_params import SamplingParams
 
-    engine = Engine(engine_config())
+    engine = Engine(engine_config(args))
     if engine.tokenizer is None:
         raise CliError("--model: this model has no tokenizer, so it has no chat template")
     offline = _OfflineReplier(engine, SamplingParams(**sampling), args.cache_salt, output_json)

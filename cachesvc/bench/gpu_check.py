@@ -1,4 +1,4 @@
-"""`python -m cachesvc.gpu_check --out DIR`: check and time the FlashInfer backend on one GPU.
+"""`python -m cachesvc.bench.gpu_check --out DIR`: check and time the FlashInfer backend on one GPU.
 
 The prepared device script of research notes §11, run by `make gpu-check` (docs/gpu.md). Each
 phase has its own time cap, and DIR/results.json is rewritten as soon as a phase ends:
@@ -6,7 +6,8 @@ phase has its own time cap, and DIR/results.json is rewritten as soon as a phase
 1. build: the JIT modules the backend loads, in one ninja run (FA2 prefill and CUDA-core decode
    for fp16 / head_dim 128, the benchmarks, and bf16 / head_dim 64, SmolLM2; cascade merge).
 2. correctness: every scheme on the GPU against the torch backend in float32 on CPU copies
-   (outputs, base-2 LSE), cascade decode == batch decode, multi-item == custom mask, merge_state.
+   (outputs, base-2 LSE), cascade decode == batch decode, multi-item == custom mask, merge_state;
+   the cases and comparisons are `gpu_check_correctness`.
 3. engine: a SmolLM2-135M-shaped bf16 model (random weights unless `--model`): teacher-forced
    logits against the torch backend in bf16 and float32, and greedy generation via `Engine`.
 4. timing: the two kernel benchmarks of `cachesvc/bench` on the seed's grids, cell by cell.
@@ -20,23 +21,24 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import signal
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
-from contextlib import suppress
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from itertools import product
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from cachesvc.bench import decode_cascade, prefill_schemes
-from cachesvc.gpu_check_correctness import phase_correctness
-from cachesvc.gpu_check_run import Run, time_cap
+from cachesvc.bench import gpu_check_correctness as correctness
 from workers.attention.layout import build_layout
 from workers.attention.schemes import make_scheme_backend
 
@@ -44,6 +46,70 @@ PHASES = ("build", "correctness", "engine", "timing")
 CAPS_S = {"build": 240, "correctness": 90, "engine": 90, "timing": 210}
 TOTAL_S = 420  # the whole script stays under 7 minutes (8 with pytest after it)
 KERNELS = ((torch.float16, 128), (torch.bfloat16, 64))  # (dtype, head_dim) of every module built
+
+T = TypeVar("T")
+
+
+# ---- the run and its report --------------------------------------------------------------------
+
+
+class PhaseTimeout(Exception):
+    """A phase ran past its cap."""
+
+
+@contextmanager
+def time_cap(seconds: int) -> Iterator[None]:
+    """Raise PhaseTimeout in the main thread after `seconds` (checked between Python calls)."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise PhaseTimeout(f"over its {seconds} s cap")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(max(1, seconds))
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@dataclass
+class Run:
+    """The options of this run and everything recorded so far (saved after each phase)."""
+
+    out: Path
+    backend: str
+    device: str
+    quick: bool
+    model: str | None
+    results: dict[str, Any]
+
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=2) + "\n")
+
+    def check(self, name: str, ok: bool, error: str = "", **numbers: float) -> None:
+        entry: dict[str, Any] = {"name": name, "ok": bool(ok), **numbers}
+        if error:
+            entry["error"] = error
+        self.results.setdefault("checks", []).append(entry)
+        detail = " ".join(f"{k}={v:.3g}" for k, v in numbers.items())
+        print(f"  {'ok  ' if ok else 'FAIL'} {name} {detail} {error}", flush=True)
+
+    def record(self, name: str, c: correctness.Comparison) -> None:
+        """Record a comparison with its reference as a check."""
+        self.check(name, c.ok, max_out_err=c.max_out_err, max_lse_err=c.max_lse_err)
+
+    def guarded(self, name: str, fn: Callable[[], T]) -> T | None:
+        """`fn()`, or None after recording its exception as a failed check (caps still apply)."""
+        try:
+            return fn()
+        except PhaseTimeout:
+            raise
+        except Exception as err:
+            traceback.print_exc()
+            self.check(name, False, error=f"{type(err).__name__}: {err}"[:400])
+            return None
 
 
 # ---- phase 1: build ----------------------------------------------------------------------------
@@ -77,6 +143,36 @@ def phase_build(run: Run) -> None:
     build_jit_specs(specs, verbose=False)
     run.results["build_s"] = time.perf_counter() - start
     run.results["versions"]["flashinfer"] = flashinfer.__version__
+
+
+# ---- phase 2: correctness ----------------------------------------------------------------------
+
+
+def phase_correctness(run: Run) -> None:
+    """Every scheme of every case against the torch backend, then cross-checks and merge_state."""
+    reference = make_scheme_backend("torch")
+    for shapes in correctness.CHECK_SHAPES:
+        backend = make_scheme_backend(run.backend)
+        tag = f"{str(shapes.dtype)[6:]}/hd{shapes.head_dim}"
+        for p, s, m in correctness.CASES:
+            case = correctness.make_check_case(p, s, m, shapes, run.device)
+            q_ref, cache_ref = case.q.float().cpu(), case.kv_cache.float().cpu()
+            got: dict[str, Any] = {}
+            label = f"{tag} P={p} S={s} M={m}"
+            for name, step in correctness.scheme_steps(case).items():
+                run_step = partial(
+                    correctness.attention, backend, case.q, case.kv_cache, step, case
+                )
+                got[name] = run.guarded(f"{label} {name}", run_step)
+                want = correctness.attention(reference, q_ref, cache_ref, step, case)
+                if got[name] is not None:
+                    run.record(f"{label} {name}", correctness.compare(got[name], want))
+            for a, b in (("cascade_decode", "decode"), ("multi_item", "custom_mask")):
+                if got[a] is not None and got[b] is not None:
+                    run.record(f"{label} {a}=={b}", correctness.compare(got[a], got[b]))
+        merge = partial(correctness.compare_merge_state, shapes, run.backend, run.device)
+        if (merged := run.guarded(f"{tag} merge_state", merge)) is not None:
+            run.record(f"{tag} merge_state", merged)
 
 
 # ---- phase 3: engine ---------------------------------------------------------------------------
@@ -145,7 +241,7 @@ def generate(run: Run, loaded: Any, backend_name: str) -> list[tuple[int, ...]]:
     """Greedy tokens of four prompts, three sharing a 64-token prefix, through the engine."""
     from cachesvc.config import EngineConfig
     from workers.engine.engine import Engine
-    from workers.engine.sampling_params import SamplingParams
+    from workers.sampling_params import SamplingParams
 
     config = EngineConfig(
         dtype="bfloat16", device=run.device, num_blocks=256, attention_backend=backend_name
@@ -243,7 +339,7 @@ def run_phases(run: Run, phases: Sequence[str]) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cachesvc.gpu_check", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m cachesvc.bench.gpu_check", description=__doc__)
     parser.add_argument("--out", default="gpu-check-out", help="folder for results.json")
     parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset")
     parser.add_argument("--backend", default="flashinfer", help="backend under test")

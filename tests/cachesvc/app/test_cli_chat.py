@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from cachesvc.cli import main
-from cachesvc.cli_chat import Message, converse, user_turns
+from cachesvc.app.cli.chat import Message, converse, user_turns
+from cachesvc.app.cli.main import main
+from workers.model.tiny import WordTokenizer, write_tiny_model
 
 BLOCK = 4
 ENGINE_ARGS = ["--block-size", str(BLOCK), "--num-blocks", "256", "--threads", "1"]
@@ -26,29 +27,11 @@ VOCAB = 64
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with a word-level tokenizer (the default ChatML template)."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    words = [*SPECIAL, *WORDS, *(f"w{i}" for i in range(VOCAB - len(SPECIAL) - len(WORDS)))]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(SPECIAL)
+    tokenizer = WordTokenizer(words=WORDS, special=SPECIAL, unk="[UNK]", eos="<|im_end|>")
     path = tmp_path_factory.mktemp("tiny-chat")
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    LlamaForCausalLM(config).eval().save_pretrained(path, safe_serialization=True)
-    return path
+    # The default seed's short replies hold no special token: one would decode to nothing, and
+    # the next turn's prompt would no longer extend this turn's tokens (some seeds do that).
+    return write_tiny_model(path, vocab_size=VOCAB, hidden_size=32, tokenizer=tokenizer)
 
 
 def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[str]:
@@ -191,10 +174,10 @@ def test_bad_flags_exit_2_with_one_line(
 
 
 def test_replies_stream_piece_by_piece_and_add_up_to_the_reply(chat_model: Path) -> None:
-    from cachesvc.cli_chat import _OfflineReplier
+    from cachesvc.app.cli.chat import _OfflineReplier
     from cachesvc.config import EngineConfig
     from workers.engine.engine import Engine
-    from workers.engine.sampling_params import SamplingParams
+    from workers.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model=str(chat_model), num_blocks=64, block_size=4))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -1,19 +1,24 @@
-"""Phase 2 of the GPU check: every scheme on the device against the torch backend."""
+"""What phase 2 of the GPU check compares: every scheme on the device against the torch backend.
+
+The cases, the steps each scheme runs, and the comparison of a result with its float32 reference
+within `TOLERANCE`. Pure apart from the kernels they run; `gpu_check.phase_correctness` records
+the comparisons in the run's report, and the FlashInfer backend's tests reuse the cases.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 
-from cachesvc.gpu_check_run import TOLERANCE, Run
+from workers.attention.base import AttentionBackend, with_lse
 from workers.attention.merge import merge_state
-from workers.attention.schemes import SchemeBackend, build_scheme_layout, make_scheme_backend
+from workers.attention.schemes import build_scheme_layout
 
-# ---- phase 2: correctness ----------------------------------------------------------------------
+# Tolerances against float32 (research notes §10): output atol = rtol, base-2 LSE atol.
+TOLERANCE = {torch.float16: (4e-3, 1e-2), torch.bfloat16: (2e-2, 1e-2)}
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,7 @@ def scheme_steps(case: Case) -> dict[str, Step]:
 
 
 def attention(
-    backend: SchemeBackend, q: torch.Tensor, cache: torch.Tensor, step: Step, case: Case
+    backend: AttentionBackend, q: torch.Tensor, cache: torch.Tensor, step: Step, case: Case
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's (out, base-2 LSE) through a scheme backend, as the runner drives it."""
     scheme, qo_lens, kv_lens, extra = step
@@ -93,13 +98,25 @@ def attention(
     )
     backend.plan(layout)
     scale = q.shape[-1] ** -0.5
-    result = backend.forward(q[: sum(qo_lens)], cache, layout, sm_scale=scale, return_lse=True)
-    assert isinstance(result, tuple)
-    return result
+    return with_lse(
+        backend.forward(q[: sum(qo_lens)], cache, layout, sm_scale=scale, return_lse=True)
+    )
 
 
-def compare(run: Run, name: str, got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> None:
-    """Record whether (out, lse) `got` matches `want` (float32 reference) within tolerance."""
+@dataclass(frozen=True)
+class Comparison:
+    """A result against its float32 reference: within tolerance, and the largest errors."""
+
+    ok: bool
+    max_out_err: float
+    max_lse_err: float
+
+
+def compare(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> Comparison:
+    """Whether (out, lse) `got` matches `want` within `TOLERANCE` of got's dtype.
+
+    Rows with no visible key must be empty (LSE -inf) in both; other LSEs are compared.
+    """
     atol, lse_atol = TOLERANCE[got[0].dtype]
     out, lse = got[0].float().cpu(), got[1].float().cpu()
     ref_out, ref_lse = want[0].float().cpu(), want[1].float().cpu()
@@ -109,44 +126,22 @@ def compare(run: Run, name: str, got: Sequence[torch.Tensor], want: Sequence[tor
     lse_err = (lse - ref_lse)[finite].abs().max() if finite.any() else torch.tensor(0.0)
     same_empty = torch.equal(torch.isfinite(lse), finite)
     ok = out_ok and same_empty and float(lse_err) <= lse_atol
-    run.check(name, ok, max_out_err=float(out_err.max()), max_lse_err=float(lse_err))
+    return Comparison(ok, float(out_err.max()), float(lse_err))
 
 
-def phase_correctness(run: Run) -> None:
-    reference = make_scheme_backend("torch")
-    for shapes in CHECK_SHAPES:
-        backend = make_scheme_backend(run.backend)
-        tag = f"{str(shapes.dtype)[6:]}/hd{shapes.head_dim}"
-        for p, s, m in CASES:
-            case = make_check_case(p, s, m, shapes, run.device)
-            q_ref, cache_ref = case.q.float().cpu(), case.kv_cache.float().cpu()
-            got: dict[str, Any] = {}
-            label = f"{tag} P={p} S={s} M={m}"
-            for name, step in scheme_steps(case).items():
-                run_step = partial(attention, backend, case.q, case.kv_cache, step, case)
-                got[name] = run.guarded(f"{label} {name}", run_step)
-                want = attention(reference, q_ref, cache_ref, step, case)
-                if got[name] is not None:
-                    compare(run, f"{label} {name}", got[name], want)
-            for a, b in (("cascade_decode", "decode"), ("multi_item", "custom_mask")):
-                if got[a] is not None and got[b] is not None:
-                    compare(run, f"{label} {a}=={b}", got[a], got[b])
-        run.guarded(f"{tag} merge_state", partial(check_merge_state, run, shapes))
-
-
-def check_merge_state(run: Run, shapes: Shapes) -> None:
-    """FlashInfer's merge_state against ours, with empty (-inf) states in the mix."""
+def compare_merge_state(shapes: Shapes, backend: str, device: str) -> Comparison:
+    """FlashInfer's merge_state (ours for another backend) against ours, with empty states."""
     gen = torch.Generator().manual_seed(7)
     n, h, d = 64, shapes.num_qo_heads, shapes.head_dim
-    v = [torch.randn(n, h, d, generator=gen).to(run.device, shapes.dtype) for _ in range(2)]
-    s = [torch.randn(n, h, generator=gen).mul(4).to(run.device) for _ in range(2)]
+    v = [torch.randn(n, h, d, generator=gen).to(device, shapes.dtype) for _ in range(2)]
+    s = [torch.randn(n, h, generator=gen).mul(4).to(device) for _ in range(2)]
     s[0][:4] = float("-inf")  # one side empty; both empty on rows 0-1
     s[1][:2] = float("-inf")
-    if run.backend == "flashinfer":
+    if backend == "flashinfer":
         import flashinfer
 
         got = flashinfer.merge_state(v[0], s[0], v[1], s[1])
     else:
         got = merge_state(v[0], s[0], v[1], s[1])
     want = merge_state(v[0].float().cpu(), s[0].cpu(), v[1].float().cpu(), s[1].cpu())
-    compare(run, f"{str(shapes.dtype)[6:]}/hd{shapes.head_dim} merge_state", got, want)
+    return compare(got, want)

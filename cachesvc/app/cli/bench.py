@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cachesvc.cli_serving import add_routing_bench_parser, run_routing_bench_command
-from cachesvc.cli_types import CliError
+from cachesvc.app.cli.common import CliError
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -43,13 +42,13 @@ def add_bench_parser(sub: Any) -> None:
     tiers.add_argument("--model", default=None)
     tiers.add_argument("--redis-url", default=None, help="default: a local redis-server")
     tiers.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    add_routing_bench_parser(bench_sub)
+    _add_routing_bench_parser(bench_sub)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
     """Run the suite `args.suite`; returns the exit status."""
     if args.suite == "routing":
-        return run_routing_bench_command(args)
+        return _run_routing_bench_command(args)
     if args.suite == "engine":
         from cachesvc.bench.engine import run_engine_bench
 
@@ -77,3 +76,74 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
         return run_prefix_cache_bench(args)
     raise CliError(f"unknown benchmark {args.suite!r}")
+
+
+def _add_routing_bench_parser(bench_sub: Any) -> None:
+    from cachesvc.bench.workloads import TraceScale
+
+    b = bench_sub.add_parser(
+        "routing", help="every routing policy on one workload: hit ratio, TTFT, imbalance"
+    )
+    b.add_argument("--workers", type=int, default=2)
+    b.add_argument("--workload", default="groups", choices=("groups", "multiturn", "trace", "all"))
+    b.add_argument("--trace", help="a Mooncake JSONL trace for --workload trace")
+    b.add_argument("--json", dest="json_path", help="also write the results to this file")
+    b.add_argument("--plot", dest="plot_path", help="also draw the results into this PNG")
+    b.add_argument("--quick", action="store_true", help="a small run, a minute or two")
+    b.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
+    b.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of a model")
+    b.add_argument("--rate", type=float, default=None, help="arrivals per second")
+    b.add_argument("--num-blocks", type=int, default=128, help="KV blocks per worker")
+    d = TraceScale()
+    b.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=d.block_tokens,
+        help="tokens per trace hash id (512 in the trace)",
+    )
+    b.add_argument(
+        "--trace-max-blocks", type=int, default=d.max_blocks, help="hash ids kept per request"
+    )
+    b.add_argument(
+        "--trace-families",
+        type=int,
+        default=d.families,
+        help="prefix families sampled (most frequent first hash ids)",
+    )
+    b.add_argument("--trace-requests", type=int, default=d.max_requests)
+    b.add_argument(
+        "--trace-duration",
+        type=float,
+        default=d.duration_s,
+        help="seconds the replayed requests' arrivals span",
+    )
+    b.add_argument("--max-output", type=int, default=d.max_output, help="trace output tokens cap")
+
+
+def _run_routing_bench_command(args: argparse.Namespace) -> int:
+    from cachesvc.bench.routing import RoutingBenchArgs, run_routing_bench
+    from cachesvc.bench.workloads import TraceScale
+
+    scale = TraceScale(
+        block_tokens=args.trace_block_tokens,
+        max_blocks=args.trace_max_blocks,
+        families=args.trace_families,
+        max_requests=args.trace_requests,
+        duration_s=args.trace_duration,
+        max_output=args.max_output,
+    )
+    return run_routing_bench(
+        RoutingBenchArgs(
+            workers=args.workers,
+            workload=args.workload,
+            trace=args.trace,
+            json_path=args.json_path,
+            plot_path=args.plot_path,
+            quick=args.quick,
+            model=args.model,
+            tiny=args.tiny,
+            rate=args.rate,
+            num_blocks=args.num_blocks,
+            trace_scale=scale,
+        )
+    )

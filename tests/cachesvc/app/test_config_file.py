@@ -1,4 +1,4 @@
-"""cachesvc/config_file.py: files onto the frozen config dataclasses, and `serve --config`."""
+"""cachesvc/app/config_file.py: files onto the frozen config dataclasses, and `serve --config`."""
 
 from __future__ import annotations
 
@@ -9,17 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from cachesvc import cli
-from cachesvc.config import ConfigError, EngineConfig
-from cachesvc.config_file import (
+from cachesvc.app.cli.main import build_parser, main
+from cachesvc.app.cli.serve import serve_config, serve_config_file
+from cachesvc.app.config_file import (
     changed_fields,
     from_mapping,
     load_config_file,
     read_config_file,
     with_overrides,
 )
+from cachesvc.app.serve import ServeConfig
+from cachesvc.config import ConfigError, EngineConfig
 from router.config import TenantToken
-from router.main import ServeConfig
 
 
 class Color(enum.Enum):
@@ -148,8 +149,8 @@ def test_serve_config_flag_overrides_the_file_only_when_given(tmp_path: Path) ->
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     argv = ["serve", "--port", "7000", "--auth-token-file", str(token), "--config", str(path)]
-    args = cli._parser().parse_args(argv)
-    config = cli._serve_config_file(args.config, cli._serve_config(args))
+    args = build_parser().parse_args(argv)
+    config = serve_config_file(args.config, serve_config(args))
     assert config.router.port == 7000  # given on the command line
     assert config.router.policy == "round_robin" and config.num_workers == 3  # from the file
     assert config.router.auth_token == "s3cret"
@@ -172,8 +173,8 @@ def test_serve_tls_and_tenants_from_the_file_and_from_the_flags(tmp_path: Path) 
     tenants = tmp_path / "tenants"
     tenants.write_text("umbrella t2\n")
     argv = ["serve", "--tls-cert-file", b_crt, "--tls-key-file", b_key, "--config", str(path)]
-    args = cli._parser().parse_args([*argv, "--tenant-tokens-file", str(tenants)])
-    router = cli._serve_config_file(args.config, cli._serve_config(args)).router
+    args = build_parser().parse_args([*argv, "--tenant-tokens-file", str(tenants)])
+    router = serve_config_file(args.config, serve_config(args)).router
     assert (router.tls_cert_file, router.tls_key_file, router.port) == (b_crt, b_key, 6000)
     assert router.tenant_tokens == (TenantToken("umbrella", "t2"),)
 
@@ -183,7 +184,7 @@ def test_serve_with_a_bad_config_exits_2_with_one_line(
 ) -> None:
     path = tmp_path / "serve.yaml"
     path.write_text("engine:\n  blok_size: 32\n")
-    assert cli.main(["serve", "--config", str(path)]) == 2
+    assert main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
     assert "unknown key 'engine.blok_size'" in err and "did you mean 'block_size'" in err

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cachesvc.bench.routing import RequestRecord, summarize
+from cachesvc.bench.routing_report import RequestRecord, summarize
 from cachesvc.bench.workloads import (
     TraceScale,
     groups_workload,
@@ -19,7 +19,7 @@ from cachesvc.bench.workloads import (
 )
 
 # The team's shared folder sits beside the repository.
-SAMPLE = Path(__file__).resolve().parents[3] / "shared/data/mooncake_synthetic_trace.jsonl"
+SAMPLE = Path(__file__).resolve().parents[4] / "shared/data/mooncake_synthetic_trace.jsonl"
 
 
 def test_groups_share_their_system_prompt_and_are_deterministic() -> None:

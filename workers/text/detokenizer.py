@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from workers.model.tokenizer import Tokenizer
+    from workers.text.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 

@@ -17,7 +17,7 @@ DEMO_QUESTIONS = (
 def run_demo(config: EngineConfig, max_tokens: int = 48) -> int:
     """Load the model, answer DEMO_QUESTIONS as one batch, print answers and timings."""
     from workers.engine.engine import Engine
-    from workers.engine.sampling_params import SamplingParams
+    from workers.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     engine = Engine(config)

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
-from workers.model.default_model import default_model_path
-from workers.model.detokenizer import IncrementalDetokenizer
-from workers.model.tokenizer import Tokenizer, TokenizerError
+from workers.text.default_model import default_model_path
+from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.tokenizer import Tokenizer, TokenizerError
 
 TEXTS = [
     "Hello, world!",

@@ -1,6 +1,6 @@
-"""Building the tiers an engine is configured with, and calibrating the planner's cost model.
+"""Calibrating the planner's cost model for an engine's tiers.
 
-Calibration runs once at start: a few synthetic blocks through each tier and into the device
+It runs once at start: a few synthetic blocks through each tier and into the device
 caches, and forward passes over scratch blocks (short and long, without and with context) to fit
 the prefill cost.
 """
@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from cachesvc.calibration import ComputeSample, probe_codecs
-from cachesvc.config import AUTO_CODECS, TierConfig
-from cachesvc.tiers.base import Tier, TierStats, make_tier
+from cachesvc.config import AUTO_CODECS
+from cachesvc.tiers.base import TierStats
 from cachesvc.types import BlockId, RequestId
 from workers.engine.kv_copy import kv_to_numpy, write_blocks
 from workers.engine.runner import ModelRunner
@@ -25,48 +25,6 @@ if TYPE_CHECKING:
     from workers.engine.tiering import KVTiering
 
 _log = logging.getLogger(__name__)
-
-
-def build_tiers(
-    config: TierConfig, fingerprint: str, block_bytes: int
-) -> tuple[list[Tier], Tier | None]:
-    """The configured local tiers (fastest first) and shared tier; `block_bytes` sizes DRAM
-    slots (an encoded block never exceeds raw + header)."""
-    local: list[Tier] = []
-    if config.dram_mb > 0:
-        pin = torch.cuda.is_available()
-        local.append(
-            make_tier(
-                "dram",
-                capacity_mb=config.dram_mb,
-                slot_bytes=block_bytes,
-                pin_memory=pin,
-                cap_mb_per_s=config.dram_cap_mbps,
-            )
-        )
-    if config.nvme_path is not None:
-        local.append(
-            make_tier(
-                "nvme",
-                path=config.nvme_path,
-                capacity_mb=config.nvme_mb,
-                cap_mb_per_s=config.nvme_cap_mbps,
-            )
-        )
-    shared = None
-    if config.redis_url is not None:
-        shared = make_tier(
-            "redis",
-            url=config.redis_url,
-            namespace=fingerprint,
-            password=config.redis_password,
-            ttl_s=config.redis_ttl_s,
-            timeout_s=config.redis_timeout_s,
-            retry_s=config.redis_retry_s,
-            tls_ca_file=config.redis_tls_ca_file,
-            cap_mb_per_s=config.redis_cap_mbps,
-        )
-    return local, shared
 
 
 def calibrate(tiering: KVTiering, runner: ModelRunner, max_tokens: int) -> None:

@@ -8,11 +8,17 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cachesvc.cli_serving import add_client_flags, client_tls
-from cachesvc.cli_types import CliError
+from cachesvc.app.cli.common import (
+    CliError,
+    add_client_flags,
+    add_engine_args,
+    client_tls,
+    engine_config,
+    read_token,
+)
 
 
-def add_score_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_score_parser(sub: Any) -> None:
     """Register the `score` subcommand on the CLI's subparsers."""
     p = sub.add_parser("score", help="score items after a shared prefix (multi-item scoring)")
     p.add_argument("--prefix", required=True, help="the shared prefix text")
@@ -45,12 +51,7 @@ def _label_ids(labels: Sequence[str], encode: Callable[[str], list[int]]) -> lis
     return out
 
 
-def run_score_command(
-    args: argparse.Namespace,
-    *,
-    engine_config: Callable[[], Any],
-    read_token: Callable[[str | None], str | None],
-) -> int:
+def run_score_command(args: argparse.Namespace) -> int:
     """Score in-process or through `--server`; print one line (or JSON object) per item."""
     if not args.item:
         raise CliError("--item: give at least one item")
@@ -59,7 +60,7 @@ def run_score_command(
     if args.server:
         labels, rows = _score_remote(args, read_token(args.auth_token_file))
     else:
-        labels, rows = _score_offline(args, engine_config())
+        labels, rows = _score_offline(args, engine_config(args))
     for item, row in zip(args.item, rows, strict=True):
         if args.json:
             print(json.dumps({"item": item, "label_token_ids": labels, "logprobs": row}))

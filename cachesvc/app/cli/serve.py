@@ -1,0 +1,175 @@
+"""`cachesvc serve`: the gRPC router over Ray workers, from flags or a config file; the flags
+of its shared index, metrics, logs, limits, tenants, TLS and `--attach`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from cachesvc.app.cli.common import add_engine_args, engine_config, read_token
+
+if TYPE_CHECKING:
+    from cachesvc.app.serve import ServeConfig
+
+
+def add_serve_parser(sub: Any) -> None:
+    """Register the `serve` subcommand on the CLI's subparsers."""
+    _add_serve_arguments(
+        sub.add_parser("serve", help="the gRPC router over Ray workers, until Ctrl-C")
+    )
+
+
+def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--workers", type=int, default=1, help="worker actors to start")
+    serve.add_argument("--ray-address", default=None, help="Ray cluster (default: start one)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--policy", default="prefix_aware", help="routing policy")
+    serve.add_argument("--auth-token-file", help="require this bearer token (a file holding it)")
+    serve.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    serve.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML/JSON file of ServeConfig fields (as the Helm chart writes it); flags whose "
+        "value differs from their default override it",
+    )
+    # serve's --redis-url is the router's index; the KV tier may be another Redis.
+    add_engine_args(serve, redis_flag="--redis-tier-url")
+    _add_serve_flags(serve)
+
+
+def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
+    """Flags of `cachesvc serve` for a shared index, metrics, logs and queue limits."""
+    serve.add_argument(
+        "--redis-url",
+        default=None,
+        help="share the prefix index through Redis (redis://host:port/db), so several routers "
+        "route alike and a restarted router is not blind",
+    )
+    serve.add_argument(
+        "--redis-namespace",
+        default="cachesvc",
+        help="key prefix in Redis: the same for routers of the same workers, distinct otherwise",
+    )
+    serve.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port"
+    )
+    serve.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also serve the gRPC health service alone, in plaintext, on 127.0.0.1:PORT (for "
+        "probes that cannot speak TLS)",
+    )
+    serve.add_argument(
+        "--max-queued-per-worker",
+        type=int,
+        default=None,
+        help="refuse (RESOURCE_EXHAUSTED) when every worker has this many requests",
+    )
+    serve.add_argument(
+        "--max-inflight", type=int, default=1024, help="requests the router takes at once"
+    )
+    serve.add_argument("--log-format", default="text", choices=("text", "json"))
+    serve.add_argument(
+        "--tenant-tokens-file",
+        help="a file of 'TENANT TOKEN' lines: each token is accepted and isolates its tenant's "
+        "cache (with or without --auth-token-file, the operator's token)",
+    )
+    serve.add_argument("--tls-cert-file", help="serve TLS with this PEM certificate (chain)")
+    serve.add_argument("--tls-key-file", help="the PEM private key of --tls-cert-file")
+    serve.add_argument(
+        "--tls-client-ca-file",
+        help="mutual TLS: require client certificates signed by this PEM CA",
+    )
+    serve.add_argument(
+        "--ray-namespace",
+        default="cachesvc",
+        help="Ray namespace of the workers (named cachesvc-worker-<i>); --attach looks there",
+    )
+    serve.add_argument(
+        "--attach",
+        action="store_true",
+        help="route over the workers a running `cachesvc serve` started on --ray-address "
+        "(same --ray-namespace and --model); they are left running on exit",
+    )
+
+
+def _router_options(args: argparse.Namespace) -> dict[str, Any]:
+    """RouterConfig fields from the flags `_add_serve_flags` added (reads the tenant tokens
+    file)."""
+    from router.config import load_tenant_tokens
+
+    tenants = args.tenant_tokens_file
+    return {
+        "redis_url": args.redis_url,
+        "redis_namespace": args.redis_namespace,
+        "metrics_port": args.metrics_port,
+        "health_port": args.health_port,
+        "max_queued_per_worker": args.max_queued_per_worker,
+        "max_inflight": args.max_inflight,
+        "tenant_tokens": () if tenants is None else load_tenant_tokens(tenants),
+        "tls_cert_file": args.tls_cert_file,
+        "tls_key_file": args.tls_key_file,
+        "tls_client_ca_file": args.tls_client_ca_file,
+    }
+
+
+def _serve_options(args: argparse.Namespace) -> dict[str, Any]:
+    """ServeConfig fields from the worker flags `_add_serve_flags` added."""
+    return {"ray_namespace": args.ray_namespace, "attach": args.attach}
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig the flags ask for (reads the token and tenant files)."""
+    from cachesvc.app.serve import ServeConfig
+    from router.config import RouterConfig
+
+    return ServeConfig(
+        engine=engine_config(args),
+        router=RouterConfig(
+            host=args.host,
+            port=args.port,
+            policy=args.policy,
+            auth_token=read_token(args.auth_token_file),
+            **_router_options(args),
+        ),
+        num_workers=args.workers,
+        ray_address=args.ray_address,
+        device=args.device,
+        **_serve_options(args),
+    )
+
+
+def serve_config_file(path: str, flags: ServeConfig) -> ServeConfig:
+    """The ServeConfig in `path` with the flags that differ from their defaults on top; the
+    engine then takes CACHESVC_* variables where the file leaves a field unset (from_env)."""
+    from cachesvc.app.config_file import changed_fields, load_config_file, with_overrides
+    from cachesvc.app.serve import ServeConfig
+    from cachesvc.config import EngineConfig
+
+    defaults = serve_config(_defaults())
+    config = with_overrides(load_config_file(path, ServeConfig), changed_fields(flags, defaults))
+    fields = {f.name: getattr(config.engine, f.name) for f in dataclasses.fields(config.engine)}
+    return dataclasses.replace(config, engine=EngineConfig.from_env(**fields))
+
+
+def run_serve_command(args: argparse.Namespace) -> int:
+    """Serve until a signal; returns the exit status."""
+    from cachesvc.app.serve import run_serve
+    from router.logs import configure_logging
+
+    configure_logging(args.log_format)
+
+    config = serve_config(args)
+    if args.config:
+        config = serve_config_file(args.config, config)
+    return run_serve(config)
+
+
+def _defaults() -> argparse.Namespace:
+    """The flags of `serve` at their defaults (what a config file's values are compared with)."""
+    parser = argparse.ArgumentParser()
+    _add_serve_arguments(parser)
+    return parser.parse_args([])

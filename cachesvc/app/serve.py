@@ -1,0 +1,102 @@
+"""`cachesvc serve`: connect to Ray, start the workers, route gRPC calls until a signal.
+
+The workers (`workers/cluster.py`) are named in the Ray namespace `ray_namespace`, so a second
+`cachesvc serve --attach` finds them and routes over them too. The owning serve closes them
+(tiers flushed) and kills them on exit; an attached one leaves them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cachesvc.config import ConfigError, EngineConfig
+from cachesvc.events_redis import EventStreamConfig
+from cachesvc.types import WorkerId
+from router.bootstrap import build_router, make_index, serve_until_signal
+from router.config import RouterConfig
+from router.policy import make_policy
+from workers.cluster import WorkerGroup, find_workers, spawn_workers, stop_workers
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything `cachesvc serve` needs; `device="auto"` takes a GPU when the cluster has one.
+
+    `attach` routes over the workers another serve started in `ray_namespace` (the engine
+    fields and `num_workers` are then not used, except `engine.model` for the tokenizer).
+    """
+
+    engine: EngineConfig
+    router: RouterConfig
+    num_workers: int = 1
+    ray_address: str | None = None
+    num_cpus_per_worker: float = 1.0
+    device: str = "auto"
+    ray_namespace: str = "cachesvc"
+    attach: bool = False
+    close_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ConfigError(f"--workers must be at least 1, got {self.num_workers}")
+        if self.num_cpus_per_worker < 0:
+            raise ConfigError("num_cpus_per_worker must be >= 0")
+        if not self.ray_namespace.strip():
+            raise ConfigError("--ray-namespace must not be empty")
+        if self.close_timeout_s <= 0:
+            raise ConfigError(f"close_timeout_s must be positive, got {self.close_timeout_s}")
+
+    def worker_group(self) -> WorkerGroup:
+        """The workers this serve starts; they publish their KV events to Redis when the
+        router shares its index there."""
+        stream = None
+        if self.router.redis_url is not None:
+            stream = EventStreamConfig(self.router.redis_url, self.router.redis_namespace)
+        return WorkerGroup(
+            self.engine,
+            self.num_workers,
+            self.ray_namespace,
+            self.device,
+            self.num_cpus_per_worker,
+            stream,
+        )
+
+
+def run_serve(config: ServeConfig) -> int:
+    """Blocking entry point of `cachesvc serve`; returns the exit status."""
+    import ray
+
+    make_policy(config.router.policy)  # fail on a bad name before starting anything
+    if config.router.redis_url is not None:
+        make_index(config.router)  # and on an unreachable Redis (ConnectionError)
+    ray.init(
+        address=config.ray_address,
+        namespace=config.ray_namespace,
+        include_dashboard=False,
+        log_to_driver=True,
+    )
+    owned: dict[WorkerId, Any] = {}  # the workers this serve started: closed and killed
+    try:
+        if config.attach:
+            actors = find_workers(config.ray_namespace, config.ray_address)
+        else:
+            actors = owned = spawn_workers(config.worker_group())
+        return asyncio.run(_route(actors, config))
+    finally:
+        stop_workers(owned, config.close_timeout_s)
+        ray.shutdown()
+
+
+async def _route(actors: Mapping[WorkerId, Any], config: ServeConfig) -> int:
+    try:
+        router = await build_router(actors, config.router, config.engine.model)
+    except Exception as exc:  # e.g. a worker that cannot load the model
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        print(f"cachesvc: error: workers failed to start: {first_line}", file=sys.stderr)
+        return 1
+    await serve_until_signal(router, config.router)
+    return 0

@@ -1,0 +1,85 @@
+"""Assemble a Router over worker actors that already exist, and serve it until a signal.
+
+The router process itself needs only the tokenizer and hashing: torch loads inside the worker
+actors, never here. Starting, finding and stopping the workers is the application's job
+(`cachesvc/app/serve.py`); the router is handed their handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from cachesvc.index import MemoryPrefixIndex, PrefixIndex
+from cachesvc.types import WorkerId
+from router.config import RouterConfig
+from router.core import Router
+from router.events_source import make_event_source
+from router.policy import make_policy
+from router.pool import WorkerPool
+from router.server import RouterServer
+from workers.text.tokenizer import Tokenizer
+
+_log = logging.getLogger(__name__)
+
+
+def load_router_tokenizer(model: str | None) -> Tokenizer | None:
+    """The model's tokenizer, as the workers load it; None for a folder that ships none."""
+    from workers.text.default_model import default_model_path
+
+    path = Path(model) if model is not None else default_model_path()
+    if path.is_dir() and not (path / "tokenizer.json").exists():
+        return None
+    return Tokenizer.from_path(path)
+
+
+def make_index(config: RouterConfig) -> PrefixIndex:
+    """The prefix index the config asks for: in Redis when `redis_url` is set, else in memory."""
+    if config.redis_url is None:
+        return MemoryPrefixIndex()
+    from cachesvc.index_redis import RedisPrefixIndex
+
+    return RedisPrefixIndex.from_url(config.redis_url, config.redis_namespace)
+
+
+async def build_router(
+    actors: Mapping[WorkerId, Any], config: RouterConfig, model: str | None
+) -> Router:
+    """A started Router over existing worker actors: the workers have loaded their model and
+    their cached blocks are indexed when this returns."""
+    policy = make_policy(
+        config.policy,
+        abs_threshold=config.balance_abs_threshold,
+        rel_threshold=config.balance_rel_threshold,
+    )
+    pool = WorkerPool(actors, make_index(config), config, make_event_source(config))
+    router = Router(pool, load_router_tokenizer(model), policy, config)
+    await router.start()
+    return router
+
+
+async def serve_until_signal(router: Router, config: RouterConfig) -> None:
+    """Serve until SIGINT or SIGTERM, then drain gracefully."""
+    server = RouterServer(router, config)
+    await server.start()
+    print(
+        f"cachesvc: serving on {config.host}:{server.port} (policy {router.policy.name}, "
+        f"{len(router.pool.states())} workers); Ctrl-C stops",
+        file=sys.stderr,
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        print("cachesvc: shutting down", file=sys.stderr, flush=True)
+        await server.stop()
+        await router.close()

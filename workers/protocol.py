@@ -1,0 +1,88 @@
+"""The messages between the router and a worker: the router's whole view of one.
+
+Everything that crosses the process boundary is a plain frozen dataclass (no proto, torch or Ray
+types), so the router imports this module without importing torch or ray. The KV events and the
+index snapshot they carry are the cache core's (`cachesvc.events`, `cachesvc.index`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from cachesvc.events import Event
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker is; fixed for its lifetime (one incarnation)."""
+
+    worker_id: str
+    incarnation: str
+    model_fingerprint: str
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+    device: str
+    event_stream: str | None = None  # the Redis Stream it publishes its events to, if any
+
+
+@dataclass(frozen=True)
+class TierBlocks:
+    total: int
+    used: int  # held by running requests
+    cached: int  # registered under a hash
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """How busy a worker is; `num_queued_tokens` is the work ahead of a new request."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_queued_tokens: int = 0
+    blocks: Mapping[str, TierBlocks] = field(default_factory=dict)
+    # The lower tiers' counters (`KVTiering.metrics`): reads, misses, plans and their timing.
+    tiering: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PollResult:
+    """The worker's load and its KV events with `seq >= since`, oldest first; `next_seq`
+    numbers the next event it will make (every earlier one is buffered or published)."""
+
+    incarnation: str
+    load: WorkerLoad
+    events: tuple[Event, ...]
+    next_seq: int = 0
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: Mapping[str, int]  # per tier
+    computed_tokens: int
+    ttft_ms: float
+    decode_tokens_per_s: float | None
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """New tokens of one sample; `finish_reason` and `usage` are set on its last delta."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class StreamError:
+    """A request the worker refused; `code` is invalid_argument | resource_exhausted |
+    unimplemented."""
+
+    code: str
+    message: str
