@@ -32,6 +32,7 @@ from router.domain import (
 from router.metrics import RequestOutcome, RouterMetrics
 from router.policy import Candidate, Policy, RouteDecision, RouteRequest
 from router.pool import Health, WorkerDied, WorkerPool, raise_stream_error
+from router.prompt_encoder import PromptEncoder
 from router.resume import Part, RequestProgress
 from router.streams import merged
 from workers.protocol import StreamDelta, StreamError, Usage
@@ -57,26 +58,32 @@ class Router:
         self._stats = RouterStats(policy.name)
         self.metrics = RouterMetrics()
         self.metrics.watch(pool)
+        self._encoder: PromptEncoder | None = None
 
     async def start(self) -> None:
         """Wait for the workers and index what they hold."""
         model = await self.pool.start()
+        if self.tokenizer is not None:
+            self._encoder = PromptEncoder(self.tokenizer, model.max_model_len)
         self._stats.block_size = model.block_size
         self._stats.model_fingerprint = model.model_fingerprint
 
     async def close(self) -> None:
         await self.pool.close()
+        if self._encoder is not None:
+            self._encoder.close()
 
     # ---- tokens and hashes ------------------------------------------------------------------
 
-    def encode(self, prompt: PromptInput, field: str = "prompt") -> list[int]:
+    async def encode(self, prompt: PromptInput, field: str = "prompt") -> list[int]:
         """Token ids of a prompt as the worker will see them; raises InvalidInput naming the
-        field (empty, ids outside the vocabulary, longer than the model's context)."""
+        field (empty, ids outside the vocabulary, longer than the model's context). Long
+        texts are tokenized off the event loop (`PromptEncoder`)."""
         if prompt.token_ids is not None:
             ids = list(prompt.token_ids)
             self._check_vocab(ids, f"{field}.token_ids")
         else:
-            ids = self._encode_text(self.render(prompt, field), field)
+            ids = await self._encode_text(self.render(prompt, field), field)
         if not ids:
             raise InvalidInput(f"{field} has no tokens")
         limit = self.pool.model.max_model_len
@@ -106,12 +113,9 @@ class Router:
         except TokenizerError as exc:
             raise InvalidInput(f"{field}.chat: {exc}") from exc
 
-    def _encode_text(self, text: str, field: str) -> list[int]:
-        assert self.tokenizer is not None  # render() checked
-        try:
-            return self.tokenizer.encode(text)
-        except TokenizerError as exc:
-            raise InvalidInput(f"{field}: {exc}") from exc
+    async def _encode_text(self, text: str, field: str, special: bool = True) -> list[int]:
+        assert self._encoder is not None  # render() checked there is a tokenizer
+        return await self._encoder.encode(text, field, add_special_tokens=special)
 
     def _check_vocab(self, ids: Sequence[int], field: str) -> None:
         vocab = self.pool.model.vocab_size
@@ -124,16 +128,16 @@ class Router:
         root = root_hash(model.model_fingerprint, model.block_size, cache_salt or "")
         return hash_blocks(ids, model.block_size, root)
 
-    def tokenize(
+    async def tokenize(
         self, prompt: PromptInput, continuation: bool = False
     ) -> tuple[list[int], int, str]:
         """Token ids, the number of full blocks they make, and the text they came from ("" for
         a token-id prompt). A `continuation` text is encoded as Score encodes items: without
         the tokens the model adds to a prompt."""
         if continuation and prompt.text is not None:
-            ids = self._encode_item(prompt, "prompt")
+            ids = await self._encode_item(prompt, "prompt")
             return ids, len(ids) // self.pool.model.block_size, prompt.text
-        ids = self.encode(prompt)
+        ids = await self.encode(prompt)
         text = "" if prompt.token_ids is not None else self.render(prompt)
         return ids, len(ids) // self.pool.model.block_size, text
 
@@ -145,7 +149,7 @@ class Router:
         another (see `router.resume`), so the client sees one stream."""
         if self._stats.num_inflight >= self.config.max_inflight:
             raise Exhausted(f"router is at its limit of {self.config.max_inflight} requests")
-        ids = self.encode(req.prompt)
+        ids = await self.encode(req.prompt)
         self._check_vocab(req.params.stop_token_ids, "sampling.stop_token_ids")
         progress = RequestProgress(ids, asdict(req.params), self.tokenizer)
         outcome = RequestOutcome(req.request_id or f"req-{uuid.uuid4().hex[:16]}", self.policy.name)
@@ -175,6 +179,10 @@ class Router:
     ) -> AsyncGenerator[StreamDelta, None]:
         excluded: set[WorkerId] = set()
         last_error: RouterError = Unavailable("no attempt was made")
+        # The worker knows the request by an id of this call alone: the client's id is not
+        # unique across tenants, so an abort (a cancelled call) reaches only its own request
+        # and a clash can tell nobody which ids another tenant has in flight.
+        call_id = f"{outcome.request_id}/{uuid.uuid4().hex}"
         for attempt in range(self.config.max_retries + 1):
             parts = progress.parts()
             # Every part continues the same prompt: the first one's blocks stand for all.
@@ -182,7 +190,7 @@ class Router:
             decision = self._route(len(prompt), self.block_hashes(prompt, req.cache_salt), excluded)
             self.metrics.decisions.labels(decision.policy, decision.worker).inc()
             try:
-                attempt_deltas = self._attempt(decision, parts, outcome.request_id, req, progress)
+                attempt_deltas = self._attempt(decision, parts, call_id, req, progress)
                 async with contextlib.aclosing(attempt_deltas) as deltas:
                     async for part, raw in deltas:
                         delta = progress.forward(part, raw, decision.worker)
@@ -307,10 +315,10 @@ class Router:
 
     async def score(self, req: ScoreInput) -> ScoreResult:
         """Per item, the log-probs of the label tokens after prefix + item."""
-        prefix = self.encode(req.prefix, "prefix")
+        prefix = await self.encode(req.prefix, "prefix")
         if not req.items:
             raise InvalidInput("items must not be empty")
-        items = [self._encode_item(item, f"items[{i}]") for i, item in enumerate(req.items)]
+        items = [await self._encode_item(item, f"items[{i}]") for i, item in enumerate(req.items)]
         if not req.label_token_ids:
             raise InvalidInput("label_token_ids must not be empty")
         self._check_vocab(req.label_token_ids, "label_token_ids")
@@ -334,12 +342,12 @@ class Router:
             return ScoreResult(logprobs, decision.worker)
         raise Unavailable("no live worker could score the request")
 
-    def _encode_item(self, item: PromptInput, field: str) -> list[int]:
+    async def _encode_item(self, item: PromptInput, field: str) -> list[int]:
         if item.token_ids is not None:
             ids = list(item.token_ids)
             self._check_vocab(ids, f"{field}.token_ids")
         elif item.text and self.tokenizer is not None:
-            ids = self.tokenizer.encode(item.text, add_special_tokens=False)
+            ids = await self._encode_text(item.text, field, special=False)
         else:
             raise InvalidInput(f"{field} must be non-empty text or token_ids")
         if not ids:

@@ -141,7 +141,7 @@ class InferenceService:
         msg: pb.TokenizeRequest = await _decoded(request, context)
         try:
             prompt = wire.prompt_from_proto(msg.prompt)
-            ids, num_blocks, text = self._router.tokenize(prompt, msg.continuation)
+            ids, num_blocks, text = await self._router.tokenize(prompt, msg.continuation)
         except Exception as exc:
             self._count("Tokenize", _status_of(exc))
             await _fail(context, exc)

@@ -73,6 +73,7 @@ class Tokenizer:
             if token_id is not None and not 0 <= token_id < self._vocab_size:
                 raise TokenizerError(f"special token id {token_id} is outside the vocabulary")
         self._chat_template = _compile_chat_template(parts.chat_template or _CHATML_TEMPLATE)
+        self._max_token_chars = max(len(t) for t in parts.backend.get_vocab(True))
 
     @classmethod
     def from_path(cls, path: str | Path) -> Tokenizer:
@@ -110,7 +111,18 @@ class Tokenizer:
         become their single id; `add_special_tokens` only controls an added bos/eos."""
         if not isinstance(text, str):
             raise TokenizerError(f"text must be a str, got {type(text).__name__}")
-        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # The batch call releases the GIL while it works (the single one holds it): a long
+        # text tokenized on a thread then leaves the caller's event loop running.
+        [encoding] = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: its longest vocabulary entry's
+        spelling, never shorter than the text it decodes to (byte-level and SentencePiece
+        vocabularies spell every byte or space; a tokenizer that drops whitespace can make a
+        text longer than this bound suggests)."""
+        return self._max_token_chars
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of `ids`; an incomplete UTF-8 sequence decodes to U+FFFD."""
