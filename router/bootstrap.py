@@ -23,6 +23,7 @@ from router.events_source import make_event_source
 from router.policy import make_policy
 from router.pool import WorkerPool
 from router.server import RouterServer
+from router.supervisor import Replace
 from workers.text.tokenizer import Tokenizer
 
 _log = logging.getLogger(__name__)
@@ -48,17 +49,21 @@ def make_index(config: RouterConfig) -> PrefixIndex:
 
 
 async def build_router(
-    actors: Mapping[WorkerId, Any], config: RouterConfig, model: str | None
+    actors: Mapping[WorkerId, Any],
+    config: RouterConfig,
+    model: str | None,
+    replace: Replace | None = None,
 ) -> Router:
     """A started Router over existing worker actors: the workers have loaded their model and
-    their cached blocks are indexed when this returns."""
+    their cached blocks are indexed when this returns. `replace` starts a new actor for a
+    worker that died for good (see `router.supervisor`)."""
     policy = make_policy(
         config.policy,
         abs_threshold=config.balance_abs_threshold,
         rel_threshold=config.balance_rel_threshold,
     )
     pool = WorkerPool(actors, make_index(config), config, make_event_source(config))
-    router = Router(pool, load_router_tokenizer(model), policy, config)
+    router = Router(pool, load_router_tokenizer(model), policy, config, replace)
     await router.start()
     return router
 

@@ -64,6 +64,17 @@ class RouterConfig:
     poll_interval_s: float = 0.05
     call_timeout_s: float = 10.0
     max_missed_polls: int = 3
+    # A ping is answered without waiting for the engine: `max_missed_polls` unanswered in a
+    # row make a worker unhealthy, and a stream waiting on it fails over (checked every
+    # `stall_check_s`). Unhealthy for `dead_after_s`, it is dead: killed, and replaced (when
+    # the router owns its workers) at most `max_replacements` times, backing off from
+    # `replace_backoff_s`; a replacement has `start_timeout_s` to load its model.
+    ping_timeout_s: float = 2.0
+    stall_check_s: float = 0.5
+    dead_after_s: float = 60.0
+    max_replacements: int = 10
+    replace_backoff_s: float = 1.0
+    start_timeout_s: float = 600.0
     balance_abs_threshold: int = 8
     balance_rel_threshold: float = 1.5
     # A worker with this many requests (running, waiting or in flight from this router) gets no
@@ -83,10 +94,20 @@ class RouterConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         self._check_tokens()
         self._check_tls()
+        if self.max_replacements < 0:
+            raise ConfigError(f"max_replacements must be >= 0, got {self.max_replacements}")
         for name in ("max_n", "max_beam_width", "max_inflight", "max_missed_polls"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("poll_interval_s", "call_timeout_s"):
+        for name in (
+            "poll_interval_s",
+            "call_timeout_s",
+            "ping_timeout_s",
+            "stall_check_s",
+            "dead_after_s",
+            "replace_backoff_s",
+            "start_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_queued_per_worker is not None and self.max_queued_per_worker < 1:

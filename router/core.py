@@ -35,6 +35,7 @@ from router.pool import Health, WorkerDied, WorkerPool, raise_stream_error
 from router.prompt_encoder import PromptEncoder
 from router.resume import Part, RequestProgress
 from router.streams import merged
+from router.supervisor import Replace, Supervisor
 from workers.protocol import StreamDelta, StreamError, Usage
 from workers.text.tokenizer import Tokenizer, TokenizerError
 
@@ -50,7 +51,10 @@ class Router:
         tokenizer: Tokenizer | None,
         policy: Policy,
         config: RouterConfig,
+        replace: Replace | None = None,
     ) -> None:
+        """`replace` starts a new actor for a worker that is dead for good (None: a dead
+        worker stays dead, e.g. for a router attached to another's workers)."""
         self.pool = pool
         self.tokenizer = tokenizer
         self.policy = policy
@@ -59,16 +63,19 @@ class Router:
         self.metrics = RouterMetrics()
         self.metrics.watch(pool)
         self._encoder: PromptEncoder | None = None
+        self.supervisor = Supervisor(pool, config, replace)
 
     async def start(self) -> None:
-        """Wait for the workers and index what they hold."""
+        """Wait for the workers, index what they hold and start supervising them."""
         model = await self.pool.start()
+        self.supervisor.start()
         if self.tokenizer is not None:
             self._encoder = PromptEncoder(self.tokenizer, model.max_model_len)
         self._stats.block_size = model.block_size
         self._stats.model_fingerprint = model.model_fingerprint
 
     async def close(self) -> None:
+        await self.supervisor.close()
         await self.pool.close()
         if self._encoder is not None:
             self._encoder.close()
@@ -379,7 +386,8 @@ class Router:
         ]
 
     def is_serving(self) -> bool:
-        return bool(self.pool.routable())
+        """True while some worker is healthy (the gRPC health service's overall status)."""
+        return bool(self.pool.healthy())
 
     async def flush(self) -> int:
         """Drop every unused cached block on every live worker; returns how many."""

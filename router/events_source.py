@@ -58,6 +58,10 @@ class EventSource(Protocol):
         """Stop following a dead worker; unknown workers are ignored."""
         ...
 
+    async def follow(self, worker: WorkerId, position: StreamPosition, apply: ApplyEvents) -> None:
+        """Follow one more worker (a replacement) from `position`, after `start`."""
+        ...
+
     async def close(self) -> None:
         """Stop following; idempotent."""
         ...
@@ -71,6 +75,9 @@ class PolledEvents:
 
     async def start(self, positions: Mapping[WorkerId, StreamPosition], apply: ApplyEvents) -> None:
         return None
+
+    async def follow(self, worker: WorkerId, position: StreamPosition, apply: ApplyEvents) -> None:
+        pass
 
     def forget(self, worker: WorkerId) -> None:
         return None
@@ -129,6 +136,11 @@ class RedisStreamEvents:
 
     def forget(self, worker: WorkerId) -> None:
         self._last_id.pop(worker, None)
+
+    async def follow(self, worker: WorkerId, position: StreamPosition, apply: ApplyEvents) -> None:
+        self._last_id[worker] = await self._start_id(worker, position)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._read_forever(apply))
 
     async def close(self) -> None:
         if self._task is not None:

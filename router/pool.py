@@ -1,11 +1,15 @@
 """The workers as the router sees them: handles, load, health, and their KV event streams.
 
-A background task polls every live worker (`WorkerActor.poll`) for its load. The KV events come
-from an `EventSource` (`router/events_source.py`): with the polls themselves, or from the
-workers' Redis Streams when Redis is configured. Either way the pool applies them to the prefix
-index in order, per worker, and a gap or a new incarnation (a restarted actor) resyncs the worker
-from a snapshot. A worker whose calls fail with a Ray actor error is dead: it leaves routing and
-the index. Ray is imported only inside the methods that call it.
+The supervisor (`router/supervisor.py`) pings and polls every worker (`WorkerActor.poll`) for
+its load. The KV events come from an `EventSource` (`router/events_source.py`): with the polls
+themselves, or from the workers' Redis Streams when Redis is configured. Either way the pool
+applies them to the prefix index in order, per worker, and a gap or a new incarnation (a
+restarted actor) resyncs the worker from a snapshot.
+
+Health: a worker whose call fails with any Ray error, or that stops answering pings, is
+UNHEALTHY (routed to only when no worker is healthy; its streams fail over); one that Ray says
+is dead for good is DEAD: it leaves routing and the index, and the supervisor may replace it.
+Ray is imported only inside the methods that call it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +28,7 @@ from cachesvc.types import WorkerId
 from router.config import RouterConfig
 from router.domain import Exhausted, InvalidInput, Unimplemented
 from router.events_source import EventSource, StreamPosition, make_event_source
+from router.ray_failures import Failure, actor_state, classify, ray_error_types
 from workers.protocol import PollResult, StreamDelta, StreamError, WorkerInfo, WorkerLoad
 
 _log = logging.getLogger(__name__)
@@ -35,12 +41,12 @@ _READ_YOUR_WRITES_S = 0.5
 
 class Health(str, enum.Enum):
     HEALTHY = "healthy"
-    UNHEALTHY = "unhealthy"  # missed polls; routed to only when no healthy worker is left
-    DEAD = "dead"
+    UNHEALTHY = "unhealthy"  # failing; routed to only when no healthy worker is left
+    DEAD = "dead"  # gone for good: out of routing and the index until replaced
 
 
 class WorkerDied(Exception):
-    """The worker's actor died (or is restarting) during a call."""
+    """The worker failed during a call (died, restarting, unreachable or frozen)."""
 
     def __init__(self, worker: WorkerId, started: bool) -> None:
         super().__init__(f"worker {worker} died")
@@ -68,6 +74,8 @@ class WorkerState:
     health: Health = Health.HEALTHY
     load: WorkerLoad = field(default_factory=WorkerLoad)
     missed_polls: int = 0
+    failing_since: float | None = None  # monotonic time it became unhealthy
+    num_replacements: int = 0
     # Requests this router has sent and not yet seen finish, and their prompt tokens not yet
     # prefilled: fresher than the polled load.
     num_inflight: int = 0
@@ -116,7 +124,6 @@ class WorkerPool:
         self.num_resyncs = 0
         self._workers = {w: WorkerState(w, a) for w, a in sorted(actors.items())}
         self._model: ModelInfo | None = None
-        self._poller: asyncio.Task[None] | None = None
 
     @property
     def model(self) -> ModelInfo:
@@ -127,8 +134,8 @@ class WorkerPool:
 
     async def start(self, timeout_s: float = 600.0) -> ModelInfo:
         """Wait for every worker to load its model, check that they agree, index what they
-        hold and start following their events. Raises RuntimeError when the workers
-        disagree."""
+        hold and start following their events (the supervisor polls them from then on).
+        Raises RuntimeError when the workers disagree."""
         states = list(self._workers.values())
         infos = await asyncio.wait_for(
             asyncio.gather(*(s.actor.info.remote() for s in states)), timeout_s
@@ -144,16 +151,31 @@ class WorkerPool:
             if s.streamed and s.health is not Health.DEAD
         }
         await self.events.start(positions, self._apply_streamed)
-        self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
         return self._model
 
     async def close(self) -> None:
-        """Stop polling and following the event streams; the actors are left running."""
-        if self._poller is not None:
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
-            self._poller = None
+        """Stop following the event streams; the actors are left running."""
         await self.events.close()
+
+    async def adopt(self, worker: WorkerId, actor: Any, timeout_s: float) -> None:
+        """Take `actor` as the new actor of a DEAD `worker` (a replacement): wait for its
+        model, check it agrees with the others, index what it holds, follow its events, and
+        make it HEALTHY. Raises on a failed start (the worker stays DEAD)."""
+        state = self._workers[worker]
+        assert state.health is Health.DEAD, "only a dead worker is replaced"
+        info: WorkerInfo = await asyncio.wait_for(actor.info.remote(), timeout_s)
+        if _agree([info]) != self.model:
+            raise RuntimeError(f"the replacement of {worker} serves another model: {info}")
+        async with state.lock:
+            state.actor, state.info, state.incarnation = actor, info, info.incarnation
+            state.streamed = self.events.follows(worker, info.event_stream)
+            state.load, state.missed_polls = WorkerLoad(), 0
+            await self._resync(state)
+        if state.streamed:
+            position = StreamPosition(state.incarnation, state.stream_seq)
+            await self.events.follow(worker, position, self._apply_streamed)
+        state.num_replacements += 1
+        self._healthy(state)
 
     # ---- views ------------------------------------------------------------------------------
 
@@ -165,10 +187,13 @@ class WorkerPool:
 
     def routable(self) -> list[WorkerState]:
         """Healthy workers, or the unhealthy ones when none is healthy; never dead ones."""
-        healthy = [s for s in self._workers.values() if s.health is Health.HEALTHY]
+        healthy = self.healthy()
         if healthy:
             return healthy
         return [s for s in self._workers.values() if s.health is Health.UNHEALTHY]
+
+    def healthy(self) -> list[WorkerState]:
+        return [s for s in self._workers.values() if s.health is Health.HEALTHY]
 
     # ---- calls ------------------------------------------------------------------------------
 
@@ -180,18 +205,19 @@ class WorkerPool:
         request_id: str,
         cache_salt: str | None,
     ) -> AsyncGenerator[StreamDelta, None]:
-        """Forward a request and stream its deltas; raises WorkerDied, or the router's typed
-        error for a refusal. Closing the iterator early cancels the request on the worker."""
+        """Forward a request and stream its deltas; raises WorkerDied (the worker failed, or
+        stopped answering pings while the stream waited), or the router's typed error for a
+        refusal. Closing the iterator early cancels the request on the worker."""
         import ray
-        from ray.exceptions import RayActorError
 
         state = self._workers[worker]
-        gen = state.actor.generate.options(num_returns="streaming").remote(
+        actor = state.actor
+        gen = actor.generate.options(num_returns="streaming").remote(
             prompt_ids, params, request_id, cache_salt
         )
         started = done = False
         try:
-            async for ref in gen:
+            while (ref := await self._next_ref(state, gen, started)) is not None:
                 item = await ref
                 if isinstance(item, StreamError):
                     done = True
@@ -199,40 +225,77 @@ class WorkerPool:
                 started = True
                 yield item
             done = True
-        except RayActorError as exc:
+        except ray_error_types() as exc:
             done = True
-            self.mark_dead(worker, exc)
+            await self.failed(worker, exc)
             raise WorkerDied(worker, started) from exc
         finally:
             if not done:
                 ray.cancel(gen)
-                state.actor.abort.remote(request_id)
+                actor.abort.remote(request_id)
+
+    async def _next_ref(self, state: WorkerState, gen: Any, started: bool) -> Any:
+        """The stream's next object ref, None at its end. A slow step is waited for as long
+        as the worker answers pings; once the supervisor finds it unhealthy (frozen, or its
+        process gone) the stream fails over instead of waiting for it."""
+        pending = asyncio.ensure_future(gen.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=self.config.stall_check_s)
+                if done:
+                    break
+                if state.health is not Health.HEALTHY:
+                    raise WorkerDied(state.worker_id, started)
+        except BaseException:
+            pending.cancel()
+            raise
+        try:
+            return pending.result()
+        except StopAsyncIteration:
+            return None
 
     async def call(self, worker: WorkerId, method: str, *args: Any) -> Any:
-        """Call a unary actor method; raises WorkerDied when the actor is gone."""
-        from ray.exceptions import RayActorError
-
+        """Call a unary actor method; raises WorkerDied when the worker failed."""
         state = self._workers[worker]
         try:
             return await getattr(state.actor, method).remote(*args)
-        except RayActorError as exc:
-            self.mark_dead(worker, exc)
+        except ray_error_types() as exc:
+            await self.failed(worker, exc)
             raise WorkerDied(worker, started=False) from exc
 
-    def mark_dead(self, worker: WorkerId, reason: object = "") -> None:
-        """Take a worker out of routing and the index (an unavailable, restarting actor only
-        becomes unhealthy: its next successful poll brings it back)."""
-        from ray.exceptions import ActorUnavailableError
-
+    async def failed(self, worker: WorkerId, exc: BaseException) -> None:
+        """A call to `worker` raised `exc` (a Ray error or a timeout): DEAD when Ray says its
+        actor is dead for good, else UNHEALTHY until a poll answers again."""
         state = self._workers[worker]
-        if isinstance(reason, ActorUnavailableError):
-            state.health = Health.UNHEALTHY
+        failure = classify(exc)
+        if failure is Failure.TASK:
+            _log.warning("worker %s failed a call: %s", worker, str(exc).splitlines()[:1])
             return
+        if failure is Failure.GONE and await asyncio.to_thread(actor_state, state.actor) == "DEAD":
+            self.mark_dead(worker, exc)
+            return
+        self.mark_unhealthy(state, f"{failure.value}: {type(exc).__name__}")
+
+    def mark_unhealthy(self, state: WorkerState, reason: str) -> None:
+        """Out of routing while a healthy worker is left; logged once per episode."""
+        if state.health is Health.HEALTHY:
+            _log.warning("worker %s is unhealthy (%s)", state.worker_id, reason)
+            state.health, state.failing_since = Health.UNHEALTHY, time.monotonic()
+
+    def mark_dead(self, worker: WorkerId, reason: object = "") -> None:
+        """Take a worker out of routing and the index until it is replaced."""
+        state = self._workers[worker]
         if state.health is not Health.DEAD:
-            _log.warning("worker %s is dead: %s", worker, reason)
+            _log.warning("worker %s is dead: %s", worker, str(reason).splitlines()[0:1])
         state.health = Health.DEAD
+        state.failing_since = state.failing_since or time.monotonic()
         self.events.forget(worker)
         self.index.drop_worker(worker)
+
+    def _healthy(self, state: WorkerState) -> None:
+        if state.health is not Health.HEALTHY:
+            _log.warning("worker %s is healthy again", state.worker_id)
+        state.health, state.failing_since, state.missed_polls = Health.HEALTHY, None, 0
 
     # ---- events -----------------------------------------------------------------------------
 
@@ -241,15 +304,13 @@ class WorkerPool:
         through a stream, also wait (briefly) until the index holds every event the worker had
         made by the poll: a caller that has its answer then sees its blocks."""
         state = self._workers[worker]
-        announced = await self._poll(state)
+        announced = await self.poll(state)
         if announced is not None and state.streamed:
             await self._await_stream(state, announced)
 
-    async def _poll(self, state: WorkerState) -> int | None:
+    async def poll(self, state: WorkerState) -> int | None:
         """Load, incarnation check and (unless streamed) events of one worker; returns the
-        worker's next event sequence number, None when the poll failed."""
-        from ray.exceptions import RayActorError
-
+        worker's next event sequence number, None when the poll failed (a missed poll)."""
         if state.health is Health.DEAD:
             return None
         async with state.lock:  # events of one worker are applied in order
@@ -258,13 +319,11 @@ class WorkerPool:
                 result: PollResult = await asyncio.wait_for(
                     state.actor.poll.remote(since), self.config.call_timeout_s
                 )
-            except RayActorError as exc:
-                self.mark_dead(state.worker_id, exc)
+            except ray_error_types() as exc:
+                self.missed(state, exc)
                 return None
-            except asyncio.TimeoutError:
-                self._missed(state)
-                return None
-            state.load, state.missed_polls, state.health = result.load, 0, Health.HEALTHY
+            state.load = result.load
+            self._healthy(state)
             # With no events (streamed), `apply` still checks the index follows this life.
             if not self.index.apply(state.worker_id, result.incarnation, result.events):
                 await self._resync(state)
@@ -313,38 +372,29 @@ class WorkerPool:
         otherwise take a snapshot."""
         if self.index.apply(state.worker_id, state.incarnation, ()):
             self._advance(state, state.incarnation, self.index.next_seq(state.worker_id) or 0)
-            await self._poll(state)
+            await self.poll(state)
         else:
             await self._resync(state)
 
     async def _resync(self, state: WorkerState) -> None:
-        from ray.exceptions import RayActorError
-
         try:
             snapshot: IndexSnapshot = await asyncio.wait_for(
                 state.actor.snapshot.remote(), self.config.call_timeout_s
             )
-        except RayActorError as exc:
-            self.mark_dead(state.worker_id, exc)
+        except ray_error_types() as exc:
+            self.missed(state, exc)
             return
         self.index.resync(state.worker_id, snapshot)
         self._advance(state, snapshot.incarnation, snapshot.next_seq)
         self.num_resyncs += 1
 
-    def _missed(self, state: WorkerState) -> None:
+    def missed(self, state: WorkerState, exc: BaseException) -> None:
+        """A poll or ping that failed; `max_missed_polls` in a row make the worker unhealthy
+        (one that failed with the process gone counts at once)."""
         state.missed_polls += 1
-        if state.missed_polls >= self.config.max_missed_polls:
-            state.health = Health.UNHEALTHY
-
-    async def _poll_forever(self) -> None:
-        while True:
-            live = [s for s in self._workers.values() if s.health is not Health.DEAD]
-            results = await asyncio.gather(*(self._poll(s) for s in live), return_exceptions=True)
-            for state, result in zip(live, results, strict=True):
-                if isinstance(result, Exception):
-                    _log.warning("polling worker %s failed: %r", state.worker_id, result)
-                    self._missed(state)
-            await asyncio.sleep(self.config.poll_interval_s)
+        gone = classify(exc) is Failure.GONE
+        if gone or state.missed_polls >= self.config.max_missed_polls:
+            self.mark_unhealthy(state, f"{state.missed_polls} missed polls: {type(exc).__name__}")
 
 
 def _agree(infos: list[WorkerInfo]) -> ModelInfo:

@@ -8,9 +8,11 @@ means a crashed owner never leaves workers holding GPUs. Ray is imported inside 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +46,6 @@ def spawn_workers(group: WorkerGroup) -> dict[WorkerId, Any]:
     """Start `num_workers` named actors on the connected Ray cluster, in `namespace`; returns
     their handles without waiting for the models to load. Raises AttachError when workers of
     this namespace are already running."""
-    import ray
 
     from workers.actor import spawn_worker
 
@@ -55,13 +56,7 @@ def spawn_workers(group: WorkerGroup) -> dict[WorkerId, Any]:
             f"({', '.join(sorted(running))}): route over them with `cachesvc serve --attach`, "
             "or start new ones under another --ray-namespace"
         )
-    resources = ray.cluster_resources()
-    engine, num_gpus = group.engine, 0.0
-    wants_gpu = group.device == "cuda" or (group.device == "auto" and resources.get("GPU", 0) >= 1)
-    if wants_gpu:
-        engine, num_gpus = dataclasses.replace(engine, device="cuda"), 1.0
-    # More workers than CPUs would wait forever for a CPU: share them instead.
-    num_cpus = min(group.num_cpus_per_worker, resources.get("CPU", 1) / group.num_workers)
+    engine, num_cpus, num_gpus = _placement(group)
     return {
         WorkerId(f"worker-{i}"): spawn_worker(
             f"worker-{i}",
@@ -74,6 +69,50 @@ def spawn_workers(group: WorkerGroup) -> dict[WorkerId, Any]:
         )
         for i in range(group.num_workers)
     }
+
+
+def replace_worker(group: WorkerGroup, worker: WorkerId, name_wait_s: float = 10.0) -> Any:
+    """Start a new actor for `worker` of a group `spawn_workers` started (under the same
+    name, once the old actor is gone: it is killed first) and return its handle. Blocks until
+    Ray has taken the name; raises ValueError when it is still taken after `name_wait_s`."""
+    import ray
+
+    from workers.actor import spawn_worker
+
+    name = f"cachesvc-{worker}"
+    with contextlib.suppress(ValueError):  # no actor of that name: it is gone already
+        ray.kill(ray.get_actor(name, namespace=group.namespace), no_restart=True)
+    engine, num_cpus, num_gpus = _placement(group)
+    deadline = time.monotonic() + name_wait_s
+    while True:
+        try:
+            return spawn_worker(
+                worker,
+                engine,
+                name=name,
+                namespace=group.namespace,
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                event_stream=group.event_stream,
+            )
+        except ValueError:  # the dead actor's name is released a moment after its death
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _placement(group: WorkerGroup) -> tuple[EngineConfig, float, float]:
+    """The engine config and the CPUs and GPUs of each worker of the group."""
+    import ray
+
+    resources = ray.cluster_resources()
+    engine, num_gpus = group.engine, 0.0
+    wants_gpu = group.device == "cuda" or (group.device == "auto" and resources.get("GPU", 0) >= 1)
+    if wants_gpu:
+        engine, num_gpus = dataclasses.replace(engine, device="cuda"), 1.0
+    # More workers than CPUs would wait forever for a CPU: share them instead.
+    num_cpus = min(group.num_cpus_per_worker, resources.get("CPU", 1) / group.num_workers)
+    return engine, num_cpus, num_gpus
 
 
 def find_workers(namespace: str, ray_address: str | None = None) -> dict[WorkerId, Any]:

@@ -19,7 +19,14 @@ from cachesvc.types import WorkerId
 from router.bootstrap import build_router, make_index, serve_until_signal
 from router.config import RouterConfig
 from router.policy import make_policy
-from workers.cluster import WorkerGroup, find_workers, spawn_workers, stop_workers
+from router.supervisor import Replace
+from workers.cluster import (
+    WorkerGroup,
+    find_workers,
+    replace_worker,
+    spawn_workers,
+    stop_workers,
+)
 
 
 @dataclass(frozen=True)
@@ -80,20 +87,30 @@ def run_serve(config: ServeConfig) -> int:
         log_to_driver=True,
     )
     owned: dict[WorkerId, Any] = {}  # the workers this serve started: closed and killed
+    replace: Replace | None = None
     try:
         if config.attach:
             actors = find_workers(config.ray_namespace, config.ray_address)
         else:
-            actors = owned = spawn_workers(config.worker_group())
-        return asyncio.run(_route(actors, config))
+            group = config.worker_group()
+            actors = owned = spawn_workers(group)
+
+            def replace(worker: WorkerId) -> Any:
+                # A worker dead for good gets a new actor, owned (and stopped) like the first.
+                owned[worker] = replace_worker(group, worker)
+                return owned[worker]
+
+        return asyncio.run(_route(actors, config, replace))
     finally:
         stop_workers(owned, config.close_timeout_s)
         ray.shutdown()
 
 
-async def _route(actors: Mapping[WorkerId, Any], config: ServeConfig) -> int:
+async def _route(
+    actors: Mapping[WorkerId, Any], config: ServeConfig, replace: Replace | None
+) -> int:
     try:
-        router = await build_router(actors, config.router, config.engine.model)
+        router = await build_router(actors, config.router, config.engine.model, replace)
     except Exception as exc:  # e.g. a worker that cannot load the model
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
         print(f"cachesvc: error: workers failed to start: {first_line}", file=sys.stderr)

@@ -18,6 +18,7 @@ from router.bootstrap import build_router
 from router.config import RouterConfig
 from router.core import Router
 from router.server import RouterServer
+from router.supervisor import Replace
 from workers.model.tiny import BpeTokenizer, write_tiny_model
 
 T = TypeVar("T")
@@ -81,11 +82,17 @@ def kill_all(actors: dict[WorkerId, Any]) -> None:
 class ServerThread:
     """A Router + grpc.aio server on their own event loop in a background thread."""
 
-    def __init__(self, actors: dict[WorkerId, Any], config: RouterConfig, model: Path) -> None:
+    def __init__(
+        self,
+        actors: dict[WorkerId, Any],
+        config: RouterConfig,
+        model: Path,
+        replace: Replace | None = None,
+    ) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.router, self.server = self.run(self._start(actors, config, str(model)))
+        self.router, self.server = self.run(self._start(actors, config, str(model), replace))
         self.address = f"127.0.0.1:{self.server.port}"
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
@@ -104,9 +111,9 @@ class ServerThread:
 
     @staticmethod
     async def _start(
-        actors: dict[WorkerId, Any], config: RouterConfig, model: str
+        actors: dict[WorkerId, Any], config: RouterConfig, model: str, replace: Replace | None
     ) -> tuple[Router, RouterServer]:
-        router = await build_router(actors, config, model)
+        router = await build_router(actors, config, model, replace)
         server = RouterServer(router, config)
         await server.start()
         return router, server
@@ -136,6 +143,23 @@ def make_server(worker_pair: dict[WorkerId, Any], tiny_model_dir: Path) -> Itera
     def start(**config: Any) -> ServerThread:
         config.setdefault("port", 0)
         server = ServerThread(worker_pair, RouterConfig(**config), tiny_model_dir)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def start_router(tiny_model_dir: Path) -> Iterator[Callable[..., ServerThread]]:
+    """Start routers over given actors: `start_router(actors, replace=None, **config)` takes
+    RouterConfig fields; every router is stopped at the end of the test."""
+    servers: list[ServerThread] = []
+
+    def start(actors: dict[WorkerId, Any], replace: Replace | None = None, **config: Any) -> Any:
+        config.setdefault("port", 0)
+        server = ServerThread(actors, RouterConfig(**config), tiny_model_dir, replace)
         servers.append(server)
         return server
 

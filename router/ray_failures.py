@@ -1,0 +1,69 @@
+"""What a Ray error says about a worker, and what Ray's control store knows of an actor.
+
+Every Ray error a call can raise is a worker failure, never a client's error: the request
+fails over (or the client gets UNAVAILABLE), and the worker's health changes by `Failure`:
+
+- GONE: the actor process died (`RayActorError` that is not "unavailable"); whether it comes
+  back (restarts left) or not is asked of Ray's control store (`actor_state`);
+- UNAVAILABLE: it may answer later (restarting, unreachable, its process killed by Ray's memory
+  monitor, a crashed task worker, a lost object, a dead node, a system error);
+- TIMEOUT: it did not answer in time (frozen, or a very long step);
+- TASK: the actor is fine but the call raised (an engine failure ended the request): the
+  request fails over, the worker's health does not change.
+
+Ray is imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+from typing import Any
+
+
+class Failure(str, enum.Enum):
+    GONE = "gone"
+    UNAVAILABLE = "unavailable"
+    TIMEOUT = "timeout"
+    TASK = "task"
+
+
+def ray_error_types() -> tuple[type[BaseException], ...]:
+    """The exceptions a call to a worker (with a timeout) can raise that mean it failed."""
+    from ray.exceptions import RayError
+
+    return (RayError, TimeoutError, asyncio.TimeoutError)
+
+
+def classify(exc: BaseException) -> Failure:
+    """The kind of failure a Ray call's exception is (any exception of `ray_error_types`)."""
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, GetTimeoutError)):
+        return Failure.TIMEOUT
+    if isinstance(exc, RayTaskError):
+        return Failure.TASK
+    if isinstance(exc, RayActorError) and not isinstance(exc, ActorUnavailableError):
+        return Failure.GONE
+    return Failure.UNAVAILABLE
+
+
+def actor_state(actor: Any) -> str | None:
+    """The actor's state in Ray's control store ("ALIVE", "RESTARTING", "DEAD", ...), None
+    when it cannot be read. Blocks on a call to the control store: run it in a thread."""
+    try:
+        from ray._private.state import state
+
+        entry = state.actor_table(actor._actor_id.hex())
+        return str(entry["State"]) if entry else None
+    except Exception:  # a private API: an unknown state only delays the verdict
+        return None
+
+
+def kill(actor: Any) -> None:
+    """Kill an actor for good (no restart); an actor already gone is fine."""
+    import ray
+
+    with contextlib.suppress(Exception):  # already dead, or its handle is stale
+        ray.kill(actor, no_restart=True)
