@@ -87,12 +87,15 @@ def _prompt(kind: str, value: Any) -> pb.Prompt:
 
 
 @st.composite
-def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
-    """About half valid requests; the rest with one to three fields out of range."""
+def generate_requests(draw: st.DrawFn) -> tuple[pb.GenerateRequest, bool]:
+    """About half valid requests; the rest with one to three fields out of range. Returns the
+    request and whether it is valid (every field drawn from its accepted values)."""
     corrupt = draw(
         st.one_of(st.just(set()), st.sets(st.sampled_from(sorted(FIELDS)), min_size=1, max_size=3))
     )
     v = {name: draw(FIELDS[name][name in corrupt]) for name in FIELDS}
+    if not {"n", "beam_width"} & corrupt and (v["n"] or 1) > 1 and (v["beam_width"] or 1) > 1:
+        v["beam_width"] = None  # beam search takes n = 1: both above 1 is no valid request
     sampling = pb.SamplingParams(
         stop=v["stop"],
         stop_token_ids=v["stop_token_ids"],
@@ -107,7 +110,7 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     )
     if v["cache_salt"] is not None:
         request.cache_salt = v["cache_salt"]
-    return request
+    return request, not corrupt
 
 
 @pytest.fixture(scope="module")
@@ -129,16 +132,20 @@ def _check_stream(request: pb.GenerateRequest, messages: list[pb.GenerateRespons
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-@given(request=generate_requests())
-def test_fuzzed_generate_is_a_stream_or_a_client_error(server: Any, request: Any) -> None:
+@given(drawn=generate_requests())
+def test_fuzzed_generate_is_a_stream_or_a_client_error(
+    server: Any, drawn: tuple[pb.GenerateRequest, bool]
+) -> None:
+    request, valid = drawn
     stub = pb_grpc.InferenceStub(server.channel())
     try:
         messages = list(stub.Generate(request, timeout=120))
     except grpc.RpcError as err:
         event(err.code().name)
+        assert not valid, ("a valid request was refused", err.code(), err.details(), request)
         assert err.code() in ALLOWED, (err.code(), err.details(), request)
         return
-    event("stream")
+    event("stream" if valid else "stream of a corrupt request")
     _check_stream(request, messages)
 
 
