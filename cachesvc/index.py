@@ -8,6 +8,7 @@ request's longest cached prefix on a worker is the run of its leading hashes tha
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -84,10 +85,15 @@ class _Stream:
 
 
 class MemoryPrefixIndex:
-    """`PrefixIndex` in one process: hash -> worker -> tiers, plus each worker's hash set."""
+    """`PrefixIndex` in one process: hash -> worker -> tiers, plus each worker's hash set.
+
+    `_fastest` mirrors `_by_hash` with each holder's fastest tier only, so a lookup reads one
+    dict per block and scans each worker's run with list operations, not Python per block.
+    """
 
     def __init__(self) -> None:
         self._by_hash: dict[BlockHash, dict[WorkerId, set[str]]] = {}
+        self._fastest: dict[BlockHash, dict[WorkerId, str]] = {}
         self._by_worker: dict[WorkerId, set[BlockHash]] = {}
         self._streams: dict[WorkerId, _Stream] = {}
 
@@ -117,8 +123,10 @@ class MemoryPrefixIndex:
         for block_hash in self._by_worker.pop(worker, set()):
             holders = self._by_hash[block_hash]
             del holders[worker]
+            del self._fastest[block_hash][worker]
             if not holders:
                 del self._by_hash[block_hash]
+                del self._fastest[block_hash]
         self._streams.pop(worker, None)
 
     def _apply_one(self, worker: WorkerId, event: Event) -> None:
@@ -141,7 +149,9 @@ class MemoryPrefixIndex:
     def _add(self, worker: WorkerId, tier: str, hashes: Iterable[BlockHash]) -> None:
         owned = self._by_worker.setdefault(worker, set())
         for block_hash in hashes:
-            self._by_hash.setdefault(block_hash, {}).setdefault(worker, set()).add(tier)
+            tiers = self._by_hash.setdefault(block_hash, {}).setdefault(worker, set())
+            tiers.add(tier)
+            self._fastest.setdefault(block_hash, {})[worker] = min(tiers, key=_tier_rank)
             owned.add(block_hash)
 
     def _remove(self, worker: WorkerId, tier: str, hashes: Iterable[BlockHash]) -> None:
@@ -151,30 +161,34 @@ class MemoryPrefixIndex:
             if tiers is None or tier not in tiers:
                 continue  # removing what was never stored is harmless (e.g. after a resync)
             tiers.discard(tier)
-            if not tiers:
-                del holders[worker]
-                self._by_worker[worker].discard(block_hash)
-                if not holders:
-                    del self._by_hash[block_hash]
+            fastest = self._fastest[block_hash]
+            if tiers:
+                fastest[worker] = min(tiers, key=_tier_rank)
+                continue
+            del holders[worker]
+            del fastest[worker]
+            self._by_worker[worker].discard(block_hash)
+            if not holders:
+                del self._by_hash[block_hash]
+                del self._fastest[block_hash]
 
     # ---- queries ----------------------------------------------------------------------------
 
     def longest_prefix(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]:
-        counts: dict[WorkerId, dict[str, int]] = {}
-        alive: set[WorkerId] | None = None
+        # The leading blocks somebody holds; a worker's prefix lies within them.
+        run: list[dict[WorkerId, str]] = []
         for block_hash in hashes:
-            holders = self._by_hash.get(block_hash, {})
-            alive = set(holders) if alive is None else alive & holders.keys()
-            if not alive:
+            holders = self._fastest.get(block_hash)
+            if not holders:
                 break
-            for worker in alive:
-                fastest = min(holders[worker], key=_tier_rank)
-                per_tier = counts.setdefault(worker, {})
-                per_tier[fastest] = per_tier.get(fastest, 0) + 1
-        return {
-            worker: PrefixMatch(worker, sum(per_tier.values()), per_tier)
-            for worker, per_tier in counts.items()
-        }
+            run.append(holders)
+        out: dict[WorkerId, PrefixMatch] = {}
+        for worker in run[0] if run else ():
+            tiers = [holders.get(worker) for holders in run]
+            num_blocks = tiers.index(None) if None in tiers else len(tiers)
+            per_tier = Counter(tiers[:num_blocks])
+            out[worker] = PrefixMatch(worker, num_blocks, {str(t): n for t, n in per_tier.items()})
+        return out
 
     def num_blocks(self, worker: WorkerId) -> int:
         return len(self._by_worker.get(worker, ()))
@@ -194,6 +208,10 @@ class MemoryPrefixIndex:
             for worker, tiers in holders.items():
                 assert tiers, "a worker entry with no tier is kept"
                 assert block_hash in self._by_worker.get(worker, set()), "worker set is missing"
+        for block_hash, holders in self._by_hash.items():
+            fastest = {w: min(tiers, key=_tier_rank) for w, tiers in holders.items()}
+            assert self._fastest.get(block_hash) == fastest, "fastest tiers are stale"
+        assert self._fastest.keys() == self._by_hash.keys(), "fastest tiers of a dropped hash"
         for worker, owned in self._by_worker.items():
             for block_hash in owned:
                 assert worker in self._by_hash.get(block_hash, {}), "hash map is missing"

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from cachesvc.events import BlockMoved, BlockRemoved, BlockStored, Cleared, Event
 from cachesvc.hashing import hash_blocks, root_hash
-from cachesvc.index import IndexSnapshot, MemoryPrefixIndex, PrefixMatch
+from cachesvc.index import TIER_ORDER, IndexSnapshot, MemoryPrefixIndex, PrefixMatch
 from cachesvc.types import BlockHash, WorkerId
 
 A, B = WorkerId("a"), WorkerId("b")
@@ -134,3 +134,33 @@ def test_random_streams_match_dict_model(ops: list[tuple[str, str, str, list[int
     match = index.longest_prefix(H).get(A)
     assert (0 if match is None else match.num_blocks) == _model_prefix(model, H)
     assert index.num_blocks(A) == sum(1 for tiers in model.values() if tiers)
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(["w0", "w1", "w2"]),
+        st.lists(st.sets(st.sampled_from(["hbm", "dram", "nvme", "redis"])), max_size=8),
+        max_size=3,
+    )
+)
+def test_longest_prefix_equals_a_walk_block_by_block(holdings: dict[str, list[set[str]]]) -> None:
+    """Per worker, the leading run of blocks it holds, each counted in its fastest tier."""
+    index = MemoryPrefixIndex()
+    for worker, per_block in holdings.items():
+        blocks: dict[str, list[BlockHash]] = {}
+        for block_hash, tiers in zip(H, per_block, strict=False):
+            for tier in tiers:
+                blocks.setdefault(tier, []).append(block_hash)
+        index.resync(WorkerId(worker), IndexSnapshot("i", 0, blocks))
+    index.check_integrity()
+    expected = {}
+    for worker, per_block in holdings.items():
+        counts: dict[str, int] = {}
+        for tiers in per_block:
+            if not tiers:
+                break
+            fastest = min(tiers, key=TIER_ORDER.index)
+            counts[fastest] = counts.get(fastest, 0) + 1
+        if counts:
+            expected[WorkerId(worker)] = PrefixMatch(WorkerId(worker), sum(counts.values()), counts)
+    assert index.longest_prefix(H) == expected
