@@ -4,20 +4,29 @@ A block is the unit of paging and of prefix caching. A block with a reference co
 in the free queue; if it still holds a registered hash it is a *cached* free block that a later
 request may revive, and it is evicted (its hash dropped) only when it is handed out again, least
 recently freed first. No I/O and no policy live here.
+
+The eviction hook (the tiers' demotion) runs only once the pool's own bookkeeping is complete, and
+a hook that fails is a counted miss: the pool never ends up half-updated by someone else's error.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from cachesvc.events import TIER_HBM, EventLog
 from cachesvc.types import BlockHash, BlockId
 
+_log = logging.getLogger(__name__)
+_LOG_EVERY_S = 10.0  # at most one log line per this many seconds for failing hooks
+
 
 class NoFreeBlocksError(RuntimeError):
-    """Raised by `allocate` when fewer free blocks remain than were asked for."""
+    """Fewer blocks are free right now than were asked for (raised by `allocate`); blocks come
+    back as requests end, so the same request may succeed later."""
 
 
 @dataclass
@@ -28,8 +37,19 @@ class _Block:
     parent: BlockHash | None = None  # hash of the block before it, for the tiers' chains
 
 
-# Called with (block id, hash, token ids, parent hash) just before a cached block loses its hash,
-# while its KV is still intact: the tiers copy it out (demotion) before the block is reused.
+@dataclass(frozen=True)
+class _Evicted:
+    """A cached block that just lost its hash; its KV stays intact until `allocate` returns."""
+
+    block_id: BlockId
+    block_hash: BlockHash
+    token_ids: tuple[int, ...]
+    parent: BlockHash | None
+
+
+# Called with (block id, hash, token ids, parent hash) after a cached block lost its hash (the
+# pool is consistent again) and before the block is handed out, so its KV is still intact: the
+# tiers copy it out (demotion). An exception from it is counted and logged, never raised.
 EvictHook = Callable[[BlockId, BlockHash, tuple[int, ...], "BlockHash | None"], None]
 
 
@@ -48,6 +68,9 @@ class BlockPool:
         self._by_hash: dict[BlockHash, BlockId] = {}
         self.events = events if events is not None else EventLog()
         self.on_evict: EvictHook | None = None
+        self.num_evict_hook_failures = 0  # hook calls that raised: demotions missed
+        self._demoting: set[BlockHash] = set()  # evicted, hook not run yet (see `contains`)
+        self._last_failure_log = -_LOG_EVERY_S
 
     @property
     def num_free(self) -> int:
@@ -65,16 +88,21 @@ class BlockPool:
     def allocate(self, num: int) -> list[BlockId]:
         """Take `num` blocks (ref count 1), evicting cached free blocks LRU first.
 
-        Raises NoFreeBlocksError, changing nothing, when fewer than `num` are free.
+        Raises NoFreeBlocksError, changing nothing, when fewer than `num` are free. The eviction
+        hook runs for each evicted block after all of them are taken and unregistered.
         """
         if num > len(self._free):
             raise NoFreeBlocksError(f"asked for {num} blocks, {len(self._free)} free")
         out: list[BlockId] = []
+        evicted: list[_Evicted] = []
         for _ in range(num):
             block_id, _ = self._free.popitem(last=False)
-            self._evict(block_id)
             self._blocks[block_id].ref_cnt = 1
             out.append(block_id)
+            dropped = self._drop_hash(block_id)
+            if dropped is not None:
+                evicted.append(dropped)
+        self._run_evict_hook(evicted)
         return out
 
     def free(self, block_ids: Sequence[BlockId]) -> None:
@@ -104,21 +132,38 @@ class BlockPool:
         block_hash: BlockHash,
         token_ids: Sequence[int],
         parent: BlockHash | None = None,
-    ) -> None:
+    ) -> bool:
         """Record that `block_id` holds (or is about to hold) the KV of a full block.
 
         A hash that is already registered keeps its first block: the duplicate stays private.
         Emits BlockStored with `parent`, the hash of the block before it (None for the first).
+        Returns whether the block was registered (False: it holds a hash, or the hash is taken).
         """
         block = self._blocks[block_id]
         assert block.ref_cnt > 0, "only an allocated block can be registered"
         if block.block_hash is not None or block_hash in self._by_hash:
-            return
+            return False
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         block.parent = parent
         self._by_hash[block_hash] = block_id
         self.events.stored(TIER_HBM, (block_hash,), parent)
+        return True
+
+    def unregister(self, block_ids: Iterable[BlockId]) -> int:
+        """Forget the hashes of blocks whose KV will never be written (a failed step), so that
+        nothing matches them; the blocks stay with their owners. No hook runs: there is nothing
+        to demote. Emits one BlockRemoved; returns how many hashes were dropped."""
+        dropped: list[BlockHash] = []
+        for block_id in block_ids:
+            block = self._blocks[block_id]
+            if block.block_hash is not None:
+                dropped.append(block.block_hash)
+                del self._by_hash[block.block_hash]
+                block.block_hash, block.token_ids, block.parent = None, (), None
+        if dropped:
+            self.events.removed(TIER_HBM, tuple(dropped))
+        return len(dropped)
 
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> BlockId | None:
         """The block registered under `block_hash` whose tokens equal `token_ids`, or None."""
@@ -128,33 +173,68 @@ class BlockPool:
         return block_id
 
     def contains(self, block_hash: BlockHash) -> bool:
-        """Whether some block is registered under `block_hash` (no collision check)."""
-        return block_hash in self._by_hash
+        """Whether the device holds the KV of `block_hash` (no collision check): a block is
+        registered under it, or it was just evicted and its hook has not run yet (its KV still
+        in place). The tiers read this to keep a demoted block's prefix counted as held."""
+        return block_hash in self._by_hash or block_hash in self._demoting
 
     def block_hash(self, block_id: BlockId) -> BlockHash | None:
         return self._blocks[block_id].block_hash
 
-    def reset_cache(self) -> int:
-        """Forget every hash of a free block; returns how many were dropped."""
-        dropped = 0
-        for block_id in list(self._free):
-            if self._blocks[block_id].block_hash is not None:
-                self._evict(block_id)
-                dropped += 1
+    def reset_cache(self, demote: bool = True) -> int:
+        """Forget every hash of a free block, least recently freed first; returns how many were
+        dropped. With `demote` the eviction hook copies each one out first (into the tiers);
+        without it they are simply gone. Blocks in use keep their hashes."""
+        evicted = [
+            dropped
+            for block_id in list(self._free)
+            if (dropped := self._drop_hash(block_id)) is not None
+        ]
         if not self._by_hash:
             self.events.cleared(TIER_HBM)
-        return dropped
+        if demote:
+            self._run_evict_hook(evicted)
+        return len(evicted)
 
-    def _evict(self, block_id: BlockId) -> None:
+    def _drop_hash(self, block_id: BlockId) -> _Evicted | None:
+        """Unregister a block (emitting BlockRemoved); what the hook needs of it, if it had one."""
         block = self._blocks[block_id]
-        if block.block_hash is not None:
-            if self.on_evict is not None:
-                self.on_evict(block_id, block.block_hash, block.token_ids, block.parent)
-            del self._by_hash[block.block_hash]
-            self.events.removed(TIER_HBM, (block.block_hash,))
-            block.block_hash = None
-            block.token_ids = ()
-            block.parent = None
+        if block.block_hash is None:
+            return None
+        out = _Evicted(block_id, block.block_hash, block.token_ids, block.parent)
+        del self._by_hash[block.block_hash]
+        self.events.removed(TIER_HBM, (block.block_hash,))
+        block.block_hash, block.token_ids, block.parent = None, (), None
+        return out
+
+    def _run_evict_hook(self, evicted: Sequence[_Evicted]) -> None:
+        """Call the hook for each evicted block, in eviction order (a chain's tail first, as
+        requests free tail first). Until its own call a block counts as held (`contains`), so a
+        tier may move the block's already demoted suffix down meanwhile."""
+        hook = self.on_evict
+        if hook is None or not evicted:
+            return
+        self._demoting.update(e.block_hash for e in evicted)
+        try:
+            for e in evicted:
+                try:
+                    hook(e.block_id, e.block_hash, e.token_ids, e.parent)
+                except Exception:
+                    self._hook_failed()
+                self._demoting.discard(e.block_hash)
+        finally:
+            self._demoting.clear()  # an interrupt leaves none marked either
+
+    def _hook_failed(self) -> None:
+        self.num_evict_hook_failures += 1
+        now = time.monotonic()
+        if now - self._last_failure_log >= _LOG_EVERY_S:
+            self._last_failure_log = now
+            _log.warning(
+                "evict hook failed (%d failures so far); the block is dropped, not demoted",
+                self.num_evict_hook_failures,
+                exc_info=True,
+            )
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the pool is broken."""
@@ -167,3 +247,5 @@ class BlockPool:
                 assert self._by_hash.get(block.block_hash) == i, f"block {i} hash not mapped"
         for block_hash, block_id in self._by_hash.items():
             assert self._blocks[block_id].block_hash == block_hash
+        for block_hash in self._demoting:
+            assert block_hash not in self._by_hash, "a block being demoted is still registered"

@@ -1,10 +1,18 @@
-"""Block <-> bytes for every off-device tier: a versioned, checksummed header, then the payload.
+"""Block <-> bytes for every off-device tier: a versioned, checksummed or signed header, then the
+payload.
 
 Layout (little-endian): magic `CSKV`, version, flags, dtype code, ndim, shape, model fingerprint
 (16 bytes), block hash (16), parent hash (16, zeros for a first block), raw payload length,
-stored payload length, then an xxh3-64 checksum over everything before it *and* the payload.
+stored payload length, then a tag over everything before it *and* the payload: an xxh3-64
+checksum (8 bytes), or with a deployment key (`FLAG_SIGNED`) an HMAC-SHA256 (32 bytes).
 A flipped byte anywhere, a truncated blob, another model's block or another block under this key
 all fail `decode`, which answers None: a miss, never wrong KV. Never pickle.
+
+A checksum catches damage, not forgery: whoever can write an NVMe file or a Redis key can change
+a block and recompute it. A codec with a key signs every block it encodes and accepts only blocks
+signed under that key; an unsigned block, one signed under another key, or a signed one when it
+has no key to check it with are refused as `AuthError` (counted apart from damage). HMAC-SHA256
+runs at ~1.7 GB/s here (SHA extensions), keyed BLAKE2b at ~0.7 GB/s.
 
 Compression modes (chosen per tier): `raw`; `lz4`; `shuffle_lz4` (byte-plane shuffle, then lz4).
 Plain lz4 barely compresses float KV (measured 1.02x on SmolLM2); splitting the bytes of each
@@ -14,6 +22,7 @@ float32, 1.40x bf16). A block whose compressed form is not smaller is stored unc
 
 from __future__ import annotations
 
+import hmac
 import struct
 from dataclasses import dataclass
 
@@ -21,18 +30,23 @@ import lz4.block
 import numpy as np
 import xxhash
 
+from cachesvc.config import MIN_TIER_KEY_BYTES
 from cachesvc.types import BlockHash
 
 MAGIC = b"CSKV"
-VERSION = 1
+VERSION = 2  # 2: the tag is a checksum or a MAC (FLAG_SIGNED); version 1 blocks are misses
 MODES = ("raw", "lz4", "shuffle_lz4")
 FLAG_SHUFFLE = 1
 FLAG_LZ4 = 2
+FLAG_SIGNED = 4
 _MAX_NDIM = 8
 _NO_PARENT = bytes(16)
 _PREFIX = struct.Struct("<4sHHBB")  # magic, version, flags, dtype code, ndim
 _IDS = struct.Struct("<16s16s16sQQ")  # fingerprint, hash, parent, raw len, stored len
 _CHECKSUM = struct.Struct("<Q")
+_MAC_SIZE = 32  # HMAC-SHA256
+# The MAC key is derived from the deployment secret, so the secret signs nothing else directly.
+_KEY_CONTEXT = b"cachesvc kv block mac v2"
 # numpy has no bfloat16: its bits travel as uint16 and the caller reinterprets them.
 DTYPES: dict[str, tuple[int, np.dtype]] = {
     "float32": (1, np.dtype(np.float32)),
@@ -44,6 +58,11 @@ _BY_CODE = {code: (name, dt) for name, (code, dt) in DTYPES.items()}
 
 class CodecError(ValueError):
     """Not a valid block of this model under this hash (`decode` turns it into None)."""
+
+
+class AuthError(CodecError):
+    """Not signed by this deployment's key: unsigned where a key is configured, signed under
+    another key or changed since, or signed where no key is configured to check it."""
 
 
 @dataclass(frozen=True)
@@ -68,8 +87,9 @@ def fingerprint_bytes(fingerprint: str) -> bytes:
     return raw if len(raw) == 16 else xxhash.xxh3_128_digest(raw)
 
 
-def header_size(ndim: int) -> int:
-    return _PREFIX.size + 4 * ndim + _IDS.size + _CHECKSUM.size
+def header_size(ndim: int, signed: bool = False) -> int:
+    """Bytes a blob of an `ndim` array adds to its payload (a signed one carries a longer tag)."""
+    return _PREFIX.size + 4 * ndim + _IDS.size + (_MAC_SIZE if signed else _CHECKSUM.size)
 
 
 def shuffle(data: bytes | memoryview, itemsize: int) -> bytes:
@@ -81,20 +101,31 @@ def shuffle(data: bytes | memoryview, itemsize: int) -> bytes:
 class Codec:
     """Encodes blocks of one model with one compression mode; decodes any mode of that model.
 
-    Thread-safe: it holds no mutable state besides the failure counter.
+    With `key` (the deployment secret, at least `MIN_TIER_KEY_BYTES`) every block is signed and only
+    blocks signed under that key decode; without it blocks carry a checksum and signed ones are
+    refused. Thread-safe: it holds no mutable state besides the failure counters.
     """
 
-    def __init__(self, fingerprint: str, mode: str = "raw") -> None:
+    def __init__(self, fingerprint: str, mode: str = "raw", key: bytes | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"codec mode must be one of {MODES}, got {mode!r}")
+        if key is not None and len(key) < MIN_TIER_KEY_BYTES:
+            raise ValueError(f"a tier key needs {MIN_TIER_KEY_BYTES} bytes or more, got {len(key)}")
         self.fingerprint = fingerprint_bytes(fingerprint)
         self.mode = mode
         self.num_rejected = 0  # blobs that failed verification (a metric)
         self._fingerprint_text = fingerprint
+        self._key = key
+        mac_key = None if key is None else hmac.digest(key, _KEY_CONTEXT, "sha256")
+        self._mac = None if mac_key is None else hmac.new(mac_key, digestmod="sha256")
+
+    @property
+    def signed(self) -> bool:
+        return self._mac is not None
 
     def with_mode(self, mode: str) -> Codec:
-        """A codec of the same model that encodes with `mode`."""
-        return Codec(self._fingerprint_text, mode)
+        """A codec of the same model and key that encodes with `mode`."""
+        return Codec(self._fingerprint_text, mode, self._key)
 
     def encode(
         self, block_hash: BlockHash, parent: BlockHash | None, dtype: str, array: np.ndarray
@@ -105,31 +136,56 @@ class Codec:
             raise ValueError(f"array of {array.dtype}/{array.ndim}d does not fit dtype {dtype}")
         raw = np.ascontiguousarray(array).data.cast("B")  # a view, no copy
         payload, flags = self._compress(raw, storage.itemsize)
+        if self.signed:
+            flags |= FLAG_SIGNED
         head = _PREFIX.pack(MAGIC, VERSION, flags, code, array.ndim)
         head += struct.pack(f"<{array.ndim}I", *array.shape)
         head += _IDS.pack(
             self.fingerprint, block_hash, parent or _NO_PARENT, len(raw), len(payload)
         )
-        checksum = xxhash.xxh3_64(head)
-        checksum.update(payload)
-        return b"".join((head, _CHECKSUM.pack(checksum.intdigest()), payload))
+        return b"".join((head, self._tag(head, payload), payload))
 
-    def transcode(self, blob: bytes, expect_hash: BlockHash) -> bytes | None:
-        """Re-encode a blob in this codec's mode (unchanged when already in it); None if invalid."""
-        block = self.decode(blob, expect_hash)
+    def transcode(
+        self, blob: bytes, expect_hash: BlockHash, source: Codec | None = None
+    ) -> bytes | None:
+        """Re-encode a blob in this codec's mode and signing (unchanged when already in them);
+        None if invalid. `source` is the codec of the tier the blob comes from (default: this
+        one), which verifies it: a checksummed DRAM blob is signed on its way to NVMe."""
+        block = (source or self).decode(blob, expect_hash)
         if block is None:
             return None
-        if _mode_of(blob) == self.mode:
+        if _mode_of(blob) == self.mode and bool(_flags_of(blob) & FLAG_SIGNED) == self.signed:
             return blob
         return self.encode(block.block_hash, block.parent, block.dtype, block.array)
 
     def decode(self, blob: bytes | memoryview, expect_hash: BlockHash) -> KVBlock | None:
         """The verified block, or None (counted) when anything does not check out."""
+        outcome = self.verify(blob, expect_hash)
+        return outcome if isinstance(outcome, KVBlock) else None
+
+    def verify(self, blob: bytes | memoryview, expect_hash: BlockHash) -> KVBlock | CodecError:
+        """The verified block, or why it was refused (counted): an `AuthError` when its
+        signature does not check out, another `CodecError` when it is damaged or not this
+        block."""
         try:
             return self._decode(memoryview(blob), expect_hash)
-        except (CodecError, struct.error, ValueError, lz4.block.LZ4BlockError):
+        except CodecError as exc:
             self.num_rejected += 1
-            return None
+            return exc
+        except (struct.error, ValueError, lz4.block.LZ4BlockError) as exc:
+            self.num_rejected += 1
+            return CodecError(str(exc))
+
+    def _tag(self, head: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+        """The checksum, or with a key the MAC, of a header and its payload."""
+        if self._mac is None:
+            checksum = xxhash.xxh3_64(head)
+            checksum.update(payload)
+            return _CHECKSUM.pack(checksum.intdigest())
+        mac = self._mac.copy()
+        mac.update(head)
+        mac.update(payload)
+        return mac.digest()
 
     def _compress(self, raw: memoryview, itemsize: int) -> tuple[bytes | memoryview, int]:
         if self.mode == "raw":
@@ -150,14 +206,17 @@ class Codec:
         offset += 4 * ndim
         fingerprint, block_hash, parent, raw_len, stored_len = _IDS.unpack_from(view, offset)
         offset += _IDS.size
-        (stored_sum,) = _CHECKSUM.unpack_from(view, offset)
-        payload = view[offset + _CHECKSUM.size :]
-        if len(payload) != stored_len:
+        signed = bool(flags & FLAG_SIGNED)
+        tag_size = _MAC_SIZE if signed else _CHECKSUM.size
+        stored_tag = view[offset : offset + tag_size]
+        payload = view[offset + tag_size :]
+        if len(stored_tag) != tag_size or len(payload) != stored_len:
             raise CodecError("truncated or padded payload")
-        checksum = xxhash.xxh3_64(view[:offset])
-        checksum.update(payload)
-        if checksum.intdigest() != stored_sum:
-            raise CodecError("checksum mismatch")
+        if signed != self.signed:
+            raise AuthError("signed block without a key" if signed else "unsigned block")
+        tag = self._tag(view[:offset], payload)
+        if not hmac.compare_digest(tag, stored_tag):
+            raise AuthError("MAC mismatch") if signed else CodecError("checksum mismatch")
         if fingerprint != self.fingerprint or block_hash != expect_hash:
             raise CodecError("block of another model or under another hash")
         name, storage = _BY_CODE[code]
@@ -194,8 +253,12 @@ def _unshuffle(planes: np.ndarray, itemsize: int) -> np.ndarray:
     return out.reshape(-1)
 
 
+def _flags_of(blob: bytes) -> int:
+    return int(_PREFIX.unpack_from(blob, 0)[2])
+
+
 def _mode_of(blob: bytes) -> str:
-    flags = _PREFIX.unpack_from(blob, 0)[2]
+    flags = _flags_of(blob)
     if flags & FLAG_SHUFFLE:
         return "shuffle_lz4"
     return "lz4" if flags & FLAG_LZ4 else "raw"

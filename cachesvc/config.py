@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 _DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_SCHEMES = ("auto", "naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
@@ -18,6 +19,7 @@ class ConfigError(ValueError):
 TIER_CODECS = ("auto", "raw", "lz4", "shuffle_lz4")
 AUTO_CODECS = ("raw", "shuffle_lz4")  # the first of them until a probe decides
 PLAN_MODES = ("auto", "fetch", "split", "recompute")
+MIN_TIER_KEY_BYTES = 32  # the tier key: 256 bits, the strength of HMAC-SHA256
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,16 @@ class TierConfig:
     `nvme_mb`), Redis shares blocks reused at least `redis_min_reuse` times between workers
     (`redis_url`, rediss:// for TLS). `*_cap_mbps` throttle a tier's reads, for tests and
     benchmarks. `plan` forces the planner's choice ("auto" lets the cost model decide).
+
+    A Redis call on the engine's thread waits at most `redis_read_timeout_s`: writes go through
+    a background queue of at most `redis_queue_mb` (a write that finds it full is dropped and
+    counted), each with `redis_timeout_s`; lookups and reads use the short timeout, and after
+    `redis_breaker_failures` failed calls in a row Redis is skipped for `redis_retry_s`, then
+    one call probes it.
+
+    `tier_key_file` names a file holding the deployment secret (at least 32 bytes): blocks
+    written to NVMe and Redis are then signed (HMAC-SHA256) and only blocks signed with it are
+    read back. It is read where the engine starts (`read_key`), not where this is built.
     """
 
     dram_mb: float = 0
@@ -39,7 +51,10 @@ class TierConfig:
     redis_min_reuse: int = 2
     redis_ttl_s: int | None = 24 * 3600
     redis_timeout_s: float = 0.5
+    redis_read_timeout_s: float = 0.1
     redis_retry_s: float = 2.0
+    redis_breaker_failures: int = 3
+    redis_queue_mb: float = 64
     dram_codec: str = "raw"
     nvme_codec: str = "auto"
     redis_codec: str = "auto"
@@ -48,6 +63,7 @@ class TierConfig:
     redis_cap_mbps: float | None = None
     plan: str = "auto"
     calibrate: bool = True
+    tier_key_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("dram_mb", "nvme_mb", "redis_min_reuse"):
@@ -73,6 +89,15 @@ class TierConfig:
                 raise ConfigError(f"tiers.{name} must be positive or None (no cap), got {value}")
         if self.redis_timeout_s <= 0 or self.redis_retry_s < 0:
             raise ConfigError("tiers.redis_timeout_s must be > 0 and tiers.redis_retry_s >= 0")
+        for name in ("redis_read_timeout_s", "redis_queue_mb"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"tiers.{name} must be positive, got {getattr(self, name)}")
+        if self.redis_breaker_failures < 1:
+            raise ConfigError(
+                f"tiers.redis_breaker_failures must be >= 1, got {self.redis_breaker_failures}"
+            )
+        if self.tier_key_file is not None and not self.tier_key_file.strip():
+            raise ConfigError("tiers.tier_key_file must name a file (--tier-key-file) or be None")
         if self.plan not in PLAN_MODES:
             raise ConfigError(f"tiers.plan must be one of {PLAN_MODES}, got {self.plan!r}")
 
@@ -84,6 +109,27 @@ class TierConfig:
     def codecs(self) -> dict[str, str]:
         """The configured codec mode of each tier, by tier name."""
         return {"dram": self.dram_codec, "nvme": self.nvme_codec, "redis": self.redis_codec}
+
+    def read_key(self) -> bytes | None:
+        """The tier key: the bytes of `tier_key_file` without surrounding whitespace (None
+        without the file). Raises ConfigError, saying how to make one, when it is unreadable or
+        shorter than 32 bytes."""
+        if self.tier_key_file is None:
+            return None
+        make = f"make one with: head -c 32 /dev/urandom | base64 > {self.tier_key_file}"
+        try:
+            key = Path(self.tier_key_file).read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"tiers.tier_key_file: cannot read {self.tier_key_file}: "
+                f"{exc.strerror or exc}; {make}"
+            ) from None
+        if len(key) < MIN_TIER_KEY_BYTES:
+            raise ConfigError(
+                f"tiers.tier_key_file: {self.tier_key_file} holds {len(key)} bytes, the tier key "
+                f"needs at least {MIN_TIER_KEY_BYTES} (not counting whitespace); {make}"
+            )
+        return key
 
 
 @dataclass(frozen=True)

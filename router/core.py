@@ -390,7 +390,8 @@ class Router:
         return bool(self.pool.healthy())
 
     async def flush(self) -> int:
-        """Drop every unused cached block on every live worker; returns how many."""
+        """Drop every unused cached block from every live worker's device pool (not moved to
+        its lower tiers); returns how many."""
         dropped = 0
         for state in self.pool.states():
             if state.health is Health.DEAD:
@@ -399,6 +400,19 @@ class Router:
                 dropped += int(await self.pool.call(state.worker_id, "flush"))
                 await self.pool.sync(state.worker_id)
         return dropped
+
+    async def purge(self) -> dict[str, int]:
+        """Drop everything every live worker has cached, in every tier; blocks per tier."""
+        purged: dict[str, int] = {}
+        for state in self.pool.states():
+            if state.health is Health.DEAD:
+                continue
+            with contextlib.suppress(WorkerDied):
+                counts = await self.pool.call(state.worker_id, "purge")
+                for tier, num in counts.items():
+                    purged[tier] = purged.get(tier, 0) + int(num)
+                await self.pool.sync(state.worker_id)
+        return purged
 
 
 def _part_id(request_id: str, part: Part) -> str:

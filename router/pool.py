@@ -151,6 +151,7 @@ class WorkerPool:
             if s.streamed and s.health is not Health.DEAD
         }
         await self.events.start(positions, self._apply_streamed)
+        await asyncio.gather(*(self.poll(s) for s in states))  # every load known at start
         return self._model
 
     async def close(self) -> None:

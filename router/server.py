@@ -175,6 +175,14 @@ class AdminService:
             await _fail(context, exc)
         return pb.FlushResponse(num_blocks_dropped=dropped)
 
+    async def purge(self, request: Any, context: grpc.aio.ServicerContext) -> pb.PurgeResponse:
+        await _decoded(request, context)
+        try:
+            purged = await self._router.purge()
+        except Exception as exc:
+            await _fail(context, exc)
+        return pb.PurgeResponse(num_blocks_purged=purged)
+
 
 def _unary(fn: Any, req: type[Message], resp: type[Message]) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(
@@ -208,6 +216,7 @@ def _handlers(
                 ),
                 "Stats": _unary(admin.stats, pb.StatsRequest, pb.StatsResponse),
                 "Flush": _unary(admin.flush, pb.FlushRequest, pb.FlushResponse),
+                "Purge": _unary(admin.purge, pb.PurgeRequest, pb.PurgeResponse),
             },
         ),
     ]

@@ -43,10 +43,15 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._watch(s)) for s in self.pool.states()]
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Stop watching; a watch stuck in a thread (a Ray call) is not waited for longer
+        than `timeout_s`."""
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            _, stuck = await asyncio.wait(self._tasks, timeout=timeout_s)
+            if stuck:
+                _log.warning("%d worker watches did not stop in time", len(stuck))
         self._tasks = []
 
     async def _watch(self, state: WorkerState) -> None:

@@ -19,12 +19,14 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from cachesvc.block_pool import NoFreeBlocksError
 from cachesvc.config import EngineConfig
 from cachesvc.events import TIER_HBM, Event
 from cachesvc.events_redis import EventStreamConfig
 from cachesvc.index import IndexSnapshot
 from cachesvc.types import BlockId
 from workers.protocol import (
+    BlockCosts,
     PollResult,
     StreamDelta,
     StreamError,
@@ -145,11 +147,14 @@ class WorkerActor:
         """Log-probs of each label token after prefix + item, per item.
 
         `Engine.score` is assumed to run its own forward passes without stepping the shared
-        scheduler; it runs exclusively, between steps."""
+        scheduler; it runs exclusively, between steps. Too few free KV blocks right now is
+        `resource_exhausted` (retry later); a pass that can never fit is `invalid_argument`."""
         try:
             return await self._engine.run_exclusive(
                 lambda e: e.score(prefix_ids, items_ids, label_token_ids)
             )
+        except NoFreeBlocksError as exc:
+            return StreamError("resource_exhausted", str(exc))
         except ValueError as exc:
             return StreamError("invalid_argument", str(exc))
 
@@ -166,15 +171,22 @@ class WorkerActor:
         return await self._engine.call(self._snapshot)
 
     async def flush(self) -> int:
-        """Drop every cached block no running request uses; returns how many were dropped."""
-        return await self._engine.call(lambda e: e.pool.reset_cache())
+        """Drop every cached device block no running request uses, without demoting it to the
+        lower tiers (`Engine.flush`); returns how many were dropped."""
+        return await self._engine.call(lambda e: e.flush())
+
+    async def purge(self) -> dict[str, int]:
+        """Drop everything this worker holds in every tier, this model's Redis blocks included
+        (`Engine.purge`); returns how many blocks each tier dropped, by tier name."""
+        return await self._engine.run_exclusive(lambda e: e.purge())
 
     async def stats(self) -> WorkerLoad:
         return self._load()
 
     async def close(self, timeout_s: float = 30.0) -> bool:
-        """Stop serving: abort open requests, stop the engine loop, flush the tiers' queued
-        writes and close them (`Engine.close`), then flush the event stream. Idempotent; the
+        """Stop serving: abort open requests, stop the engine loop, close the tiers
+        (`Engine.close`: the device cache goes to NVMe when there is one, queued writes are
+        flushed), then flush the event stream. Idempotent; the
         actor is left alive (the owner kills it). False when the event stream could not be
         flushed within `timeout_s`."""
         if self._closed:
@@ -249,12 +261,24 @@ class WorkerActor:
             used=load.num_blocks - load.num_free_blocks,
             cached=load.num_cached_blocks,
         )
+        costs = None
+        tiering = self._engine.engine.tiering
+        if tiering is not None:  # a snapshot of floats: safe to read between the engine's steps
+            model, bs = tiering.costs.model(), self._info.block_size
+            costs = BlockCosts(
+                compute_s=bs * model.compute.beta_s + bs * bs / 2 * model.compute.gamma_s,
+                fetch_s={
+                    name: t.bytes_per_block * t.seconds_per_byte + model.land_s_per_block
+                    for name, t in model.tiers.items()
+                },
+            )
         return WorkerLoad(
             load.num_running,
             load.num_waiting,
             load.num_queued_tokens,
             {TIER_HBM: hbm},
             dict(load.tiering),
+            costs,
         )
 
     def _delta(

@@ -35,6 +35,17 @@ class TierBlocks:
 
 
 @dataclass(frozen=True)
+class BlockCosts:
+    """What one block costs a worker, in seconds, from its calibrated cost model
+    (`cachesvc.planner`): recomputing it (`compute_s`, the marginal prefill time of a block's
+    tokens), and bringing it into the device from each lower tier (`fetch_s`, by tier name: its
+    read and its copy in, per block of a long fetch)."""
+
+    compute_s: float
+    fetch_s: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class WorkerLoad:
     """How busy a worker is; `num_queued_tokens` is the work ahead of a new request."""
 
@@ -44,6 +55,8 @@ class WorkerLoad:
     blocks: Mapping[str, TierBlocks] = field(default_factory=dict)
     # The lower tiers' counters (`KVTiering.metrics`): reads, misses, plans and their timing.
     tiering: Mapping[str, float] = field(default_factory=dict)
+    # Per-block costs for routing; None when the worker has no lower tiers (nor a cost model).
+    block_costs: BlockCosts | None = None
 
 
 @dataclass(frozen=True)

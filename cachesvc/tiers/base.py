@@ -42,6 +42,9 @@ class TierStats:
     removed: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    unverified: int = 0  # blocks read back whose signature failed (forged, unsigned, other key)
+    writes_dropped: int = 0  # writes dropped because the background write queue was full
+    breaker_opens: int = 0  # times the tier was cut off after failing calls in a row
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -63,6 +66,9 @@ class Tier(ABC):
 
     name: str = ""
     shared = False  # True: other workers write it too and it evicts by itself
+    # True: its blobs live outside this process (files, a server), where others could change
+    # them: with a tier key they are signed. DRAM is as trusted as the device pool.
+    outside_process = False
 
     def __init__(self, cap_mb_per_s: float | None = None) -> None:
         self.stats = TierStats()
@@ -95,6 +101,13 @@ class Tier(ABC):
         self.remove(hashes)
         return out
 
+    def clear(self) -> int:
+        """Forget every block this tier holds; returns how many it held. A shared tier forgets
+        every block of its namespace, whoever wrote it."""
+        held = list(self.entries())
+        self.remove(held)
+        return len(held)
+
     def pin(self, hashes: Sequence[BlockHash]) -> None:
         """Keep blocks from being chosen as victims until `unpin` (pins count)."""
         with self._lock:
@@ -113,6 +126,10 @@ class Tier(ABC):
     def is_pinned(self, block_hash: BlockHash) -> bool:
         with self._lock:
             return block_hash in self._pins
+
+    def gauges(self) -> dict[str, float]:
+        """Current levels for metrics beside the `stats` counters (a write queue's depth, ...)."""
+        return {}
 
     def close(self) -> None:  # noqa: B027  # most tiers hold nothing to release
         """Flush pending writes and release resources; the tier answers misses afterwards."""

@@ -42,7 +42,10 @@ def build_tiers(
             password=config.redis_password,
             ttl_s=config.redis_ttl_s,
             timeout_s=config.redis_timeout_s,
+            read_timeout_s=config.redis_read_timeout_s,
             retry_s=config.redis_retry_s,
+            max_failures=config.redis_breaker_failures,
+            queue_mb=config.redis_queue_mb,
             tls_ca_file=config.redis_tls_ca_file,
             cap_mb_per_s=config.redis_cap_mbps,
         )

@@ -65,6 +65,7 @@ class NvmeTier(Tier):
     """Files under `path`, at most `capacity_mb` of them in total."""
 
     name = "nvme"
+    outside_process = True
 
     def __init__(self, path: str | Path, capacity_mb: float, cap_mb_per_s: float | None = None):
         super().__init__(cap_mb_per_s)

@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
-from cachesvc.codec import Codec, KVBlock
+from cachesvc.codec import AuthError, Codec, KVBlock
 from cachesvc.events import EventLog
 from cachesvc.tiers.base import Tier, TierItem
 from cachesvc.tiers.results import FetchResult, ManagerStats, TierHit, Transfer
@@ -34,7 +34,8 @@ _MAX_TRACKED = 1 << 20  # reuse counters kept (least recently counted forgotten 
 
 
 class _Payload:
-    """A block on its way into a tier: its KV or a blob, encoded lazily per codec."""
+    """A block on its way into a tier: its KV, or a blob with the codec of the tier it comes
+    from (which verifies it), encoded lazily per codec."""
 
     def __init__(
         self,
@@ -43,18 +44,20 @@ class _Payload:
         *,
         block: KVBlock | None = None,
         blob: bytes | None = None,
+        source: Codec | None = None,
     ) -> None:
         self.block_hash = block_hash
         self.parent = parent
         self._block = block
         self._blob = blob
+        self._source = source
 
     def encoded(self, codec: Codec) -> bytes | None:
         if self._block is not None:
             b = self._block
             return codec.encode(b.block_hash, b.parent, b.dtype, b.array)
         assert self._blob is not None
-        return codec.transcode(self._blob, self.block_hash)
+        return codec.transcode(self._blob, self.block_hash, self._source)
 
 
 class TierManager:
@@ -109,9 +112,7 @@ class TierManager:
         for tier in self.local:
             for h, parent in tier.entries().items():
                 self._record(h, parent, tier.name)
-        for h in [h for h, p in self._parent.items() if p is not None and p not in self._where]:
-            if h in self._where:
-                self._remove_everywhere(h)
+        self.drop_orphans()
         for tier in self.local:
             held = [h for h in tier.entries() if h in self._where]
             for h in held:
@@ -176,9 +177,10 @@ class TierManager:
         if self._where.get(block_hash, set()) & lower or blob is None:
             landed = None  # already held below (or unreadable): nothing to copy
         else:
-            payload = _Payload(block_hash, self._parent.get(block_hash), blob=blob)
+            source = self.codecs[tier.name]
+            payload = _Payload(block_hash, self._parent.get(block_hash), blob=blob, source=source)
             landed = self._admit(level + 1, payload)
-            self._maybe_share_blob(block_hash, blob)
+            self._maybe_share_blob(block_hash, blob, source)
         if landed is not None:
             self.events.moved((block_hash,), tier.name, landed)
             return
@@ -221,6 +223,15 @@ class TierManager:
         self.stats.dropped += 1
         self._drop_descendants(h)
 
+    def drop_orphans(self) -> int:
+        """Remove held blocks whose parent is held nowhere, device included (the device dropped
+        it without demoting it), with their descendants; returns how many blocks went."""
+        before = self.stats.dropped
+        for h in [h for h, p in self._parent.items() if p is not None and not self._is_held(p)]:
+            if h in self._where:  # not removed already as another orphan's descendant
+                self._remove_everywhere(h)
+        return self.stats.dropped - before
+
     def _drop_descendants(self, h: BlockHash) -> None:
         """`h` is gone from every tier (device included): its held descendants go too."""
         for child in sorted(self._children.get(h, ())):
@@ -228,11 +239,18 @@ class TierManager:
                 self._remove_everywhere(child)
 
     def poll(self) -> None:
-        """Account for blocks a tier lost in the background (a failed NVMe write), and forget
-        what was shared once the shared tier failed (a restarted Redis kept nothing)."""
-        if self.shared is not None and self.shared.stats.errors != self._shared_errors:
-            self._shared_errors = self.shared.stats.errors
-            self._shared_sent.clear()
+        """Account for blocks a tier lost in the background (a failed NVMe write, a shared write
+        that failed), and forget what was shared once the shared tier failed (a restarted Redis
+        kept nothing)."""
+        if self.shared is not None:
+            lost = self.shared.drain_lost()
+            for h in lost:
+                self._shared_sent.pop(h, None)
+            if lost:
+                self.events.removed(self.shared.name, tuple(lost))
+            if self.shared.stats.errors != self._shared_errors:
+                self._shared_errors = self.shared.stats.errors
+                self._shared_sent.clear()
         for tier in self.local:
             for h in tier.drain_lost():
                 if tier.name in self._where.get(h, ()):
@@ -269,19 +287,23 @@ class TierManager:
             self.tier(name).unpin(hashes)
 
     def read(self, ranges: Sequence[tuple[str, Sequence[BlockHash]]]) -> FetchResult:
-        """Read and verify runs of blocks in order, stopping at the first that fails.
+        """Read and verify runs of blocks in order, stopping at the first that fails; a block
+        whose signature fails is counted in its tier's `unverified`.
 
         Thread-safe (it only reads tiers); apply the result with `settle` on the owner's thread.
         """
         result = FetchResult()
         for name, hashes in ranges:
             start = time.perf_counter()
-            blobs = self.tier(name).get(hashes)
+            tier = self.tier(name)
+            blobs = tier.get(hashes)
             codec = self.codecs[name]
             ok = 0
             for h, blob in zip(hashes, blobs, strict=True):
-                block = None if blob is None else codec.decode(blob, h)
-                if block is None:
+                block = None if blob is None else codec.verify(blob, h)
+                if not isinstance(block, KVBlock):
+                    if isinstance(block, AuthError):
+                        tier.stats.unverified += 1
                     result.bad.append((name, h))
                     break
                 result.blocks.append(block)
@@ -336,15 +358,17 @@ class TierManager:
         for name in [t.name for t in self.local if t.name in self._where.get(block_hash, ())]:
             [blob] = self.tier(name).get([block_hash])
             if blob is not None:
-                return self._maybe_share_blob(block_hash, blob, force=True)
+                return self._maybe_share_blob(block_hash, blob, self.codecs[name], force=True)
         return False
 
-    def _maybe_share_blob(self, h: BlockHash, blob: bytes, force: bool = False) -> bool:
+    def _maybe_share_blob(
+        self, h: BlockHash, blob: bytes, source: Codec, force: bool = False
+    ) -> bool:
         if self.shared is None or h in self._shared_sent:
             return False
         if not force and self._reuse.get(h, 0) < self.min_reuse:
             return False
-        data = self.codecs[self.shared.name].transcode(blob, h)
+        data = self.codecs[self.shared.name].transcode(blob, h, source)
         return data is not None and self._put_shared(h, self._parent.get(h), data)
 
     def _put_shared(self, h: BlockHash, parent: BlockHash | None, data: bytes) -> bool:
@@ -357,6 +381,31 @@ class TierManager:
         self.stats.shared += 1
         self.events.stored(self.shared.name, (h,), parent)
         return True
+
+    # ---- purge and spill --------------------------------------------------------------------
+
+    def clear(self) -> dict[str, int]:
+        """Drop every block of every tier (of the shared one: every block of its namespace,
+        whoever wrote it); returns how many blocks each tier dropped, by tier name. Emits Cleared
+        per tier. A fetch in flight from a cleared tier reads misses."""
+        self.poll()
+        counts = {tier.name: tier.clear() for tier in self.all_tiers}
+        for name in counts:
+            self.events.cleared(name)
+        self._where.clear()
+        self._parent.clear()
+        self._children.clear()
+        self._shared_sent.clear()  # gone from the shared tier: worth sending again
+        return counts
+
+    def spill(self) -> None:
+        """Move every block of the local tiers above the last one down into the last, least
+        recently used first (before a graceful stop: NVMe outlives the process, DRAM does not).
+        A block the last tier has no room for is dropped, as on eviction."""
+        for tier in self.local[:-1]:
+            for h in tier.oldest(len(tier.entries())):
+                if tier.name in self._where.get(h, ()):  # not dropped with an evicted prefix
+                    self._evict(tier, h)
 
     # ---- checks and shutdown ----------------------------------------------------------------
 

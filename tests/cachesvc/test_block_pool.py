@@ -69,26 +69,59 @@ def test_double_free_is_caught() -> None:
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """Drives the pool against a dict model of reference counts and registered hashes."""
+    """Drives the pool against a dict model of reference counts and registered hashes, with an
+    eviction hook that sometimes raises (a failing demotion) and checks the pool it sees."""
 
     def __init__(self) -> None:
         super().__init__()
         self.pool = BlockPool(8)
         self.refs: dict[int, int] = {}
         self.hashes: dict[bytes, int] = {}
+        self.raising = False
+        self.num_hook_calls = 0
+        self.num_raised = 0
+        self.pool.on_evict = self._hook
 
-    @rule(n=st.integers(1, 4))
-    def allocate(self, n: int) -> None:
+    def _hook(
+        self, blk: BlockId, h: BlockHash, tokens: tuple[int, ...], parent: BlockHash | None
+    ) -> None:
+        # The pool is whole before any hook runs: the block is unregistered and unmatchable,
+        # though still counted as held (its KV is intact until `allocate` returns).
+        self.pool.check_integrity()
+        assert self.pool.block_hash(blk) is None and self.pool.lookup(h, tokens) is None
+        assert self.pool.contains(h)
+        self.num_hook_calls += 1
+        if self.raising:
+            self.num_raised += 1
+            raise OSError("demotion failed")
+
+    @rule(n=st.integers(1, 4), raising=st.booleans())
+    def allocate(self, n: int, raising: bool) -> None:
+        self.raising = raising
         free = 8 - len(self.refs)
         if n > free:
             with pytest.raises(NoFreeBlocksError):
                 self.pool.allocate(n)
             return
-        for blk in self.pool.allocate(n):
+        calls = self.num_hook_calls
+        got = self.pool.allocate(n)
+        evicted = [h for h, b in self.hashes.items() if b in got]
+        assert self.num_hook_calls - calls == len(evicted)  # one call per evicted block
+        assert not any(self.pool.contains(BlockHash(h)) for h in evicted)
+        for blk in got:
             assert blk not in self.refs
             # Reusing a block evicts whatever hash it held.
             self.hashes = {h: b for h, b in self.hashes.items() if b != blk}
             self.refs[blk] = 1
+
+    @rule(demote=st.booleans(), raising=st.booleans())
+    def reset_cache(self, demote: bool, raising: bool) -> None:
+        self.raising = raising
+        calls = self.num_hook_calls
+        cached_free = [h for h, b in self.hashes.items() if b not in self.refs]
+        assert self.pool.reset_cache(demote=demote) == len(cached_free)
+        assert self.num_hook_calls - calls == (len(cached_free) if demote else 0)
+        self.hashes = {h: b for h, b in self.hashes.items() if b in self.refs}
 
     @precondition(lambda self: self.refs)
     @rule(data=st.data())
@@ -119,6 +152,7 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def matches_model(self) -> None:
         self.pool.check_integrity()
+        assert self.pool.num_evict_hook_failures == self.num_raised
         assert self.pool.num_free == 8 - len(self.refs)
         assert self.pool.num_cached == len(self.hashes)
         for blk, ref in self.refs.items():
@@ -146,3 +180,68 @@ def test_events_number_stores_and_removals() -> None:
         Cleared(2, "hbm"),
     ]
     assert pool.events.drain() == []
+
+
+def _cached_free_pool(num: int) -> tuple[BlockPool, list[BlockId]]:
+    """A pool of `num` blocks, each cached under hash i (a chain 0 <- 1 <- ...) and free."""
+    pool = BlockPool(num)
+    ids = pool.allocate(num)
+    for i, blk in enumerate(ids):
+        pool.register(blk, BlockHash(bytes([i])), [i], BlockHash(bytes([i - 1])) if i else None)
+    pool.free(list(reversed(ids)))  # tail first, as a request frees
+    pool.events.drain()
+    return pool, ids
+
+
+def test_a_raising_evict_hook_is_a_counted_miss() -> None:
+    from cachesvc.events import BlockRemoved
+
+    pool, _ = _cached_free_pool(3)
+    seen: list[bytes] = []
+
+    def hook(blk: BlockId, h: BlockHash, tokens: tuple[int, ...], parent: BlockHash | None):
+        seen.append(h)
+        raise RuntimeError("tier failed")
+
+    pool.on_evict = hook
+    got = pool.allocate(2)  # evicts the chain's tail (hashes 2, then 1)
+    assert len(got) == 2 and [pool.ref_count(b) for b in got] == [1, 1]
+    assert seen == [b"\x02", b"\x01"] and pool.num_evict_hook_failures == 2
+    assert pool.num_cached == 1 and pool.num_free == 1
+    assert pool.events.drain() == [
+        BlockRemoved(3, "hbm", (BlockHash(b"\x02"),)),
+        BlockRemoved(4, "hbm", (BlockHash(b"\x01"),)),
+    ]
+    pool.check_integrity()
+    pool.free(got)
+    assert pool.reset_cache() == 1 and pool.num_evict_hook_failures == 3
+    pool.check_integrity()
+
+
+def test_reset_cache_without_demotion_runs_no_hook() -> None:
+    pool, _ = _cached_free_pool(3)
+    calls: list[bytes] = []
+    pool.on_evict = lambda blk, h, tokens, parent: calls.append(h)
+    assert pool.reset_cache(demote=False) == 3
+    assert calls == [] and pool.num_cached == 0
+    pool.check_integrity()
+
+
+def test_unregister_forgets_blocks_in_use_without_the_hook() -> None:
+    from cachesvc.events import BlockRemoved
+
+    pool = BlockPool(4)
+    calls: list[bytes] = []
+    pool.on_evict = lambda blk, h, tokens, parent: calls.append(h)
+    a, b, c = pool.allocate(3)
+    assert pool.register(a, BlockHash(b"a"), [1]) and pool.register(b, BlockHash(b"b"), [2])
+    assert not pool.register(c, BlockHash(b"a"), [1])  # taken: c stays private
+    pool.events.drain()
+    assert pool.unregister([a, b, c]) == 2
+    assert pool.lookup(BlockHash(b"a"), [1]) is None and not pool.contains(BlockHash(b"b"))
+    assert [pool.ref_count(x) for x in (a, b, c)] == [1, 1, 1]  # still their owners'
+    assert pool.events.drain() == [BlockRemoved(2, "hbm", (BlockHash(b"a"), BlockHash(b"b")))]
+    pool.free([c, b, a])
+    pool.allocate(4)
+    assert calls == []  # nothing left to demote: their hashes were gone
+    pool.check_integrity()

@@ -1,14 +1,18 @@
 """Codec: exact round trips in every mode and dtype; any damage, a wrong key or another model's
-block decodes to None (a miss), never to wrong KV."""
+block decodes to None (a miss), never to wrong KV; with a tier key, only blocks signed under it
+decode (a forged, unsigned, other-key or old-version block is a miss)."""
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachesvc.codec import DTYPES, MODES, Codec, header_size, shuffle
+from cachesvc.codec import DTYPES, MODES, AuthError, Codec, CodecError, header_size, shuffle
 from cachesvc.types import BlockHash
 
 FP = "0123456789abcdef" * 2
@@ -123,3 +127,89 @@ def test_wrong_storage_dtype_is_refused() -> None:
         Codec(FP).encode(H, None, "bfloat16", np.zeros(SHAPE, dtype=np.float32))
     with pytest.raises(ValueError):
         Codec(FP, "zstd")
+
+
+# ---- signed blocks ------------------------------------------------------------------------------
+
+KEY = b"k" * 32
+OTHER_KEY = b"o" * 40
+
+
+def _forge(blob: bytes) -> bytes:
+    """What anyone who can write a tier can do to a checksummed block: change its KV and
+    recompute the checksum (the result is a valid unsigned block)."""
+    block = Codec(FP).decode(blob, H)
+    assert block is not None
+    changed = block.array.copy()
+    changed.flat[0] += 1
+    return Codec(FP).encode(H, block.parent, block.dtype, changed)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_signed_round_trip_is_exact(mode: str) -> None:
+    codec = Codec(FP, mode, KEY)
+    array = kv_like("bfloat16")
+    block = codec.decode(codec.encode(H, PARENT, "bfloat16", array), H)
+    assert block is not None and block.parent == PARENT
+    assert block.array.tobytes() == array.tobytes()
+
+
+def test_a_signed_block_carries_a_mac_in_place_of_the_checksum() -> None:
+    noise = np.random.default_rng(0).integers(0, 2**16, SHAPE, dtype=np.uint16)
+    blob = Codec(FP, "shuffle_lz4", KEY).encode(H, None, "bfloat16", noise)
+    assert len(blob) == noise.nbytes + header_size(len(SHAPE), signed=True)
+    assert header_size(len(SHAPE), signed=True) == header_size(len(SHAPE)) + 24
+
+
+def test_a_forged_block_passes_the_checksum_but_not_the_key() -> None:
+    honest = Codec(FP).encode(H, None, "float32", kv_like("float32"))
+    forged = _forge(honest)
+    assert Codec(FP).decode(forged, H) is not None  # why a checksum is not enough
+    keyed = Codec(FP, "raw", KEY)
+    assert isinstance(keyed.verify(forged, H), AuthError)  # unsigned: refused
+    assert keyed.num_rejected == 1
+
+
+def test_a_changed_signed_block_or_another_key_is_refused() -> None:
+    signed = Codec(FP, "raw", KEY).encode(H, PARENT, "float32", kv_like("float32"))
+    changed = bytearray(signed)
+    changed[-1] ^= 0x01  # payload changed, MAC kept
+    for codec, blob in [
+        (Codec(FP, "raw", KEY), bytes(changed)),
+        (Codec(FP, "raw", OTHER_KEY), signed),  # signed under another key
+        (Codec(FP), signed),  # no key to check it with: not served unchecked
+    ]:
+        assert isinstance(codec.verify(blob, H), AuthError)
+        assert codec.decode(blob, H) is None
+
+
+def test_damage_is_told_apart_from_a_bad_signature() -> None:
+    blob = Codec(FP).encode(H, None, "float32", kv_like("float32"))
+    outcome = Codec(FP).verify(blob[:-1], H)
+    assert isinstance(outcome, CodecError) and not isinstance(outcome, AuthError)
+
+
+def test_old_version_blocks_are_misses() -> None:
+    blob = bytearray(Codec(FP).encode(H, None, "float32", kv_like("float32")))
+    struct.pack_into("<H", blob, 4, 1)  # version 1, checksum recomputed: a well-formed v1 block
+    offset = header_size(len(SHAPE)) - 8
+    checksum = xxhash.xxh3_64(bytes(blob[:offset]))
+    checksum.update(bytes(blob[offset + 8 :]))
+    struct.pack_into("<Q", blob, offset, checksum.intdigest())
+    assert Codec(FP).decode(bytes(blob), H) is None
+    assert Codec(FP, "raw", KEY).decode(bytes(blob), H) is None
+
+
+def test_transcode_signs_a_checksummed_block_from_its_source_tier() -> None:
+    dram, nvme = Codec(FP, "raw"), Codec(FP, "raw", KEY)
+    blob = dram.encode(H, PARENT, "bfloat16", kv_like("bfloat16"))
+    signed = nvme.transcode(blob, H, source=dram)
+    assert signed is not None and nvme.decode(signed, H) is not None
+    assert nvme.transcode(signed, H) is signed  # already in its mode and signed: no work
+    assert nvme.transcode(_forge(blob), H) is None  # verified by the source: unsigned refused
+    assert Codec(FP, "raw", KEY).with_mode("lz4").decode(signed, H) is not None
+
+
+def test_a_short_key_is_refused() -> None:
+    with pytest.raises(ValueError, match="32 bytes"):
+        Codec(FP, "raw", b"short")

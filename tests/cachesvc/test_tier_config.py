@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cachesvc.config import ConfigError, EngineConfig, TierConfig
@@ -25,6 +27,10 @@ def test_off_by_default() -> None:
         ({"dram_cap_mbps": 0}, "tiers.dram_cap_mbps"),
         ({"plan": "sometimes"}, "tiers.plan"),
         ({"redis_timeout_s": 0}, "tiers.redis_timeout_s"),
+        ({"redis_read_timeout_s": 0}, "tiers.redis_read_timeout_s"),
+        ({"redis_queue_mb": 0}, "tiers.redis_queue_mb"),
+        ({"redis_breaker_failures": 0}, "tiers.redis_breaker_failures"),
+        ({"tier_key_file": " "}, "--tier-key-file"),
     ],
 )
 def test_bad_values_name_the_field(kwargs: dict[str, object], message: str) -> None:
@@ -54,11 +60,14 @@ def test_engine_flags_build_the_tier_config(tmp_path: object) -> None:
             str(tmp_path),
             "--redis-url",
             "redis://127.0.0.1:6379/0",
+            "--tier-key-file",
+            "/run/secrets/tier-key",
         ]
     )
     tiers = engine_config(args).tiers
     assert (tiers.dram_mb, tiers.nvme_path, tiers.nvme_mb) == (64, str(tmp_path), 1024)
     assert tiers.redis_url == "redis://127.0.0.1:6379/0"
+    assert tiers.tier_key_file == "/run/secrets/tier-key"
     serve = build_parser().parse_args(["serve", "--redis-url", "redis://127.0.0.1:6379/0"])
     assert not engine_config(serve).tiers.enabled  # serve's --redis-url is the router's index
 
@@ -71,3 +80,20 @@ def test_serve_takes_the_kv_tier_redis_apart_from_the_router_index() -> None:
     config = serve_config(build_parser().parse_args(args))
     assert config.router.redis_url == "redis://index:6379/0"
     assert config.engine.tiers.redis_url == "redis://kv:1/2"
+
+
+def test_the_tier_key_is_the_file_without_surrounding_whitespace(tmp_path: Path) -> None:
+    assert TierConfig().read_key() is None  # no key: checksummed blocks, as before
+    key = tmp_path / "key"
+    key.write_bytes(b"  " + b"A" * 32 + b"\n")
+    assert TierConfig(tier_key_file=str(key)).read_key() == b"A" * 32
+
+
+@pytest.mark.parametrize("content", [None, b"", b"too short\n", b" " * 40 + b"A" * 31 + b"\n"])
+def test_a_missing_or_short_key_says_how_to_make_one(tmp_path: Path, content: bytes | None) -> None:
+    key = tmp_path / "key"
+    if content is not None:
+        key.write_bytes(content)
+    config = TierConfig(tier_key_file=str(key))  # read where the engine starts, not here
+    with pytest.raises(ConfigError, match=r"tier_key_file.*head -c 32 /dev/urandom \| base64"):
+        config.read_key()

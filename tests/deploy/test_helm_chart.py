@@ -209,6 +209,24 @@ def test_external_redis_over_tls_mounts_its_ca(render_case: Any) -> None:
         assert volume["secret"]["secretName"] == "shared-redis-ca"
 
 
+def test_the_tier_key_secret_is_mounted_in_the_workers_only(render_case: Any) -> None:
+    r = render_case("gpu-redis-tls")
+    key_file = _serve_config(r).engine.tiers.tier_key_file
+    pod = _worker_group(r)["template"]["spec"]
+    [mount] = [m for m in _container(pod, "ray-worker")["volumeMounts"] if m["name"] == "tier-key"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "tier-key"]
+    assert mount["readOnly"] and volume["secret"]["secretName"] == "cachesvc-tier-key"
+    [item] = volume["secret"]["items"]
+    assert item["key"] == "key" and key_file == f"{mount['mountPath']}/{item['path']}"
+    router = r.one("Deployment")["spec"]["template"]["spec"]
+    assert "tier-key" not in {v["name"] for v in router["volumes"]}  # the router signs nothing
+    # Without the Secret, blocks are checksummed: no key file, nothing mounted.
+    plain = render_case("default")
+    assert _serve_config(plain).engine.tiers.tier_key_file is None
+    worker = _container(_worker_group(plain)["template"]["spec"], "ray-worker")
+    assert "tier-key" not in {m["name"] for m in worker["volumeMounts"]}
+
+
 def test_an_unknown_config_key_fails_the_load_naming_it(renderer: Renderer) -> None:
     docs = renderer.manifests(sets=["config.engine.tiers.dram_gb=4"])
     [cm] = [d for d in docs if d["kind"] == "ConfigMap"]
@@ -229,6 +247,10 @@ def test_an_unknown_chart_value_fails_the_render(renderer: Renderer) -> None:
         (["rayCluster.enabled=false"], "set config.ray_address"),
         (["router.tls.enabled=true"], "needs router.tls.secretName"),
         (["router.tls.clientCaSecretName=ca"], "needs router.tls.enabled"),
+        (
+            ["tierKey.secretName=k", "config.engine.tiers.tier_key_file=/k"],
+            "set only tierKey.secretName",
+        ),
     ],
 )
 def test_misconfigurations_fail_the_render(

@@ -104,7 +104,13 @@ class ServerThread:
     def stop(self) -> None:
         if self.loop.is_closed():
             return  # stopped already (a test may stop a router to restart it)
-        self.run(self._stop())
+        try:
+            self.run(self._stop(), timeout=60)
+        except TimeoutError:
+            # Say what the router's loop is stuck on before failing.
+            for task in asyncio.all_tasks(self.loop):
+                task.print_stack()
+            raise
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         self.loop.close()

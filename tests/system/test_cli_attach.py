@@ -106,14 +106,13 @@ def test_attach_routes_over_running_workers_and_leaves_them(
         # The workers outlived the attached router, and their cache is the same.
         again = _generate(owner_address, PROMPT + [2])
         assert sum(again.cached_tokens.values()) >= len(PROMPT)
-        with grpc.insecure_channel(owner_address) as channel:
-            flushed = pb_grpc.AdminStub(channel).Flush(pb.FlushRequest())
-        assert flushed.num_blocks_dropped >= 10  # demoted to NVMe: writes queued
     finally:
         assert _stop(owner) == 0, "serve exits cleanly on SIGTERM"
-    # Closed before it was killed: every demoted block was written out, none half written.
+    # Closed before it was killed: the device's cached blocks (both prompts' ten blocks at
+    # least) were written down to NVMe, none half written.
     files = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
-    assert len(files) == flushed.num_blocks_dropped
+    assert len(files) >= 10
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "a write half done"
     deadline = time.monotonic() + 30
     while _named_workers(cluster.namespace):
         assert time.monotonic() < deadline, "the owning serve did not kill its workers"

@@ -297,3 +297,22 @@ def test_auth_token(make_server: Any, tiny_model_dir: Path) -> None:
     assert health.Check(health_pb2.HealthCheckRequest()).status == (
         health_pb2.HealthCheckResponse.SERVING
     )
+
+
+def test_flush_and_purge_drop_what_a_prompt_cached(stub: Any, admin: Any) -> None:
+    ids = [7 + 3 * i for i in range(40)]  # ten blocks
+    request = pb.GenerateRequest(
+        prompt=pb.Prompt(token_ids=pb.TokenIds(ids=ids)),
+        sampling=pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+    )
+
+    def cached() -> int:
+        return sum(list(stub.Generate(request, timeout=60))[-1].usage.cached_tokens.values())
+
+    cached()
+    assert cached() >= 36
+    assert admin.Flush(pb.FlushRequest()).num_blocks_dropped >= 10
+    assert cached() == 0, "a flushed prefix is computed again"
+    purged = admin.Purge(pb.PurgeRequest()).num_blocks_purged
+    assert purged["hbm"] >= 10
+    assert cached() == 0, "a purged prefix is computed again"

@@ -47,6 +47,10 @@ class EngineLoad:
 
 def _measure(engine: Engine) -> EngineLoad:
     requests = [*engine.scheduler.waiting, *engine.scheduler.running]
+    tiering: dict[str, float] = {}
+    if engine.tiering is not None:
+        # Demotions lost to a failing eviction hook are counted by the pool, not the tiers.
+        tiering = {**engine.tiering.metrics(), "demote_failed": engine.pool.num_evict_hook_failures}
     return EngineLoad(
         num_running=len(engine.scheduler.running),
         num_waiting=len(engine.scheduler.waiting),
@@ -57,7 +61,7 @@ def _measure(engine: Engine) -> EngineLoad:
         num_blocks=engine.pool.num_blocks,
         num_free_blocks=engine.pool.num_free,
         num_cached_blocks=engine.pool.num_cached,
-        tiering={} if engine.tiering is None else engine.tiering.metrics(),
+        tiering=tiering,
     )
 
 
@@ -225,7 +229,7 @@ class AsyncEngine:
     async def _step(self) -> None:
         try:
             outputs = await self._in_thread(self.engine.step)
-        except Exception as exc:  # the engine's state is unknown: end every stream with it
+        except Exception as exc:  # Engine.step undid the step; every stream ends with the error
             _log.exception("engine step failed")
             self._fail_all(exc)
             return

@@ -12,6 +12,7 @@ import torch
 
 from cachesvc.block_pool import BlockPool
 from cachesvc.config import EngineConfig
+from cachesvc.events import TIER_HBM
 from cachesvc.types import RequestId
 from workers.attention.schemes import make_scheme_backend
 from workers.engine.beam_search import BeamSearch
@@ -64,11 +65,8 @@ class Engine:
             config.model, dtype=_DTYPES[config.dtype], device=config.device
         )
         self.tokenizer = tokenizer or _load_tokenizer(self.loaded.path)
-        model_cfg = self.loaded.config
-        self.max_model_len = min(
-            config.max_model_len or model_cfg.max_position_embeddings,
-            model_cfg.max_position_embeddings,
-        )
+        context_len = self.loaded.config.max_context_len  # a sliding window caps it
+        self.max_model_len = min(config.max_model_len or context_len, context_len)
         num_blocks = config.num_blocks or self._blocks_for_budget(config)
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(
@@ -99,6 +97,7 @@ class Engine:
         self._requests: dict[RequestId, Request] = {}  # every live request, beams included
         self._fork_plans: dict[RequestId, list[tuple[RequestId, SamplingParams]]] = {}
         self._ids = itertools.count()
+        self._demote_failures_seen = 0  # of pool.num_evict_hook_failures, see _after_evictions
         self.tiering = self._start_tiers(config, kv_caches)
         self.forker = Forker(self.scheduler, self.kv, self.runner)
         self.beams = BeamSearch(self.forker, self._requests, self._drop, self.max_model_len)
@@ -119,9 +118,39 @@ class Engine:
         return tiering
 
     def close(self) -> None:
-        """Flush the tiers' background writes and close them (an NVMe folder is then complete)."""
+        """Flush the tiers' background writes and close them (an NVMe folder is then complete).
+
+        With an NVMe tier, the device pool's cached blocks (those no request holds) are demoted
+        first, and whatever DRAM holds moves on to NVMe, so that a restart finds them there.
+        """
+        if self.tiering is None:
+            return
+        manager = self.tiering.manager
+        if any(tier.name == "nvme" for tier in manager.local):
+            self.pool.reset_cache(demote=True)
+            self._after_evictions()
+            manager.spill()
+        self.tiering.close()
+
+    def flush(self) -> int:
+        """Drop every cached device block that no request holds, without demoting it to the
+        tiers (BlockRemoved events); returns how many were dropped. Tier blocks whose prefix was
+        only on the device go too (nothing could reach them). Run it between steps."""
+        dropped = self.pool.reset_cache(demote=False)
         if self.tiering is not None:
-            self.tiering.close()
+            self.tiering.manager.drop_orphans()
+        return dropped
+
+    def purge(self) -> dict[str, int]:
+        """Drop everything this worker holds, in every tier: the device pool's cached blocks
+        that no request holds (not demoted), DRAM, NVMe, and this model's blocks in the shared
+        Redis tier (every worker's: it is one store). Returns how many blocks each tier dropped,
+        by tier name ("hbm" for the device); emits BlockRemoved / Cleared. Run it between steps.
+        """
+        counts = {TIER_HBM: self.pool.reset_cache(demote=False)}
+        if self.tiering is not None:
+            counts.update(self.tiering.manager.clear())
+        return counts
 
     def _blocks_for_budget(self, config: EngineConfig) -> int:
         c = self.loaded.config
@@ -231,13 +260,24 @@ class Engine:
     # ---- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns a snapshot of every request that advanced."""
+        """Run one scheduled batch; returns a snapshot of every request that advanced.
+
+        If the model run raises, the blocks this step registered are forgotten before the error
+        propagates (their KV was never written: nothing may match or demote them), and the
+        batch's requests go back to the queue to be recomputed, as if preempted.
+        """
         output = self.scheduler.schedule()
+        self._after_evictions()
         if output.is_empty:
             return []
         keep = set(self._fork_plans) | set(self.beams.group_of)
         start = time.perf_counter()
-        result = self.runner.execute(output, self._requests, keep)
+        try:
+            result = self.runner.execute(output, self._requests, keep)
+        except BaseException:
+            self.kv.abort_step()
+            self.scheduler.requeue(output)
+            raise
         compute_s = time.perf_counter() - start
         self.scheduler.update(output)  # may land a fetch that ran during the compute (Cake)
         if self.tiering is not None:
@@ -263,6 +303,15 @@ class Engine:
             if finished is not None:
                 outputs.append(self._beam_output(finished))
         return outputs
+
+    def _after_evictions(self) -> None:
+        """When a demotion failed (a counted miss in the pool), its block left the device
+        without reaching a tier: drop the blocks demoted below it earlier, which nothing can
+        reach any more (the tiers keep no orphans)."""
+        failures = self.pool.num_evict_hook_failures
+        if self.tiering is not None and failures != self._demote_failures_seen:
+            self._demote_failures_seen = failures
+            self.tiering.manager.drop_orphans()
 
     def _fork_samples(
         self, parent_id: RequestId, logits: torch.Tensor, now: float
@@ -316,7 +365,9 @@ class Engine:
         """For each item, the log-probs of `label_token_ids` right after `prefix + item`.
 
         One forward pass with the multi-item mask; equal to scoring each `prefix + item` alone.
-        Raises ScoreError (a ValueError) naming the bad field. Run it between steps.
+        Raises ScoreError (a ValueError) naming the bad field, including a pass that could never
+        fit the pool, and NoFreeBlocksError when too few blocks are free right now (requests hold
+        them: retry later). Run it between steps.
         """
         inp = ScoreInput(
             tuple(self._score_ids(prefix, "prefix", special=True)),
@@ -324,7 +375,10 @@ class Engine:
             tuple(int(t) for t in label_token_ids),
         )
         validate(inp, self.loaded.config.vocab_size, self.max_model_len)
-        return run_score(self.runner, self.pool, self.config.block_size, inp)
+        try:
+            return run_score(self.runner, self.pool, self.config.block_size, inp)
+        finally:
+            self._after_evictions()
 
     def _score_ids(
         self, text_or_ids: str | Sequence[int], field: str, special: bool = False

@@ -4,10 +4,13 @@ Every full block a request computes is registered under its rolling hash *when i
 before its KV is written (vLLM's trick): a request admitted later in the same step finds it and
 computes only its own suffix, reading the shared blocks written earlier in the same layer pass.
 That is in-batch prefix dedup; across steps the same registry gives ordinary prefix caching.
+The price: when a step fails, the blocks it registered must be forgotten (`abort_step`) before
+anything can match them, since their KV was never written.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,6 +21,7 @@ from cachesvc.types import BlockHash, BlockId
 from workers.engine.request import Request
 
 IN_BATCH_MODES = ("share", "defer", "ignore")
+MAX_ROOTS = 4096  # root hashes kept, one per cache salt (tenant), least recently used dropped
 
 
 @dataclass(frozen=True)
@@ -75,13 +79,21 @@ class KVCacheManager:
         self.model_fingerprint = model_fingerprint
         self.enable_prefix_caching = enable_prefix_caching
         self.in_batch = in_batch
-        self._roots: dict[str, BlockHash] = {}
-        self._in_flight: set[BlockId] = set()
+        self._roots: OrderedDict[str, BlockHash] = OrderedDict()
+        self._in_flight: set[BlockId] = set()  # registered by this step: KV not written yet
         self.tiering: TieringHooks | None = None  # lower tiers (DRAM, NVMe, Redis), when on
 
     def begin_step(self) -> None:
         """Blocks registered from now on belong to the new step's batch."""
         self._in_flight.clear()
+
+    def abort_step(self) -> int:
+        """The step's compute failed: forget the hashes registered since `begin_step` (their KV
+        was never written) before anything can match or demote them. The blocks stay with their
+        requests; emits BlockRemoved. Returns how many hashes were dropped."""
+        dropped = self.pool.unregister(sorted(self._in_flight))
+        self._in_flight.clear()
+        return dropped
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -214,11 +226,18 @@ class KVCacheManager:
         for i in range(first, end):
             chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
             parent = hashes[i - 1] if i > 0 else None
-            self.pool.register(request.block_ids[i], hashes[i], chunk, parent)
-            self._in_flight.add(request.block_ids[i])
+            if self.pool.register(request.block_ids[i], hashes[i], chunk, parent):
+                self._in_flight.add(request.block_ids[i])
 
     def _root(self, salt: str | None) -> BlockHash:
+        # A cache of a pure function: one entry per salt seen, so it is bounded (salts come
+        # from clients and tenants, without limit).
         key = salt or ""
-        if key not in self._roots:
-            self._roots[key] = root_hash(self.model_fingerprint, self.block_size, key)
-        return self._roots[key]
+        root = self._roots.get(key)
+        if root is None:
+            root = self._roots[key] = root_hash(self.model_fingerprint, self.block_size, key)
+            if len(self._roots) > MAX_ROOTS:
+                self._roots.popitem(last=False)
+        else:
+            self._roots.move_to_end(key)
+        return root

@@ -96,6 +96,16 @@ class Scheduler:
             request.num_computed_tokens += len(chunk.token_ids)
             self.kv.on_computed(request)  # a fetch planned to land here lands now
 
+    def requeue(self, output: SchedulerOutput) -> None:
+        """The step computing `output` failed: each of its requests gives its blocks back and
+        waits at the head of the queue, to be recomputed as if preempted, so that none counts
+        KV that was never written. Call after `KVCacheManager.abort_step`."""
+        by_id = {r.request_id: r for r in self.running}
+        for chunk in reversed(output.chunks):  # the first ends up first in the queue
+            request = by_id.get(chunk.request_id)
+            if request is not None:
+                self._preempt(request)
+
     def finish(self, request: Request) -> None:
         """Take a finished or aborted request out and free its blocks."""
         if request in self.running:

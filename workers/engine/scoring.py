@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cachesvc.block_pool import BlockPool
+from cachesvc.block_pool import BlockPool, NoFreeBlocksError
 from cachesvc.types import BlockId
 from workers.attention.schemes import build_scheme_layout
 from workers.engine.runner import ModelRunner
@@ -55,7 +55,8 @@ def score(
     """Log-probs of each label token after `prefix + item`, per item, in one pass.
 
     Takes blocks from `pool` for the pass and gives them all back; raises ScoreError when the
-    pool is too small. Must not run during an engine step (it uses the same KV caches).
+    pool is too small ever to hold the pass, NoFreeBlocksError when too few of its blocks are
+    free now. Must not run during an engine step (it uses the same KV caches).
     """
     p = len(inp.prefix_ids)
     items = inp.items_ids
@@ -63,8 +64,15 @@ def score(
     leader_len = p + len(items[0])
     own = [-(-(p + len(it)) // block_size) - shared for it in items[1:]]
     need = -(-leader_len // block_size) + sum(own)
+    if need > pool.num_blocks:
+        raise ScoreError(
+            f"items: prefix + items need {need} KV blocks, the pool has {pool.num_blocks}; "
+            "send fewer or shorter items"
+        )
     if need > pool.num_free:
-        raise ScoreError(f"scoring needs {need} KV blocks, {pool.num_free} are free")
+        raise NoFreeBlocksError(
+            f"scoring needs {need} KV blocks, {pool.num_free} are free now; retry later"
+        )
     leader = pool.allocate(-(-leader_len // block_size))
     tables: list[list[BlockId]] = [leader]
     try:

@@ -108,15 +108,22 @@ class KVTiering:
         self.dtype = _DTYPE_NAMES[kv_caches[0].dtype]
         self.block_shape = (len(kv_caches), *kv_caches[0].shape[1:])
         raw_bytes = int(np.prod(self.block_shape)) * kv_caches[0].element_size()
+        key = config.read_key()  # before building tiers: a bad key file fails the start
         local, shared = build_tiers(
             config,
             fingerprint,
-            raw_bytes + header_size(len(self.block_shape)),
+            raw_bytes + header_size(len(self.block_shape), signed=True),  # room for either tag
             pin_memory=torch.cuda.is_available(),
         )
-        # "auto" starts uncompressed; calibration keeps the fastest mode of each tier.
+        # Blocks that leave the process are signed when a key is configured. "auto" starts
+        # uncompressed; calibration keeps the fastest mode of each tier.
+        signed = {t.name for t in [*local, *([shared] if shared else [])] if t.outside_process}
         codecs = {
-            name: Codec(fingerprint, AUTO_CODECS[0] if mode == "auto" else mode)
+            name: Codec(
+                fingerprint,
+                AUTO_CODECS[0] if mode == "auto" else mode,
+                key if name in signed else None,
+            )
             for name, mode in config.codecs.items()
         }
         self.manager = TierManager(
@@ -335,10 +342,13 @@ class KVTiering:
         self.costs.set_cap(tier_name, mb_per_s)
 
     def metrics(self) -> dict[str, float]:
-        """Flat counters for a metrics endpoint: per tier, per plan kind (with the predicted and
+        """Flat counters for a metrics endpoint: per tier (its counters, and levels such as
+        the Redis write queue's depth and breaker), per plan kind (with the predicted and
         measured seconds of timed plans), and block moves."""
         out: dict[str, float] = {
-            f"{t.name}_{k}": v for t in self.manager.all_tiers for k, v in t.stats.as_dict().items()
+            f"{t.name}_{k}": v
+            for t in self.manager.all_tiers
+            for k, v in (t.stats.as_dict() | t.gauges()).items()
         }
         out.update({f"plan_{kind}": n for kind, n in self.stats.plans.items()})
         m = self.manager.stats

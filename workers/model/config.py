@@ -1,7 +1,8 @@
 """The shape and hyper-parameters of a Llama-family model, read from config.json or GGUF metadata.
 
 One frozen `ModelConfig` describes Llama, Qwen2 and Mistral: they differ only in flags (Qwen2's
-q/k/v bias, Mistral's sliding window) that the forward pass reads.
+q/k/v bias) that the forward pass reads, and in Mistral's sliding window, which caps the context
+(`max_context_len`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False  # Llama's attention_bias puts a bias on o_proj too
-    sliding_window: int | None = None  # stored only: the engine keeps context within it
+    # Not applied by attention, which always sees the whole context: `max_context_len` caps
+    # every sequence at the window instead, where the two are the same.
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -83,6 +86,20 @@ class ModelConfig:
         )
         if self.rope_scaling is not None:
             _validate_rope_scaling(self.rope_scaling)
+        _require(
+            self.sliding_window is None or self.sliding_window > 0,
+            f"sliding_window must be positive or null, got {self.sliding_window}",
+        )
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest sequence (prompt and output) this model computes exactly: the RoPE table's
+        length, capped at the sliding window. Our attention has no window; up to the window's
+        length every token sees all the others under windowed attention too, so capping the
+        context keeps it exact."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     @property
     def rope_type(self) -> str:

@@ -49,6 +49,12 @@ def add_engine_args(p: argparse.ArgumentParser, redis_flag: str = "--redis-url")
         default=None,
         help="Redis tier shared by workers (redis:// or rediss://)",
     )
+    p.add_argument(
+        "--tier-key-file",
+        default=None,
+        help="sign NVMe and Redis blocks with the secret in this file (32+ bytes; make one with "
+        "`head -c 32 /dev/urandom | base64 > FILE`) and read back only blocks it signed",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -94,6 +100,7 @@ def tier_config(args: argparse.Namespace) -> TierConfig:
         nvme_path=args.nvme_path,
         nvme_mb=nvme_mb,
         redis_url=getattr(args, "kv_redis_url", None),
+        tier_key_file=args.tier_key_file,
     )
 
 

@@ -258,3 +258,20 @@ class FlushResponse(_message.Message):
     NUM_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     num_blocks_dropped: int
     def __init__(self, num_blocks_dropped: _Optional[int] = ...) -> None: ...
+
+class PurgeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PurgeResponse(_message.Message):
+    __slots__ = ("num_blocks_purged",)
+    class NumBlocksPurgedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NUM_BLOCKS_PURGED_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_purged: _containers.ScalarMap[str, int]
+    def __init__(self, num_blocks_purged: _Optional[_Mapping[str, int]] = ...) -> None: ...

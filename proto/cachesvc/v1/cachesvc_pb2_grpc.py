@@ -215,6 +215,11 @@ class AdminStub:
                 request_serializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.FlushRequest.SerializeToString,
                 response_deserializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.FlushResponse.FromString,
                 _registered_method=True)
+        self.Purge = channel.unary_unary(
+                '/cachesvc.v1.Admin/Purge',
+                request_serializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PurgeRequest.SerializeToString,
+                response_deserializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PurgeResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -234,7 +239,16 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Flush(self, request, context):
-        """Drop every cached block that no running request uses, on every worker.
+        """Drop every cached block that no running request uses from every worker's device pool
+        (not moved to the lower tiers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Purge(self, request, context):
+        """Drop everything cached anywhere: every worker's device pool (blocks no running request
+        uses), DRAM and NVMe tiers, and this model's blocks in the shared Redis tier.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -257,6 +271,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Flush,
                     request_deserializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.FlushRequest.FromString,
                     response_serializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.FlushResponse.SerializeToString,
+            ),
+            'Purge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Purge,
+                    request_deserializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PurgeRequest.FromString,
+                    response_serializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PurgeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -341,6 +360,33 @@ class Admin:
             '/cachesvc.v1.Admin/Flush',
             proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.FlushRequest.SerializeToString,
             proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.FlushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Purge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachesvc.v1.Admin/Purge',
+            proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PurgeRequest.SerializeToString,
+            proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PurgeResponse.FromString,
             options,
             channel_credentials,
             insecure,

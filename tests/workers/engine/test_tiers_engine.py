@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +39,11 @@ PREFIX = _tokens(48, 7)  # 12 full blocks
 A, B, C = (PREFIX + _tokens(5, s) for s in (1, 2, 3))
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_llama_dir: Path) -> Any:
-    """Greedy tokens of the engine with no prefix cache at all, per prompt."""
+def no_cache_tokens(model_dir: Path) -> Callable[[list[int]], list[int]]:
+    """Greedy tokens of the engine with no prefix cache at all, per prompt (each computed once)."""
     engine = Engine(
         EngineConfig(
-            model=str(tiny_llama_dir), block_size=BS, num_blocks=256, enable_prefix_caching=False
+            model=str(model_dir), block_size=BS, num_blocks=256, enable_prefix_caching=False
         )
     )
     cache: dict[tuple[int, ...], list[int]] = {}
@@ -56,6 +55,11 @@ def expected(tiny_llama_dir: Path) -> Any:
         return cache[tuple(prompt)]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir: Path) -> Callable[[list[int]], list[int]]:
+    return no_cache_tokens(tiny_llama_dir)
 
 
 def make_engine(path: Path, tiers: TierConfig, num_blocks: int = 24) -> Engine:
@@ -261,8 +265,10 @@ def test_redis_admits_only_reused_blocks(
 ) -> None:
     engine = make_engine(tiny_llama_dir, TierConfig(redis_url=fresh_redis_url, redis_min_reuse=2))
     client = redis.Redis.from_url(fresh_redis_url)
+    assert engine.tiering is not None
     for n in range(3):
         assert run(engine, A)[0] == expected(A)
+        engine.tiering.manager.tier("redis").flush()  # type: ignore[attr-defined]
         assert (len(client.keys("cachesvc:kv:*")) > 0) == (n == 2)  # third run: second reuse
     engine.close()
 
@@ -276,6 +282,7 @@ def test_garbage_under_a_redis_key_is_a_miss(
     run_then_evict(engine, A)
     assert engine.tiering is not None
     tier = engine.tiering.manager.tier("redis")
+    tier.flush()  # type: ignore[attr-defined]
     key = tier.key(_chain(engine, A)[5])  # type: ignore[attr-defined]
     redis.Redis.from_url(fresh_redis_url).set(key, b"\x00garbage")
     tokens, usage = run(engine, B)

@@ -75,6 +75,32 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{/* Where the tier key is mounted in the worker pods when tierKey.secretName is set. */}}
+{{- define "cachesvc.tierKeyFile" -}}
+{{- if .Values.tierKey.secretName -}}
+/var/run/secrets/cachesvc-tier-key/key
+{{- end -}}
+{{- end -}}
+
+{{/* Volume and mount of the tier key Secret: (dict "root" $ "part" "volume"|"mount"). */}}
+{{- define "cachesvc.tierKey" -}}
+{{- $key := .root.Values.tierKey -}}
+{{- if $key.secretName -}}
+{{- if eq .part "volume" -}}
+- name: tier-key
+  secret:
+    secretName: {{ $key.secretName }}
+    items:
+      - key: {{ $key.secretKey }}
+        path: key
+{{- else -}}
+- name: tier-key
+  mountPath: /var/run/secrets/cachesvc-tier-key
+  readOnly: true
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The Redis URL (no password in it) of the chart's Redis or redis.external; "" for none. */}}
 {{- define "cachesvc.redisUrl" -}}
 {{- $r := .Values.redis -}}
@@ -115,6 +141,12 @@ null. cachesvc rejects a key that is not a dataclass field, naming it.
 {{- end -}}
 {{- with include "cachesvc.redisCaFile" . -}}
 {{- $_ := set $tiers "redis_tls_ca_file" . -}}
+{{- end -}}
+{{- with include "cachesvc.tierKeyFile" . -}}
+{{- if $tiers.tier_key_file -}}
+{{- fail "config.engine.tiers.tier_key_file is set by tierKey.secretName: set only tierKey.secretName" -}}
+{{- end -}}
+{{- $_ := set $tiers "tier_key_file" . -}}
 {{- end -}}
 {{- if $tiers -}}
 {{- $_ := set $engine "tiers" $tiers -}}
