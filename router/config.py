@@ -88,12 +88,23 @@ class RouterConfig:
     # Also serve the health service alone, in plaintext, on 127.0.0.1:health_port (0: any free
     # port): for probes inside the pod that cannot speak (mutual) TLS. None: no such port.
     health_port: int | None = None
+    # The response cache (router/response_cache.py): deterministic requests' answers, in
+    # memory up to this many MiB (0: off), or in Redis when `redis_url` is set (shared by the
+    # routers, each entry kept `response_cache_ttl_s`).
+    response_cache_mb: float = 64.0
+    response_cache_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         self._check_tokens()
         self._check_tls()
+        if self.response_cache_mb < 0:
+            raise ConfigError(f"response_cache_mb must be >= 0, got {self.response_cache_mb}")
+        if self.response_cache_ttl_s <= 0:
+            raise ConfigError(
+                f"response_cache_ttl_s must be positive, got {self.response_cache_ttl_s}"
+            )
         if self.max_replacements < 0:
             raise ConfigError(f"max_replacements must be >= 0, got {self.max_replacements}")
         for name in ("max_n", "max_beam_width", "max_inflight", "max_missed_polls"):

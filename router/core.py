@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import asdict, fields
@@ -33,6 +34,12 @@ from router.metrics import RequestOutcome, RouterMetrics
 from router.policy import Candidate, Policy, RouteDecision, RouteRequest
 from router.pool import Health, WorkerDied, WorkerPool, raise_stream_error
 from router.prompt_encoder import PromptEncoder
+from router.response_cache import (
+    ResponseCollector,
+    is_deterministic,
+    make_response_cache,
+    response_key,
+)
 from router.resume import Part, RequestProgress
 from router.streams import merged
 from router.supervisor import Replace, Supervisor
@@ -63,6 +70,9 @@ class Router:
         self.metrics = RouterMetrics()
         self.metrics.watch(pool)
         self._encoder: PromptEncoder | None = None
+        self.responses = make_response_cache(config)
+        if self.responses is not None:
+            self.metrics.watch_response_cache(self.responses.stats)
         self.supervisor = Supervisor(pool, config, replace)
 
     async def start(self) -> None:
@@ -163,7 +173,8 @@ class Router:
         self._stats.num_requests += 1
         self._stats.num_inflight += 1
         try:
-            async with contextlib.aclosing(self._forward(progress, outcome, req)) as deltas:
+            answer = self._answer(ids, progress, outcome, req)
+            async with contextlib.aclosing(answer) as deltas:
                 async for delta in deltas:
                     if delta.token_ids:
                         outcome.first_token(self.metrics)
@@ -180,6 +191,35 @@ class Router:
             self._stats.num_inflight -= 1
             outcome.num_resumes = progress.num_resumes
             outcome.done(self.metrics)
+
+    async def _answer(
+        self, ids: list[int], progress: RequestProgress, outcome: RequestOutcome, req: GenerateInput
+    ) -> AsyncGenerator[StreamDelta, None]:
+        """The response cache's answer when it has one; else the workers', stored when it is
+        deterministic and finished normally."""
+        key = None
+        cacheable = req.use_response_cache and is_deterministic(req.params)
+        if self.responses is not None and cacheable:
+            fingerprint = self.pool.model.model_fingerprint
+            key = response_key(fingerprint, req.cache_salt, ids, req.params)
+        if key is not None:
+            assert self.responses is not None
+            hit = await self.responses.get(key)
+            if hit is not None:
+                for delta in hit.deltas((time.perf_counter() - outcome.started_s) * 1e3):
+                    assert delta.usage is not None
+                    outcome.usage(delta.usage)
+                    yield delta
+                return
+        collector = ResponseCollector(1 if req.params.beam_width > 1 else req.params.n)
+        async with contextlib.aclosing(self._forward(progress, outcome, req)) as deltas:
+            async for delta in deltas:
+                collector.add(delta)
+                yield delta
+        answer = collector.result()
+        if key is not None and answer is not None:
+            assert self.responses is not None
+            await self.responses.put(key, answer)
 
     async def _forward(
         self, progress: RequestProgress, outcome: RequestOutcome, req: GenerateInput
@@ -399,6 +439,8 @@ class Router:
             with contextlib.suppress(WorkerDied):
                 dropped += int(await self.pool.call(state.worker_id, "flush"))
                 await self.pool.sync(state.worker_id)
+        if self.responses is not None:
+            await self.responses.clear()
         return dropped
 
     async def purge(self) -> dict[str, int]:
@@ -412,6 +454,8 @@ class Router:
                 for tier, num in counts.items():
                     purged[tier] = purged.get(tier, 0) + int(num)
                 await self.pool.sync(state.worker_id)
+        if self.responses is not None:
+            purged["response"] = await self.responses.clear()
         return purged
 
 

@@ -54,6 +54,7 @@ class GenerateInput:
     prompt: PromptInput
     params: SamplingParams
     cache_salt: str | None = None
+    use_response_cache: bool = True  # False: generate, and do not store the answer
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 if TYPE_CHECKING:
     from router.pool import WorkerPool
+    from router.response_cache import StoreStats
     from workers.protocol import Usage
 
 _request_log = logging.getLogger("router.requests")
@@ -80,6 +81,10 @@ class RouterMetrics:
         self._hits: dict[str, float] = {}
         self._prompt_total = 0.0
         self._lock = threading.Lock()  # scrapes run on the HTTP server's thread
+
+    def watch_response_cache(self, stats: StoreStats) -> None:
+        """Export the response cache's counters at scrape time (call once)."""
+        self.registry.register(_ResponseCacheCollector(stats))
 
     def watch(self, pool: WorkerPool) -> None:
         """Export the pool's per-worker state at scrape time (call once)."""
@@ -267,3 +272,30 @@ class MetricsHttpServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+class _ResponseCacheCollector:
+    """The response cache's counters, read when Prometheus scrapes."""
+
+    def __init__(self, stats: StoreStats) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats
+        for name, doc, value in (
+            ("hits", "Requests answered from the response cache", s.hits),
+            ("misses", "Cacheable requests the response cache could not answer", s.misses),
+            ("stores", "Answers stored", s.stores),
+            ("evictions", "Answers evicted to make room (memory store)", s.evictions),
+            ("errors", "Response cache store errors (each a miss)", s.errors),
+        ):
+            yield CounterMetricFamily(f"cachesvc_response_cache_{name}", doc, value=value)
+        yield GaugeMetricFamily(
+            "cachesvc_response_cache_bytes", "Bytes held (memory store)", value=s.bytes
+        )
+        yield GaugeMetricFamily(
+            "cachesvc_response_cache_entries", "Answers held (memory store)", value=s.entries
+        )

@@ -102,6 +102,7 @@ def generate_from_proto(msg: pb.GenerateRequest, config: RouterConfig) -> Genera
         prompt=prompt_from_proto(msg.prompt),
         params=params,
         cache_salt=salt,
+        use_response_cache=not msg.no_response_cache,
     )
 
 
@@ -137,6 +138,7 @@ def delta_to_proto(request_id: str, delta: StreamDelta) -> pb.GenerateResponse:
                 worker_id=u.worker_id,
                 ttft_ms=u.ttft_ms,
                 decode_tokens_per_s=u.decode_tokens_per_s or 0.0,
+                from_response_cache=u.from_response_cache,
             )
         )
     return out

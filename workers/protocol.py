@@ -79,6 +79,7 @@ class Usage:
     ttft_ms: float
     decode_tokens_per_s: float | None
     worker_id: str
+    from_response_cache: bool = False  # answered by the router's response cache, no worker
 
 
 @dataclass(frozen=True)

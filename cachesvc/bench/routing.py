@@ -60,6 +60,7 @@ async def _run_session(
             sampling=pb.SamplingParams(
                 max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True
             ),
+            no_response_cache=True,  # routing is measured: every request reaches a worker
         )
         sent, ttft, tokens, usage = loop.time(), None, [], None
         try:

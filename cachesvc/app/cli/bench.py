@@ -43,6 +43,17 @@ def add_bench_parser(sub: Any) -> None:
     tiers.add_argument("--redis-url", default=None, help="default: a local redis-server")
     tiers.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     _add_routing_bench_parser(bench_sub)
+    rc = bench_sub.add_parser(
+        "response-cache", help="repeated deterministic requests: response-cache hits vs generation"
+    )
+    rc.add_argument("--prompts", type=int, default=8, help="distinct prompts")
+    rc.add_argument("--repeats", type=int, default=4, help="times each prompt is sent")
+    rc.add_argument("--max-tokens", type=int, default=16)
+    rc.add_argument("--workers", type=int, default=1)
+    rc.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
+    rc.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of a model")
+    rc.add_argument("--json", dest="json_path", help="also write the results to this file")
+    rc.add_argument("--quick", action="store_true", help="4 prompts, each sent twice")
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -71,6 +82,20 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from cachesvc.bench.tiers import run_tiers_bench
 
         return run_tiers_bench(args.model, args.quick, args.json_path, args.redis_url, args.threads)
+    if args.suite == "response-cache":
+        from cachesvc.bench.response_cache import ResponseCacheBenchArgs, run_response_cache_bench
+
+        return run_response_cache_bench(
+            ResponseCacheBenchArgs(
+                prompts=4 if args.quick else args.prompts,
+                repeats=2 if args.quick else args.repeats,
+                max_tokens=args.max_tokens,
+                workers=args.workers,
+                model=args.model,
+                tiny=args.tiny,
+                json_path=args.json_path,
+            )
+        )
     if args.suite == "prefix-cache":
         from cachesvc.bench.prefix_cache import run_prefix_cache_bench
 

@@ -73,6 +73,13 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--log-format", default="text", choices=("text", "json"))
     serve.add_argument(
+        "--response-cache-mb",
+        type=float,
+        default=64.0,
+        help="answers of deterministic requests (greedy, beam, seeded) kept in memory, MiB; "
+        "in Redis (with a TTL) when --redis-url is given; 0 turns the cache off",
+    )
+    serve.add_argument(
         "--tenant-tokens-file",
         help="a file of 'TENANT TOKEN' lines: each token is accepted and isolates its tenant's "
         "cache (with or without --auth-token-file, the operator's token)",
@@ -109,6 +116,7 @@ def _router_options(args: argparse.Namespace) -> dict[str, Any]:
         "health_port": args.health_port,
         "max_queued_per_worker": args.max_queued_per_worker,
         "max_inflight": args.max_inflight,
+        "response_cache_mb": args.response_cache_mb,
         "tenant_tokens": () if tenants is None else load_tenant_tokens(tenants),
         "tls_cert_file": args.tls_cert_file,
         "tls_key_file": args.tls_key_file,

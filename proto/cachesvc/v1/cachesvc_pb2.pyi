@@ -64,19 +64,21 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., beam_width: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "cache_salt")
+    __slots__ = ("request_id", "prompt", "sampling", "cache_salt", "no_response_cache")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    NO_RESPONSE_CACHE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: Prompt
     sampling: SamplingParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    no_response_cache: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., no_response_cache: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "computed_tokens", "worker_id", "ttft_ms", "decode_tokens_per_s")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "computed_tokens", "worker_id", "ttft_ms", "decode_tokens_per_s", "from_response_cache")
     class CachedTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +93,7 @@ class Usage(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    FROM_RESPONSE_CACHE_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: _containers.ScalarMap[str, int]
@@ -98,7 +101,8 @@ class Usage(_message.Message):
     worker_id: str
     ttft_ms: float
     decode_tokens_per_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[_Mapping[str, int]] = ..., computed_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ...) -> None: ...
+    from_response_cache: bool
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[_Mapping[str, int]] = ..., computed_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., from_response_cache: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "text", "finish_reason", "usage")
