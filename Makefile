@@ -50,9 +50,11 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
 		proto/cachesvc/v1/cachesvc.proto
 
-# The FlashInfer backend's check on a GPU machine (docs/gpu.md). It runs with the machine's own
-# python3 and torch, the wheels `make gpu-wheels` put in .whl/, and this repo on PYTHONPATH;
-# kernels are compiled into .cache/ (kept on a warm machine, so a rerun skips the build).
+# The FlashInfer backend's check on a GPU machine (docs/gpu.md), under 8 minutes from a cold
+# machine: install the wheels `make gpu-wheels` put in .whl/ (~20 s), the check script (its own
+# phase caps, 375 s in all, killed at 400 s), then the `gpu` tests (45 s). It runs with the
+# machine's own python3 and torch and this repo on PYTHONPATH; kernels are compiled into .cache/
+# (kept on a warm machine, so a rerun skips the build). Fails when the script or the tests fail.
 GPU_SITE ?= /tmp/gpu-site
 .PHONY: gpu-wheels gpu-check
 gpu-wheels:
@@ -68,8 +70,10 @@ gpu-check:
 	export PYTHONPATH="$(GPU_SITE):$$PWD" PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a \
 		FLASHINFER_WORKSPACE_BASE="$$PWD" MAX_JOBS=$$(nproc) \
 		FLASHINFER_JIT_PREBUILD_MAX_JOBS=$$(nproc); \
-	python3 -m cachesvc.bench.gpu_check --out "$$out" 2>&1 | tee "$$out/gpu_check.log"; \
+	timeout 400 python3 -m cachesvc.bench.gpu_check --out "$$out" 2>&1 | tee "$$out/gpu_check.log"; \
 	status=$$?; \
-	timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu \
-		tests/workers/attention/test_flashinfer_backend.py 2>&1 | tee "$$out/pytest-gpu.log"; \
+	timeout 45 python3 -m pytest -q -p no:cacheprovider -m gpu \
+		tests/workers/attention/test_flashinfer_backend.py 2>&1 | tee "$$out/pytest-gpu.log" \
+		|| status=1; \
+	cat "$$out/report.md" 2>/dev/null; \
 	exit $$status

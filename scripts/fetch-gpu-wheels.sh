@@ -11,6 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The one version FlashInferBackend accepts (FLASHINFER_VERSION); the gpu extra and the CUDA
+# image pin the same, which tests/deploy/test_dockerfile.py checks.
 FLASHINFER=flashinfer-python==0.7.2.post1
 OTHERS=(apache-tvm-ffi==0.1.15.post2 gguf==0.19.0)
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}

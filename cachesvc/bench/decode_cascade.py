@@ -9,7 +9,7 @@ The outputs of both are checked equal before timing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -112,20 +112,25 @@ def run_decode_cascade_bench(
         flush=True,
     )
     cells = [bench_cell(p, n, cfg) for p in grid[0] for n in grid[1]]
+    print(table(cells))
+    write_json(json_path, cells)
+    return 0 if all(c["auto_within_10pct"] for c in cells) else 1
+
+
+def table(cells: Sequence[Mapping[str, Any]]) -> str:
+    """The Markdown table of `bench_cell` records: batch and cascade ms, speedup, `auto`."""
     rows = [
         [
             c["P"],
             c["M"],
-            c["ms"]["ragged"],
-            c["ms"]["cascade"],
+            f"{c['ms']['ragged']:.3f}",
+            f"{c['ms']['cascade']:.3f}",
             c["ms"]["ragged"] / c["ms"]["cascade"],
             c["ideal_ratio"],
             c["auto"],
-            c["auto_within_10pct"],
+            "yes" if c["auto_within_10pct"] else "no",
         ]
         for c in cells
     ]
     headers = ["P", "N", "batch ms", "cascade ms", "speedup", "ideal", "auto", "within 10%"]
-    print(format_table(headers, rows))
-    write_json(json_path, cells)
-    return 0 if all(c["auto_within_10pct"] for c in cells) else 1
+    return format_table(headers, rows)

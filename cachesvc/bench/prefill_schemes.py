@@ -260,7 +260,7 @@ def run_prefill_schemes_bench(
             for m in grid[2]:
                 cells.append(bench_cell(p, s, m, cfg))
                 print(f"P={p} S={s} M={m}: done", flush=True)
-    print(format_table(["P", "S", "M", *SCHEMES, "auto", "within 10%"], _rows(cells)))
+    print(table(cells))
     write_json(json_path, cells)
     return 0 if all(c["auto_within_10pct"] for c in cells) else 1
 
@@ -284,10 +284,12 @@ def _grid_text(grid: Grid) -> str:
     return " x ".join(f"{k}{{{', '.join(map(str, v))}}}" for k, v in zip("PSM", grid, strict=True))
 
 
-def _rows(cells: list[dict[str, Any]]) -> list[list[Any]]:
+def table(cells: Sequence[Mapping[str, Any]]) -> str:
+    """The Markdown table of `bench_cell` records: ms (speedup over naive) per scheme, `auto`."""
     rows = []
     for c in cells:
         ms = c["ms"]
-        timed = [f"{ms[k]:.2f} ({ms['naive'] / ms[k]:.2f}x)" for k in SCHEMES]
-        rows.append([c["P"], c["S"], c["M"], *timed, c["auto"], c["auto_within_10pct"]])
-    return rows
+        timed = [f"{ms[k]:.3f} ({ms['naive'] / ms[k]:.2f}x)" for k in SCHEMES]
+        ok = "yes" if c["auto_within_10pct"] else "no"
+        rows.append([c["P"], c["S"], c["M"], *timed, c["auto"], ok])
+    return format_table(["P", "S", "M", *SCHEMES, "auto", "within 10%"], rows)

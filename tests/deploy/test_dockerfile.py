@@ -107,6 +107,19 @@ def test_target_bakes_in_the_default_model_and_its_extra(
     assert re.search(r"apt-get install [^&]*\bwget\b", final)
 
 
+def test_every_flashinfer_pin_is_the_version_the_backend_accepts(stages: dict[str, Stage]) -> None:
+    """The CUDA image, the gpu extra and the GPU check's wheels install the one flashinfer
+    version `FlashInferBackend` starts with (it refuses any other)."""
+    from workers.attention.flashinfer_backend import FLASHINFER_VERSION
+
+    pin = f"flashinfer-python=={FLASHINFER_VERSION}"
+    runs = " ".join(a for s in _builder(stages, "cuda") for a in s.args("RUN"))
+    assert re.findall(r'"flashinfer-python[^"]*"', runs) == [f'"{pin}"']
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert re.findall(r"^gpu = (.*)$", pyproject, re.M) == [f'["{pin}"]']
+    assert f"FLASHINFER={pin}\n" in (REPO / "scripts" / "fetch-gpu-wheels.sh").read_text()
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_healthcheck_runs_the_shipped_script(stages: dict[str, Stage], target: str) -> None:
     stage = stages[target]

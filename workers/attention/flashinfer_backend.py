@@ -10,7 +10,10 @@ causally; the paged `run()` does.) Every wrapper is pinned to `backend="fa2"`, s
 prefill module per dtype and head dim serves all schemes (and custom masks, which FA3 lacks).
 
 flashinfer is imported only when a backend is built: importing this module works on any machine,
-and `FlashInferBackend()` raises a RuntimeError saying what is missing.
+and `FlashInferBackend()` raises a RuntimeError saying what is missing, or which version it found
+when it is not `FLASHINFER_VERSION`, the one whose wrappers this module was checked against: it
+writes and clears private wrapper attributes (`_mask_indptr_buf`, ...) whose meaning is that
+version's, and checks at each plan that they exist.
 """
 
 from __future__ import annotations
@@ -25,9 +28,22 @@ from workers.attention.custom_mask import CustomMaskLayout
 from workers.attention.layout import BatchLayout
 from workers.attention.multi_item import LogicalBatch, MultiItemLayout
 
+FLASHINFER_VERSION = "0.7.2.post1"  # pinned alike in pyproject's gpu extra and the CUDA image
 WORKSPACE_BYTES = 128 << 20
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 MISSING = "FlashInfer backend needs CUDA and flashinfer-python (pip install '.[gpu]')"
+
+# What the paged prefill wrapper's run() reads to pick its mask mode (prefill.py at
+# FLASHINFER_VERSION): custom while `_custom_mask_buf` is set, multi-item scoring while
+# `_prefix_len_ptr` is, from whichever plan() set them. Versions differ in whether plan() resets
+# them, so after each plan the backend clears those of the other mask kinds itself.
+_CUSTOM_MASK_ATTRS = ("_custom_mask_buf", "_mask_indptr_buf")
+_MULTI_ITEM_ATTRS = ("_prefix_len_ptr", "_token_pos_in_items_ptr", "_max_item_len_ptr")
+_STALE_AFTER_PLAN = {
+    "plain": _CUSTOM_MASK_ATTRS + _MULTI_ITEM_ATTRS,
+    "multi_item": _CUSTOM_MASK_ATTRS,
+    "custom_mask": _MULTI_ITEM_ATTRS,
+}
 
 # One float workspace per device, shared by every wrapper: a wrapper keeps its plan in its own
 # int workspace and uses the float one only inside `run` (split-KV partial results), and runs on
@@ -36,14 +52,27 @@ _WORKSPACES: dict[torch.device, torch.Tensor] = {}
 
 
 def load_flashinfer() -> Any:
-    """The flashinfer module; RuntimeError (`MISSING`) without CUDA or without the package."""
+    """The flashinfer module; RuntimeError without CUDA, without the package, or when its
+    version is not `FLASHINFER_VERSION`."""
     if not torch.cuda.is_available():
         raise RuntimeError(f"{MISSING}: no CUDA device is visible")
     try:
         import flashinfer
     except ImportError as err:
         raise RuntimeError(f"{MISSING}: {err}") from err
+    installed = _version(flashinfer)
+    # A local build tag (`0.7.2.post1+cu130`) names the same release.
+    if installed.split("+")[0] != FLASHINFER_VERSION:
+        raise RuntimeError(
+            f"FlashInfer backend needs flashinfer-python=={FLASHINFER_VERSION}, the version its "
+            f"mask and plan handling was checked against, but {installed} is installed: "
+            f"pip install 'flashinfer-python=={FLASHINFER_VERSION}' (or '.[gpu]')"
+        )
     return flashinfer
+
+
+def _version(flashinfer: Any) -> str:
+    return str(getattr(flashinfer, "__version__", "unknown"))
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
@@ -117,7 +146,9 @@ class FlashInferBackend(AttentionBackend):
     with q and the cache. Each instance keeps one plan at a time (like one FlashInfer wrapper), so
     cascade levels take one instance each (`make_scheme_backend` builds two).
     `decode_tensor_cores` runs decode batches on the prefill (tensor-core) kernel instead of the
-    CUDA-core decode kernel. Raises RuntimeError without CUDA or flashinfer.
+    CUDA-core decode kernel. One paged prefill wrapper serves plain, multi-item and custom-mask
+    plans in turn; each plan clears what an earlier one of another kind left on it. Raises
+    RuntimeError without CUDA or flashinfer, or with another flashinfer version.
     """
 
     name = "flashinfer"
@@ -141,6 +172,20 @@ class FlashInferBackend(AttentionBackend):
                 )
             self._wrappers[key] = wrapper
         return self._wrappers[key]
+
+    def _after_plan(self, wrapper: Any, kind: str) -> None:
+        """After a prefill wrapper's plan() for `kind` ("plain", "multi_item", "custom_mask"):
+        raise RuntimeError unless the attributes its run() reads exist, then clear those of the
+        other mask kinds, so that no earlier plan's mask outlives it."""
+        names = _CUSTOM_MASK_ATTRS + _MULTI_ITEM_ATTRS
+        if missing := [name for name in names if not hasattr(wrapper, name)]:
+            raise RuntimeError(
+                f"flashinfer {_version(self._fi)}: BatchPrefillWithPagedKVCacheWrapper has no "
+                f"{', '.join(missing)} after plan(); the FlashInfer backend sets and clears them "
+                f"as flashinfer-python {FLASHINFER_VERSION} defines them"
+            )
+        for name in _STALE_AFTER_PLAN[kind]:
+            setattr(wrapper, name, None)
 
     def _current(self, layout: object, key: _PlanKey) -> _Planned | None:
         # Identity, not equality: a layout holds tensors, and each step builds a fresh one.
@@ -182,6 +227,7 @@ class FlashInferBackend(AttentionBackend):
                 causal=layout.causal,
                 **key.plan_kwargs(),
             )
+            self._after_plan(wrapper, "plain")
         return _Planned(layout, key, wrapper)
 
     def _forward_paged(
@@ -228,9 +274,11 @@ class FlashInferBackend(AttentionBackend):
                 max_item_len_ptr=layout.max_item_len_ptr.to(device),
                 **key.plan_kwargs(),
             )
+            self._after_plan(wrapper, "multi_item")
         else:
             mask = layout.packed_mask.to(device)
             wrapper.plan(*one_token_pages, packed_custom_mask=mask, **key.plan_kwargs())
+            self._after_plan(wrapper, "custom_mask")
             # With only `packed_custom_mask`, plan() keeps mask_indptr in bits (qo_len * kv_len
             # per request) while the kernel offsets the packed bytes by it (flashinfer PR #2201):
             # right for one request, wrong for more. Ours is in bytes, as the kernel reads it.
