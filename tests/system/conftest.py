@@ -148,6 +148,9 @@ def make_server(worker_pair: dict[WorkerId, Any], tiny_model_dir: Path) -> Itera
 
     def start(**config: Any) -> ServerThread:
         config.setdefault("port", 0)
+        # Tests of the KV cache and routing see every request reach a worker; the response
+        # cache tests turn it on.
+        config.setdefault("response_cache_mb", 0)
         server = ServerThread(worker_pair, RouterConfig(**config), tiny_model_dir)
         servers.append(server)
         return server
@@ -165,6 +168,9 @@ def start_router(tiny_model_dir: Path) -> Iterator[Callable[..., ServerThread]]:
 
     def start(actors: dict[WorkerId, Any], replace: Replace | None = None, **config: Any) -> Any:
         config.setdefault("port", 0)
+        # Tests of the KV cache and routing see every request reach a worker; the response
+        # cache tests turn it on.
+        config.setdefault("response_cache_mb", 0)
         server = ServerThread(actors, RouterConfig(**config), tiny_model_dir, replace)
         servers.append(server)
         return server

@@ -25,7 +25,7 @@ SAMPLING = {
 
 @pytest.fixture(scope="module")
 def stub(make_server: Any) -> pb_grpc.InferenceStub:
-    server = make_server(auth_token="operator-tok", tenant_tokens=TENANTS)
+    server = make_server(auth_token="operator-tok", tenant_tokens=TENANTS, response_cache_mb=64)
     return pb_grpc.InferenceStub(server.channel())
 
 
@@ -71,7 +71,7 @@ def test_sampling_without_a_seed_is_never_cached(stub: Any) -> None:
 
 
 def test_opting_out_and_flush(make_server: Any) -> None:
-    server = make_server()
+    server = make_server(response_cache_mb=64)
     stub = pb_grpc.InferenceStub(server.channel())
     admin = pb_grpc.AdminStub(server.channel())
     greedy = SAMPLING["greedy"]
