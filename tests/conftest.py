@@ -9,11 +9,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # ---- a real redis-server, started once per session on a free loopback port ----------------------
 
+import contextlib  # noqa: E402
+import signal  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from cachesvc.bench.local_redis import local_redis, redis_server_binary  # noqa: E402
+from cachesvc.bench.local_redis import LocalRedis, local_redis, redis_server_binary  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +26,17 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     with local_redis(tmp_path_factory.mktemp("redis")) as url:
         yield url
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[LocalRedis]:
+    """A redis-server of this test alone, which it may stop, restart or freeze (SIGSTOP): it is
+    thawed and stopped at the end whatever the test did to it."""
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = LocalRedis(tmp_path).start()
+    yield server
+    if server.proc is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server.proc.pid, signal.SIGCONT)  # a stopped server would not terminate
+    server.stop()

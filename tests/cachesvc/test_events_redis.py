@@ -7,13 +7,12 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 
-from cachesvc.bench.local_redis import LocalRedis, redis_server_binary
+from cachesvc.bench.local_redis import LocalRedis
 from cachesvc.events import BlockMoved, BlockRemoved, BlockStored, Cleared, Event
 from cachesvc.events_redis import (
     EventStreamConfig,
@@ -150,16 +149,6 @@ def test_publisher_trims_the_stream(redis_url: str) -> None:
     # Approximate trimming keeps at least maxlen entries, and far fewer than were written.
     assert 100 <= len(entries) < 1000
     assert entries[-1][1].seq == 4999
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[LocalRedis]:
-    """A redis-server of this test alone: it is stopped and restarted."""
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    server = LocalRedis(tmp_path).start()
-    yield server
-    server.stop()
 
 
 def test_publisher_rides_out_a_redis_outage(own_redis: LocalRedis) -> None:

@@ -8,13 +8,10 @@ import os
 import signal
 import socket
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 import redis
 
-from cachesvc.bench.local_redis import LocalRedis, redis_server_binary
+from cachesvc.bench.local_redis import LocalRedis
 from cachesvc.tiers.base import TierItem
 from cachesvc.tiers.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from cachesvc.tiers.redis_tier import RedisTier
@@ -68,18 +65,6 @@ def test_redis_down_is_a_counted_miss_then_a_quiet_one() -> None:
     assert tier.stats.errors == 2 and tier.stats.misses == 3  # open: no call, no new error
     assert tier.gauges()["breaker_open"] == 1.0
     tier.close()
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[LocalRedis]:
-    """A redis-server of this test's own, which it may freeze with SIGSTOP."""
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    server = LocalRedis(tmp_path).start()
-    yield server
-    assert server.proc is not None
-    os.kill(server.proc.pid, signal.SIGCONT)  # a stopped server would not terminate
-    server.stop()
 
 
 class Clock:

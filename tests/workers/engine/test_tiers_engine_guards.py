@@ -36,7 +36,7 @@ from test_tiers_engine import (
     run_then_evict,
 )
 
-from cachesvc.bench.local_redis import LocalRedis, redis_server_binary
+from cachesvc.bench.local_redis import LocalRedis
 from cachesvc.codec import FLAG_SIGNED, Codec
 from cachesvc.config import TierConfig
 from cachesvc.tiers.breaker import OPEN
@@ -191,18 +191,6 @@ def test_dram_blocks_are_signed_on_their_way_to_nvme(
 
 
 # ---- a frozen Redis ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[LocalRedis]:
-    """A redis-server of this test's own, which it freezes with SIGSTOP."""
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    server = LocalRedis(tmp_path).start()
-    yield server
-    assert server.proc is not None
-    os.kill(server.proc.pid, signal.SIGCONT)  # a stopped server would not terminate
-    server.stop()
 
 
 @contextmanager
