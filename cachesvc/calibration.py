@@ -5,7 +5,11 @@ and every measured forward pass (a refit weighted toward recent passes), so the 
 tier that slows down (a busy disk, a throttled link, a loaded Redis) or a device that speeds up
 once warm. A bandwidth cap we impose ourselves (tests, benchmarks) is known exactly: it is kept
 apart from the tier's own cost, which reads learn with the cap's share taken out, so changing
-the cap keeps what was learned. `probe_tier` measures one tier at start with a few blocks.
+the cap keeps what was learned. `probe_tier` measures one tier at start with a few blocks, each
+blob read and decoded under the tier's codec: a tier's bytes per block and its per-byte cost are
+those of its codec (a quantized block is ~1/4 of a float32 one, its decode slower than a copy),
+so the fetch-versus-recompute crossover moves with the codec. `codec_cost` does the same for a
+tier that is not probed.
 """
 
 from __future__ import annotations
@@ -285,6 +289,22 @@ def probe_tier(
     # t(1) = latency + one block, t(n) = latency + n blocks: two equations, two unknowns.
     per_block = max((seconds - latency) / (num_blocks - 1), size / _MAX_BYTES_PER_S)
     return TierCost(max(latency - per_block, 0.0), per_block / size, size)
+
+
+def codec_cost(
+    codec: Codec, dtype: str, array: np.ndarray, prior: TierCost, repeats: int = 3
+) -> TierCost:
+    """`prior` under `codec`, for a tier that is not probed (a capped one: its reads are mostly
+    its cap): the bytes of `array` encoded, and per stored byte the prior's read time plus the
+    decode (the best of `repeats`; a quantized block decodes at ~1-4 GB/s of KV here)."""
+    block_hash = BlockHash(bytes(16))
+    blob = bytearray(codec.encode(block_hash, None, dtype, array))  # decoded in place, as DRAM's
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        codec.decode(blob, block_hash)
+        seconds.append(time.perf_counter() - start)
+    return TierCost(prior.latency_s, prior.seconds_per_byte + min(seconds) / len(blob), len(blob))
 
 
 def probe_codecs(

@@ -3,8 +3,9 @@ payload.
 
 Layout (little-endian): magic `CSKV`, version, flags, dtype code, ndim, shape, model fingerprint
 (16 bytes), block hash (16), parent hash (16, zeros for a first block), raw payload length,
-stored payload length, then a tag over everything before it *and* the payload: an xxh3-64
-checksum (8 bytes), or with a deployment key (`FLAG_SIGNED`) an HMAC-SHA256 (32 bytes).
+stored payload length, a quantized block's scales, then a tag over everything before it *and*
+the payload: an xxh3-64 checksum (8 bytes), or with a deployment key (`FLAG_SIGNED`) an
+HMAC-SHA256 (32 bytes).
 A flipped byte anywhere, a truncated blob, another model's block or another block under this key
 all fail `decode`, which answers None: a miss, never wrong KV. Never pickle.
 
@@ -18,6 +19,22 @@ Compression modes (chosen per tier): `raw`; `lz4`; `shuffle_lz4` (byte-plane shu
 Plain lz4 barely compresses float KV (measured 1.02x on SmolLM2); splitting the bytes of each
 value into planes puts the low-entropy exponent bytes together, which lz4 then finds (1.18x
 float32, 1.40x bf16). A block whose compressed form is not smaller is stored uncompressed.
+
+Quantized modes (opt-in per tier: they change what the model computes): `int8` and `fp8_e4m3`
+store one byte per value plus scales, in the header of a version-3 block (the version only
+quantized blocks use: blocks already stored stay readable, and a reader that predates
+quantization refuses them by version). A block must be laid out `[layers, 2 (K/V), block_size,
+kv_heads, head_dim]`. Scales follow KIVI (arXiv 2402.02750): K per channel (one scale per layer,
+head and channel, over the block's tokens), since some channels of K are much larger than the
+rest in every token (on SmolLM2 a head's largest channel is ~4x its median one) and a per-token
+scale would spend the range on them; V per token (one per layer, token and head, over
+head_dim), since V has no such channels and attention mixes whole V rows, so each row's error
+should be relative to that row. Of the four per-channel / per-token choices this one gives the
+smallest logit error on SmolLM2 (`docs/benchmarks.md`). Scales are bfloat16 bits rounded up:
+float32's range in 2 bytes, and |x / scale| never exceeds the code's maximum, so nothing clips;
+values are quantized against the stored scale itself.
+Decoding gives the block back in its own dtype. A codec serves quantized blocks only of its own
+mode: a tier configured lossless never hands out lossy KV another configuration wrote.
 """
 
 from __future__ import annotations
@@ -25,20 +42,27 @@ from __future__ import annotations
 import hmac
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import lz4.block
 import numpy as np
 import xxhash
 
-from cachesvc.config import MIN_TIER_KEY_BYTES
+from cachesvc.config import MIN_TIER_KEY_BYTES, QUANTIZED_CODECS
 from cachesvc.types import BlockHash
 
 MAGIC = b"CSKV"
 VERSION = 2  # 2: the tag is a checksum or a MAC (FLAG_SIGNED); version 1 blocks are misses
-MODES = ("raw", "lz4", "shuffle_lz4")
+QUANT_VERSION = 3  # 3: a quantized block, with its scales in the header
+LOSSLESS_MODES = ("raw", "lz4", "shuffle_lz4")
+MODES = (*LOSSLESS_MODES, *QUANTIZED_CODECS)
 FLAG_SHUFFLE = 1
 FLAG_LZ4 = 2
 FLAG_SIGNED = 4
+FLAG_INT8 = 8
+FLAG_FP8 = 16
+_QUANT_FLAGS = {"int8": FLAG_INT8, "fp8_e4m3": FLAG_FP8}
+_QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}  # the largest code of each
 _MAX_NDIM = 8
 _NO_PARENT = bytes(16)
 _PREFIX = struct.Struct("<4sHHBB")  # magic, version, flags, dtype code, ndim
@@ -54,6 +78,7 @@ DTYPES: dict[str, tuple[int, np.dtype]] = {
     "bfloat16": (3, np.dtype(np.uint16)),
 }
 _BY_CODE = {code: (name, dt) for name, (code, dt) in DTYPES.items()}
+Buffer = bytes | bytearray | memoryview  # a blob, or a view of a tier's memory
 
 
 class CodecError(ValueError):
@@ -88,8 +113,17 @@ def fingerprint_bytes(fingerprint: str) -> bytes:
 
 
 def header_size(ndim: int, signed: bool = False) -> int:
-    """Bytes a blob of an `ndim` array adds to its payload (a signed one carries a longer tag)."""
+    """Bytes a blob of an `ndim` array adds to its payload (a signed one carries a longer tag),
+    besides a quantized block's scales."""
     return _PREFIX.size + 4 * ndim + _IDS.size + (_MAC_SIZE if signed else _CHECKSUM.size)
+
+
+def max_blob_size(mode: str, dtype: str, shape: tuple[int, ...], signed: bool = False) -> int:
+    """The most bytes a block of `shape` encodes to in `mode` (a quantized block: exactly)."""
+    num_values = int(np.prod(shape))
+    if mode in QUANTIZED_CODECS:
+        return header_size(len(shape), signed) + 2 * _num_scales(shape) + num_values
+    return header_size(len(shape), signed) + num_values * DTYPES[dtype][1].itemsize
 
 
 def shuffle(data: bytes | memoryview, itemsize: int) -> bytes:
@@ -99,7 +133,8 @@ def shuffle(data: bytes | memoryview, itemsize: int) -> bytes:
 
 
 class Codec:
-    """Encodes blocks of one model with one compression mode; decodes any mode of that model.
+    """Encodes blocks of one model with one mode; decodes any lossless mode of that model, and
+    quantized blocks of its own mode.
 
     With `key` (the deployment secret, at least `MIN_TIER_KEY_BYTES`) every block is signed and only
     blocks signed under that key decode; without it blocks carry a checksum and signed ones are
@@ -127,22 +162,34 @@ class Codec:
         """A codec of the same model and key that encodes with `mode`."""
         return Codec(self._fingerprint_text, mode, self._key)
 
+    def max_blob_size(self, dtype: str, shape: tuple[int, ...]) -> int:
+        """The most bytes this codec encodes a block of `shape` to."""
+        return max_blob_size(self.mode, dtype, shape, self.signed)
+
     def encode(
         self, block_hash: BlockHash, parent: BlockHash | None, dtype: str, array: np.ndarray
     ) -> bytes:
-        """The blob of a block; `array` must already have `dtype`'s storage dtype."""
+        """The blob of a block; `array` must already have `dtype`'s storage dtype (and, to be
+        quantized, the `[layers, 2, block_size, kv_heads, head_dim]` layout)."""
         code, storage = DTYPES[dtype]
         if array.dtype != storage or array.ndim > _MAX_NDIM:
             raise ValueError(f"array of {array.dtype}/{array.ndim}d does not fit dtype {dtype}")
-        raw = np.ascontiguousarray(array).data.cast("B")  # a view, no copy
-        payload, flags = self._compress(raw, storage.itemsize)
+        version, scales = VERSION, b""
+        payload: bytes | memoryview
+        if self.mode in QUANTIZED_CODECS:
+            scales, payload = _quantize(array, dtype, self.mode)
+            version, flags = QUANT_VERSION, _QUANT_FLAGS[self.mode]
+        else:
+            raw = np.ascontiguousarray(array).data.cast("B")  # a view, no copy
+            payload, flags = self._compress(raw, storage.itemsize)
         if self.signed:
             flags |= FLAG_SIGNED
-        head = _PREFIX.pack(MAGIC, VERSION, flags, code, array.ndim)
+        head = _PREFIX.pack(MAGIC, version, flags, code, array.ndim)
         head += struct.pack(f"<{array.ndim}I", *array.shape)
         head += _IDS.pack(
-            self.fingerprint, block_hash, parent or _NO_PARENT, len(raw), len(payload)
+            self.fingerprint, block_hash, parent or _NO_PARENT, array.nbytes, len(payload)
         )
+        head += scales
         return b"".join((head, self._tag(head, payload), payload))
 
     def transcode(
@@ -150,23 +197,27 @@ class Codec:
     ) -> bytes | None:
         """Re-encode a blob in this codec's mode and signing (unchanged when already in them);
         None if invalid. `source` is the codec of the tier the blob comes from (default: this
-        one), which verifies it: a checksummed DRAM blob is signed on its way to NVMe."""
+        one), which verifies it: a checksummed DRAM blob is signed on its way to NVMe. A blob
+        already in this mode only changes its tag: a quantized block is never quantized twice."""
         block = (source or self).decode(blob, expect_hash)
         if block is None:
             return None
-        if _mode_of(blob) == self.mode and bool(_flags_of(blob) & FLAG_SIGNED) == self.signed:
+        flags = _flags_of(blob)
+        if _mode_of(flags) != self.mode:
+            return self.encode(block.block_hash, block.parent, block.dtype, block.array)
+        if bool(flags & FLAG_SIGNED) == self.signed:
             return blob
-        return self.encode(block.block_hash, block.parent, block.dtype, block.array)
+        return self._retag(memoryview(blob))
 
-    def decode(self, blob: bytes | memoryview, expect_hash: BlockHash) -> KVBlock | None:
+    def decode(self, blob: Buffer, expect_hash: BlockHash) -> KVBlock | None:
         """The verified block, or None (counted) when anything does not check out."""
         outcome = self.verify(blob, expect_hash)
         return outcome if isinstance(outcome, KVBlock) else None
 
-    def verify(self, blob: bytes | memoryview, expect_hash: BlockHash) -> KVBlock | CodecError:
+    def verify(self, blob: Buffer, expect_hash: BlockHash) -> KVBlock | CodecError:
         """The verified block, or why it was refused (counted): an `AuthError` when its
-        signature does not check out, another `CodecError` when it is damaged or not this
-        block."""
+        signature does not check out, another `CodecError` when it is damaged, not this
+        block, or quantized in another mode than this codec's."""
         try:
             return self._decode(memoryview(blob), expect_hash)
         except CodecError as exc:
@@ -176,7 +227,7 @@ class Codec:
             self.num_rejected += 1
             return CodecError(str(exc))
 
-    def _tag(self, head: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+    def _tag(self, head: Buffer, payload: Buffer) -> bytes:
         """The checksum, or with a key the MAC, of a header and its payload."""
         if self._mac is None:
             checksum = xxhash.xxh3_64(head)
@@ -186,6 +237,15 @@ class Codec:
         mac.update(head)
         mac.update(payload)
         return mac.digest()
+
+    def _retag(self, view: memoryview) -> bytes:
+        """A verified blob with this codec's signing: its header and payload as they are."""
+        header = _read_header(view)
+        flags = header.flags & ~FLAG_SIGNED | (FLAG_SIGNED if self.signed else 0)
+        head = bytearray(view[: header.end])
+        _PREFIX.pack_into(head, 0, MAGIC, header.version, flags, header.code, len(header.shape))
+        payload = view[header.end + _tag_size(header.flags) :]
+        return b"".join((head, self._tag(head, payload), payload))
 
     def _compress(self, raw: memoryview, itemsize: int) -> tuple[bytes | memoryview, int]:
         if self.mode == "raw":
@@ -198,34 +258,81 @@ class Codec:
         return packed, FLAG_LZ4 | (FLAG_SHUFFLE if shuffled else 0)
 
     def _decode(self, view: memoryview, expect_hash: BlockHash) -> KVBlock:
-        magic, version, flags, code, ndim = _PREFIX.unpack_from(view, 0)
-        if magic != MAGIC or version != VERSION or ndim > _MAX_NDIM or code not in _BY_CODE:
-            raise CodecError("bad magic, version, ndim or dtype")
-        offset = _PREFIX.size
-        shape = struct.unpack_from(f"<{ndim}I", view, offset)
-        offset += 4 * ndim
-        fingerprint, block_hash, parent, raw_len, stored_len = _IDS.unpack_from(view, offset)
-        offset += _IDS.size
-        signed = bool(flags & FLAG_SIGNED)
-        tag_size = _MAC_SIZE if signed else _CHECKSUM.size
-        stored_tag = view[offset : offset + tag_size]
-        payload = view[offset + tag_size :]
-        if len(stored_tag) != tag_size or len(payload) != stored_len:
+        header = _read_header(view)
+        signed = bool(header.flags & FLAG_SIGNED)
+        tag_size = _tag_size(header.flags)
+        stored_tag = view[header.end : header.end + tag_size]
+        payload = view[header.end + tag_size :]
+        if len(stored_tag) != tag_size or len(payload) != header.stored_len:
             raise CodecError("truncated or padded payload")
         if signed != self.signed:
             raise AuthError("signed block without a key" if signed else "unsigned block")
-        tag = self._tag(view[:offset], payload)
+        tag = self._tag(view[: header.end], payload)
         if not hmac.compare_digest(tag, stored_tag):
             raise AuthError("MAC mismatch") if signed else CodecError("checksum mismatch")
-        if fingerprint != self.fingerprint or block_hash != expect_hash:
+        if header.fingerprint != self.fingerprint or header.block_hash != expect_hash:
             raise CodecError("block of another model or under another hash")
-        name, storage = _BY_CODE[code]
-        if raw_len != storage.itemsize * int(np.prod(shape, dtype=np.int64)):
+        mode = _mode_of(header.flags)
+        if mode in QUANTIZED_CODECS and mode != self.mode:
+            raise CodecError(f"a {mode} block, where this tier serves {self.mode} blocks")
+        name, storage = _BY_CODE[header.code]
+        num_values = int(np.prod(header.shape, dtype=np.int64))
+        if header.raw_len != storage.itemsize * num_values:
             raise CodecError("payload length does not match the shape")
-        raw = _decompress(payload, flags, raw_len, storage.itemsize)
-        array = raw.view(storage).reshape(shape)
-        parent_hash = None if parent == _NO_PARENT else BlockHash(parent)
-        return KVBlock(BlockHash(block_hash), parent_hash, name, array)
+        if mode in QUANTIZED_CODECS:
+            if header.stored_len != num_values:
+                raise CodecError("quantized payload length does not match the shape")
+            array = _dequantize(header.scales, payload, header.shape, name, mode)
+        else:
+            raw = _decompress(payload, header.flags, header.raw_len, storage.itemsize)
+            array = raw.view(storage).reshape(header.shape)
+        parent_hash = None if header.parent == _NO_PARENT else BlockHash(header.parent)
+        return KVBlock(BlockHash(header.block_hash), parent_hash, name, array)
+
+
+class _Header(NamedTuple):
+    """A blob's header as read, not yet verified; the tag starts at `end`."""
+
+    version: int
+    flags: int
+    code: int
+    shape: tuple[int, ...]
+    fingerprint: bytes
+    block_hash: bytes
+    parent: bytes
+    raw_len: int
+    stored_len: int
+    scales: memoryview  # bfloat16 bits of a quantized block's scales, else empty
+    end: int
+
+
+def _read_header(view: memoryview) -> _Header:
+    magic, version, flags, code, ndim = _PREFIX.unpack_from(view, 0)
+    quantized = flags & (FLAG_INT8 | FLAG_FP8)
+    if magic != MAGIC or version != (QUANT_VERSION if quantized else VERSION):
+        raise CodecError("bad magic or version")
+    if ndim > _MAX_NDIM or code not in _BY_CODE:
+        raise CodecError("bad ndim or dtype")
+    offset = _PREFIX.size
+    shape = struct.unpack_from(f"<{ndim}I", view, offset)
+    offset += 4 * ndim
+    ids = _IDS.unpack_from(view, offset)  # fingerprint, hash, parent, raw and stored lengths
+    offset += _IDS.size
+    num_scales = 0
+    if quantized:
+        if quantized == FLAG_INT8 | FLAG_FP8 or flags & (FLAG_LZ4 | FLAG_SHUFFLE):
+            raise CodecError("bad quantization flags")
+        if len(shape) != 5 or shape[1] != 2:
+            raise CodecError("a quantized block that is not [layers, 2, tokens, heads, dim]")
+        num_scales = _num_scales(shape)
+    scales = view[offset : offset + 2 * num_scales]
+    if len(scales) != 2 * num_scales:
+        raise CodecError("truncated scales")
+    return _Header._make((version, flags, code, shape, *ids, scales, offset + len(scales)))
+
+
+def _tag_size(flags: int) -> int:
+    return _MAC_SIZE if flags & FLAG_SIGNED else _CHECKSUM.size
 
 
 def _decompress(payload: memoryview, flags: int, raw_len: int, itemsize: int) -> np.ndarray:
@@ -257,8 +364,108 @@ def _flags_of(blob: bytes) -> int:
     return int(_PREFIX.unpack_from(blob, 0)[2])
 
 
-def _mode_of(blob: bytes) -> str:
-    flags = _flags_of(blob)
+def _mode_of(flags: int) -> str:
+    for mode, flag in _QUANT_FLAGS.items():
+        if flags & flag:
+            return mode
     if flags & FLAG_SHUFFLE:
         return "shuffle_lz4"
     return "lz4" if flags & FLAG_LZ4 else "raw"
+
+
+# ---- quantization ------------------------------------------------------------------------------
+
+
+def _num_scales(shape: tuple[int, ...]) -> int:
+    """K's per channel `[layers, heads, head_dim]`, then V's per token `[layers, tokens, heads]`."""
+    layers, _, tokens, heads, head_dim = shape
+    return layers * heads * (head_dim + tokens)
+
+
+def _quantize(array: np.ndarray, dtype: str, mode: str) -> tuple[bytes, bytes]:
+    """The scales (bfloat16 bits) and the codes (one byte per value, in the array's layout)."""
+    if array.ndim != 5 or array.shape[1] != 2:
+        raise ValueError(
+            f"a quantized block is [layers, 2, block_size, kv_heads, head_dim], got {array.shape}"
+        )
+    x = _to_float32(array, dtype)  # a fresh array: scaled in place
+    qmax = _QMAX[mode]
+    k_bits = _scale_bits(np.abs(x[:, 0]).max(axis=1) / qmax)  # per channel, over the tokens
+    v_bits = _scale_bits(np.abs(x[:, 1]).max(axis=3) / qmax)  # per token, over head_dim
+    x[:, 0] /= _scale_values(k_bits)[:, None]
+    x[:, 1] /= _scale_values(v_bits)[..., None]
+    np.clip(x, -qmax, qmax, out=x)  # only float rounding can step past the scale
+    codes = np.rint(x).astype(np.int8) if mode == "int8" else _to_fp8(x)
+    return k_bits.tobytes() + v_bits.tobytes(), codes.tobytes()
+
+
+def _dequantize(
+    scales: memoryview, codes: memoryview, shape: tuple[int, ...], dtype: str, mode: str
+) -> np.ndarray:
+    """The block in `dtype`'s storage dtype (a fresh, writable array)."""
+    layers, _, tokens, heads, head_dim = shape
+    bits = np.frombuffer(scales, dtype="<u2")
+    num_k = layers * heads * head_dim
+    k_scale = _scale_values(bits[:num_k]).reshape(layers, heads, head_dim)
+    v_scale = _scale_values(bits[num_k:]).reshape(layers, tokens, heads)
+    raw = np.frombuffer(codes, dtype=np.uint8).reshape(shape)
+    x = raw.view(np.int8).astype(np.float32) if mode == "int8" else np.take(_FP8_VALUES, raw)
+    x[:, 0] *= k_scale[:, None]
+    x[:, 1] *= v_scale[..., None]
+    return _from_float32(x, dtype)
+
+
+def _scale_bits(scale: np.ndarray) -> np.ndarray:
+    """Scales as bfloat16 bits rounded up, so that no value exceeds the largest code; at least
+    float32's smallest normal, so that an all-zero channel divides by something."""
+    bits = np.maximum(scale, np.finfo(np.float32).tiny).astype(np.float32).view(np.uint32)
+    return ((bits + np.uint32(0xFFFF)) >> np.uint32(16)).astype(np.uint16)
+
+
+def _scale_values(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def _to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (array.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return array.astype(np.float32)
+
+
+def _from_float32(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":  # round to nearest even, as torch does
+        bits = x.view(np.uint32)
+        bits += np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+        return (bits >> np.uint32(16)).astype(np.uint16)
+    return x if dtype == "float32" else x.astype(DTYPES[dtype][1])
+
+
+def _fp8_values() -> np.ndarray:
+    """The value of each float8 e4m3fn code: a sign, 4 exponent bits biased by 7, 3 mantissa
+    bits; subnormal below 2**-6, no infinities, 0x7f and 0xff are NaN."""
+    code = np.arange(256)
+    exponent, mantissa = (code >> 3) & 0xF, (code & 7) / 8
+    magnitude = np.where(
+        exponent == 0, mantissa * 2.0**-6, (1 + mantissa) * 2.0 ** (exponent - 7.0)
+    )
+    magnitude[(code & 0x7F) == 0x7F] = np.nan
+    return np.where(code & 0x80, -magnitude, magnitude).astype(np.float32)
+
+
+_FP8_VALUES = _fp8_values()
+
+
+def _to_fp8(x: np.ndarray) -> np.ndarray:
+    """float32 values within +-448 as e4m3fn codes, rounded to nearest even (as torch's cast):
+    rounding the float32 bits to 3 mantissa bits carries into the exponent by itself; values
+    below 2**-6 are subnormal, multiples of 2**-9."""
+    bits = x.view(np.uint32)
+    magnitude = bits & np.uint32(0x7FFFFFFF)
+    half = np.uint32(0x7FFFF) + ((magnitude >> np.uint32(20)) & np.uint32(1))
+    rounded = (magnitude + half) >> np.uint32(20)  # float32 exponent and 3 mantissa bits
+    codes = (rounded - np.uint32(120 << 3)).astype(np.uint8)  # rebias the exponent 127 -> 7
+    small = magnitude < np.uint32(0x3C800000)  # 2**-6
+    if small.any():
+        codes[small] = np.rint(magnitude[small].view(np.float32) * np.float32(512))
+    codes |= (bits >> np.uint32(24)).astype(np.uint8) & np.uint8(0x80)
+    return codes

@@ -15,8 +15,11 @@ class ConfigError(ValueError):
 
 
 # "auto": at start, the engine probes the tier with each of `AUTO_CODECS` and keeps the one whose
-# read + decode is fastest (compressing pays only on a link slower than the decode).
-TIER_CODECS = ("auto", "raw", "lz4", "shuffle_lz4")
+# read + decode is fastest (compressing pays only on a link slower than the decode). The
+# quantized codecs change the KV, hence what the model says: a tier uses one only when its
+# operator names it, never through "auto".
+QUANTIZED_CODECS = ("int8", "fp8_e4m3")
+TIER_CODECS = ("auto", "raw", "lz4", "shuffle_lz4", *QUANTIZED_CODECS)
 AUTO_CODECS = ("raw", "shuffle_lz4")  # the first of them until a probe decides
 PLAN_MODES = ("auto", "fetch", "split", "recompute")
 MIN_TIER_KEY_BYTES = 32  # the tier key: 256 bits, the strength of HMAC-SHA256
@@ -36,6 +39,11 @@ class TierConfig:
     counted), each with `redis_timeout_s`; lookups and reads use the short timeout, and after
     `redis_breaker_failures` failed calls in a row Redis is skipped for `redis_retry_s`, then
     one call probes it.
+
+    `*_codec` is how a tier stores blocks: `raw`, lossless `lz4` or `shuffle_lz4`, `auto` (the
+    fastest lossless one, probed at start), or quantized `int8` / `fp8_e4m3` (a byte per
+    value: ~3.7x the tokens of float32 KV per byte, at a small error in the fetched KV and
+    so in the logits; `docs/benchmarks.md` measures it). None is lossy unless named.
 
     `tier_key_file` names a file holding the deployment secret (at least 32 bytes): blocks
     written to NVMe and Redis are then signed (HMAC-SHA256) and only blocks signed with it are
@@ -82,7 +90,10 @@ class TierConfig:
             )
         for name in ("dram_codec", "nvme_codec", "redis_codec"):
             if getattr(self, name) not in TIER_CODECS:
-                raise ConfigError(f"tiers.{name} must be one of {TIER_CODECS}")
+                raise ConfigError(
+                    f"tiers.{name} must be one of {TIER_CODECS}, got {getattr(self, name)!r} "
+                    "(--tier-codec)"
+                )
         for name in ("dram_cap_mbps", "nvme_cap_mbps", "redis_cap_mbps", "redis_ttl_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:

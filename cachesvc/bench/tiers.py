@@ -20,7 +20,9 @@ a perfect choice); the summary checks the issue's goals. `bandwidth` times a who
 from DRAM (the tier read and the copy into the device caches) against a plain memory copy of as
 many bytes; `codec` measures lz4 and byte-plane shuffle + lz4 on the real KV of the prefix.
 
-NVMe here is a folder on the local disk, read mostly from the page cache.
+NVMe here is a folder on the local disk, read mostly from the page cache. `--codec` stores the
+prefix in every tier in one codec (a quantized one: ~27% of the bytes); the caps stay multiples
+of the float32 prefix's crossover bandwidth, so a row is one link speed whatever the codec.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def run_tiers_bench(
     json_path: str | None,
     redis_url: str | None = None,
     threads: int | None = None,
+    tier_codec: str | None = None,
 ) -> int:
     """Print the tables (and write JSON); returns the process exit status."""
     import torch
@@ -118,7 +121,7 @@ def run_tiers_bench(
                 print("redis-server not installed: no Redis rows")
             for context, repeats in contexts:
                 began = time.perf_counter()
-                run = Runner(loaded, context, repeats)
+                run = Runner(loaded, context, repeats, tier_codec)
                 last = context == contexts[-1][0]
                 context_rows, bw, kv = _context_rows(run, tiers, nvme_dir, url, want_kv=last)
                 rows.extend(context_rows)
@@ -128,7 +131,8 @@ def run_tiers_bench(
     finally:
         shutil.rmtree(nvme_dir, ignore_errors=True)
     header = (
-        f"model {loaded.path.name}, float32 KV, torch threads: {torch.get_num_threads()}, "
+        f"model {loaded.path.name}, float32 KV, tier codec {tier_codec or 'default'}, "
+        f"torch threads: {torch.get_num_threads()}, "
         f"{time.perf_counter() - start:.0f} s"
     )
     summary = print_report(rows, bandwidth, codec, header)
@@ -138,6 +142,7 @@ def run_tiers_bench(
             "suite": "tiers",
             "model": loaded.path.name,
             "quick": quick,
+            "tier_codec": tier_codec,
             "threads": torch.get_num_threads(),
             "machine": platform.machine(),
             "duration_s": time.perf_counter() - start,

@@ -73,7 +73,7 @@ def tier_rows(
 ) -> tuple[list[TierRow], BandwidthRow | None]:
     """One row per cap of a fresh engine with `tier` alone below the device (the engine is
     closed after), and on DRAM the uncapped fetch against a plain copy."""
-    engine = run.engine(tier_config(tier, run.context, nvme_dir, redis_url))
+    engine = run.engine(tier_config(tier, run.context, nvme_dir, redis_url, run.codec))
     # Nothing is cached yet: this computes the prefix (a recompute), which then leaves into the
     # tier alone.
     sweep = _Sweep([run.ttft_ms(engine, "auto")], {}, {}, {}, {})

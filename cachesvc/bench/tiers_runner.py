@@ -41,8 +41,9 @@ def prefix_len(context: int, max_model_len: int) -> int:
 class Runner:
     """Engines over one loaded model; `repeats` rounds of every measurement."""
 
-    def __init__(self, loaded: Any, context: int, repeats: int) -> None:
+    def __init__(self, loaded: Any, context: int, repeats: int, codec: str | None = None) -> None:
         self.loaded = loaded
+        self.codec = codec  # every tier's codec (None: the defaults)
         self.vocab = loaded.config.vocab_size
         self.context = prefix_len(context, loaded.config.max_position_embeddings)
         self.repeats = repeats
@@ -84,16 +85,20 @@ class Runner:
         return float(out.ttft_ms)
 
 
-def tier_config(tier: str, context: int, nvme_dir: str, redis_url: str | None) -> Any:
-    """A config with `tier` alone below the device, room for the whole prefix."""
+def tier_config(
+    tier: str, context: int, nvme_dir: str, redis_url: str | None, codec: str | None = None
+) -> Any:
+    """A config with `tier` alone below the device, room for the whole prefix, in `codec` (None:
+    the tier's default codec)."""
     from cachesvc.config import TierConfig
 
     mb = context / BLOCK_SIZE * 0.8 + 16  # 0.74 MB per float32 block of SmolLM2, and spare
+    codecs: dict[str, Any] = {} if codec is None else {f"{tier}_codec": codec}
     if tier == "dram":
-        return TierConfig(dram_mb=mb)
+        return TierConfig(dram_mb=mb, **codecs)
     if tier == "nvme":
-        return TierConfig(nvme_path=os.path.join(nvme_dir, str(context)), nvme_mb=mb)
-    return TierConfig(redis_url=redis_url, redis_min_reuse=0, redis_timeout_s=5.0)
+        return TierConfig(nvme_path=os.path.join(nvme_dir, str(context)), nvme_mb=mb, **codecs)
+    return TierConfig(redis_url=redis_url, redis_min_reuse=0, redis_timeout_s=5.0, **codecs)
 
 
 @dataclass(frozen=True)

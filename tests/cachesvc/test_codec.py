@@ -1,6 +1,7 @@
-"""Codec: exact round trips in every mode and dtype; any damage, a wrong key or another model's
-block decodes to None (a miss), never to wrong KV; with a tier key, only blocks signed under it
-decode (a forged, unsigned, other-key or old-version block is a miss)."""
+"""Codec: exact round trips in every lossless mode and dtype, bounded errors in the quantized
+ones; any damage, a wrong key or another model's block decodes to None (a miss), never to wrong
+KV; with a tier key, only blocks signed under it decode (a forged, unsigned, other-key or
+old-version block is a miss)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachesvc.codec import DTYPES, MODES, AuthError, Codec, CodecError, header_size, shuffle
+from cachesvc.codec import (
+    DTYPES,
+    LOSSLESS_MODES,
+    MODES,
+    AuthError,
+    Codec,
+    CodecError,
+    header_size,
+    shuffle,
+)
 from cachesvc.types import BlockHash
 
 FP = "0123456789abcdef" * 2
@@ -36,7 +46,7 @@ def kv_like(dtype: str, seed: int = 0, shape: tuple[int, ...] = SHAPE) -> np.nda
     return data.numpy()
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LOSSLESS_MODES)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_round_trip_is_exact(mode: str, dtype: str) -> None:
     codec = Codec(FP, mode)
@@ -92,7 +102,7 @@ def test_another_key_or_model_is_a_miss() -> None:
     assert Codec("f" * 32).decode(blob, H) is None
 
 
-def test_any_codec_of_the_model_decodes_any_mode() -> None:
+def test_any_codec_of_the_model_decodes_any_lossless_mode() -> None:
     array = kv_like("bfloat16", shape=(4, 2, 16, 4, 64))
     blob = Codec(FP, "shuffle_lz4").encode(H, None, "bfloat16", array)
     raw = Codec(FP, "raw")
@@ -145,7 +155,7 @@ def _forge(blob: bytes) -> bytes:
     return Codec(FP).encode(H, block.parent, block.dtype, changed)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LOSSLESS_MODES)
 def test_signed_round_trip_is_exact(mode: str) -> None:
     codec = Codec(FP, mode, KEY)
     array = kv_like("bfloat16")
@@ -213,3 +223,164 @@ def test_transcode_signs_a_checksummed_block_from_its_source_tier() -> None:
 def test_a_short_key_is_refused() -> None:
     with pytest.raises(ValueError, match="32 bytes"):
         Codec(FP, "raw", b"short")
+
+
+# ---- quantized blocks ---------------------------------------------------------------------------
+
+QUANTIZED = ("int8", "fp8_e4m3")
+KV_SHAPE = (3, 2, 16, 2, 32)  # layers, K/V, block size, kv heads, head dim
+
+
+def _as_float64(array: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (array.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return array.astype(np.float64)
+
+
+def _range(x: np.ndarray) -> np.ndarray:
+    """Each value's quantization range: K's channel over the block's tokens, V's token over
+    head_dim (the codec's scale times the largest code)."""
+    k_range = np.abs(x[:, 0]).max(axis=1, keepdims=True) * np.ones_like(x[:, 0])
+    v_range = np.abs(x[:, 1]).max(axis=3, keepdims=True) * np.ones_like(x[:, 1])
+    return np.stack([k_range, v_range], axis=1)
+
+
+def _error_bound(mode: str, dtype: str, x: np.ndarray) -> np.ndarray:
+    """Half a step of the code at each value (its scale rounded up to bfloat16: by at most
+    2**-7), plus the rounding of the decoded value into `dtype`."""
+    scale = _range(x) * (1 + 2**-7)
+    # fp8: 3 mantissa bits, so half a step is 2**-4 of the value; subnormals 2**-9 of the scale.
+    fp8 = np.abs(x) * 2**-4 + scale / 448 * 2**-10
+    step = scale / 127 / 2 if mode == "int8" else fp8
+    rounding = {"float32": 2**-24, "float16": 2**-11, "bfloat16": 2**-8}[dtype]
+    return step * (1 + 1e-6) + (np.abs(x) + step) * rounding
+
+
+@pytest.mark.parametrize("mode", QUANTIZED)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("signed", [False, True])
+def test_quantized_round_trip_is_within_half_a_step(mode: str, dtype: str, signed: bool) -> None:
+    codec = Codec(FP, mode, KEY if signed else None)
+    array = kv_like(dtype, seed=3, shape=KV_SHAPE)
+    blob = codec.encode(H, PARENT, dtype, array)
+    block = codec.decode(blob, H)
+    assert block is not None and block.parent == PARENT and block.dtype == dtype
+    assert block.array.dtype == array.dtype and block.array.shape == array.shape
+    assert block.array.flags.writeable
+    x, got = _as_float64(array, dtype), _as_float64(block.array, dtype)
+    assert (np.abs(got - x) <= _error_bound(mode, dtype, x)).all()
+    # One byte per value and 2 bytes per scale: 4x smaller than float32, but for the scales.
+    assert len(blob) == codec.max_blob_size(dtype, KV_SHAPE) < array.size + array.size // 4 + 200
+
+
+@pytest.mark.parametrize("mode", QUANTIZED)
+def test_an_outlier_channel_of_k_or_token_of_v_keeps_to_itself(mode: str) -> None:
+    """K per channel, V per token: a channel of K (or a token of V) 100x larger than the rest
+    costs the other channels (tokens) no precision, which one scale per block would."""
+    x = kv_like("float32", seed=4, shape=KV_SHAPE) / 4
+    x[:, 0, :, :, 5] *= 100  # K channel 5 in every token
+    x[:, 1, 7] *= 100  # V of token 7
+    codec = Codec(FP, mode)
+    block = codec.decode(codec.encode(H, None, "float32", x), H)
+    assert block is not None
+    error = np.abs(block.array - x)
+    typical = np.abs(x).max() / 100
+    assert error[:, 0, :, :, :5].max() < typical / 10
+    assert error[:, 1, :7].max() < typical / 10
+
+
+@pytest.mark.parametrize("mode", QUANTIZED)
+def test_zeros_stay_zeros(mode: str) -> None:
+    codec = Codec(FP, mode)
+    zeros = np.zeros(KV_SHAPE, dtype=np.uint16)
+    block = codec.decode(codec.encode(H, None, "bfloat16", zeros), H)
+    assert block is not None and not block.array.any()
+
+
+def test_fp8_codes_are_torch_float8_e4m3fn() -> None:
+    """The numpy cast (round to nearest even) and the decode table against torch's own."""
+    import torch
+
+    from cachesvc.codec import _FP8_VALUES, _to_fp8
+
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    values = bits[np.isfinite(bits) & (np.abs(bits) <= 448)]
+    finite = np.sort(_FP8_VALUES[np.isfinite(_FP8_VALUES)])
+    ties = ((finite[1:].astype(np.float64) + finite[:-1]) / 2).astype(np.float32)
+    values = np.concatenate([values, ties, finite, rng.standard_normal(1000).astype(np.float32)])
+    expected = torch.from_numpy(values).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    np.testing.assert_array_equal(_to_fp8(values.copy()), expected)
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    np.testing.assert_array_equal(_FP8_VALUES, table)
+
+
+@pytest.mark.parametrize("mode", QUANTIZED)
+@pytest.mark.parametrize("key", [None, KEY])
+def test_a_damaged_quantized_block_is_a_miss(mode: str, key: bytes | None) -> None:
+    """Every byte counts: the header with its scales, the tag, the codes."""
+    codec = Codec(FP, mode, key)
+    blob = codec.encode(H, PARENT, "float16", kv_like("float16", shape=KV_SHAPE))
+    for pos in range(0, len(blob), max(1, len(blob) // 211)):
+        damaged = bytearray(blob)
+        damaged[pos] ^= 0x04
+        outcome = codec.verify(bytes(damaged), H)
+        assert isinstance(outcome, CodecError), f"flip at byte {pos} went unnoticed"
+    scales_at = header_size(len(KV_SHAPE))  # inside the scales, which follow the ids
+    damaged = bytearray(blob)
+    damaged[scales_at] ^= 0x01
+    outcome = codec.verify(bytes(damaged), H)
+    assert isinstance(outcome, AuthError if key else CodecError)
+
+
+def test_a_forged_quantized_block_passes_the_checksum_but_not_the_key() -> None:
+    honest = Codec(FP, "int8").encode(H, None, "float32", kv_like("float32", shape=KV_SHAPE))
+    block = Codec(FP, "int8").decode(honest, H)
+    assert block is not None
+    forged = Codec(FP, "int8").encode(H, None, "float32", block.array * 2)
+    assert Codec(FP, "int8").decode(forged, H) is not None
+    assert isinstance(Codec(FP, "int8", KEY).verify(forged, H), AuthError)
+
+
+def test_only_a_codec_of_the_same_quantized_mode_serves_a_quantized_block() -> None:
+    """A tier configured lossless never hands out lossy KV; a quantized one reads lossless."""
+    array = kv_like("float32", shape=KV_SHAPE)
+    blob = Codec(FP, "int8").encode(H, None, "float32", array)
+    for mode in (*LOSSLESS_MODES, "fp8_e4m3"):
+        assert isinstance(Codec(FP, mode).verify(blob, H), CodecError)
+    lossless = Codec(FP, "shuffle_lz4").encode(H, None, "float32", array)
+    block = Codec(FP, "int8").decode(lossless, H)
+    assert block is not None and block.array.tobytes() == array.tobytes()
+
+
+def test_versions_say_whether_a_block_is_quantized() -> None:
+    array = kv_like("float32", shape=KV_SHAPE)
+    assert struct.unpack_from("<H", Codec(FP).encode(H, None, "float32", array), 4) == (2,)
+    blob = bytearray(Codec(FP, "fp8_e4m3").encode(H, None, "float32", array))
+    assert struct.unpack_from("<H", blob, 4) == (3,)
+    struct.pack_into("<H", blob, 4, 2)  # a reader of version 2 would misread it: refused
+    tag_at = len(blob) - array.size - 8
+    checksum = xxhash.xxh3_64(bytes(blob[:tag_at]))
+    checksum.update(bytes(blob[tag_at + 8 :]))
+    struct.pack_into("<Q", blob, tag_at, checksum.intdigest())
+    assert Codec(FP, "fp8_e4m3").decode(bytes(blob), H) is None
+
+
+def test_transcode_re_signs_a_quantized_block_without_quantizing_it_again() -> None:
+    dram, nvme = Codec(FP, "int8"), Codec(FP, "int8", KEY)
+    blob = dram.encode(H, PARENT, "bfloat16", kv_like("bfloat16", shape=KV_SHAPE))
+    signed = nvme.transcode(blob, H, source=dram)
+    num_values = int(np.prod(KV_SHAPE))
+    assert signed is not None and signed[-num_values:] == blob[-num_values:]  # the same codes
+    first, again = dram.decode(blob, H), nvme.decode(signed, H)
+    assert first is not None and again is not None
+    assert first.array.tobytes() == again.array.tobytes()
+    raw = Codec(FP, "raw").transcode(blob, H, source=dram)  # lossy already: stored as decoded
+    assert raw is not None and len(raw) > len(blob)
+    decoded = Codec(FP, "raw").decode(raw, H)
+    assert decoded is not None and decoded.array.tobytes() == first.array.tobytes()
+
+
+def test_a_quantized_block_must_be_kv_shaped() -> None:
+    with pytest.raises(ValueError, match="layers, 2, block_size"):
+        Codec(FP, "int8").encode(H, None, "float32", np.zeros((4, 3, 8), dtype=np.float32))

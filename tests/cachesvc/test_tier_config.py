@@ -97,3 +97,45 @@ def test_a_missing_or_short_key_says_how_to_make_one(tmp_path: Path, content: by
     config = TierConfig(tier_key_file=str(key))  # read where the engine starts, not here
     with pytest.raises(ConfigError, match=r"tier_key_file.*head -c 32 /dev/urandom \| base64"):
         config.read_key()
+
+
+def test_quantized_codecs_are_opt_in_per_tier() -> None:
+    from cachesvc.config import AUTO_CODECS, QUANTIZED_CODECS
+
+    assert set(QUANTIZED_CODECS) == {"int8", "fp8_e4m3"}
+    assert not set(TierConfig().codecs.values()) & set(QUANTIZED_CODECS)  # never by default
+    assert not set(AUTO_CODECS) & set(QUANTIZED_CODECS)  # nor through "auto"
+    config = TierConfig(dram_codec="int8", redis_codec="fp8_e4m3")
+    assert config.codecs == {"dram": "int8", "nvme": "auto", "redis": "fp8_e4m3"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "codecs"),
+    [
+        ([], {"dram": "raw", "nvme": "auto", "redis": "auto"}),
+        (["int8"], {"dram": "int8", "nvme": "int8", "redis": "int8"}),
+        (["dram=int8,redis=fp8_e4m3"], {"dram": "int8", "nvme": "auto", "redis": "fp8_e4m3"}),
+        (
+            ["fp8_e4m3", "--tier-codec", "dram=raw"],
+            {"dram": "raw", "nvme": "fp8_e4m3", "redis": "fp8_e4m3"},
+        ),
+    ],
+)
+def test_the_tier_codec_flag_sets_the_tiers_it_names(
+    flags: list[str], codecs: dict[str, str]
+) -> None:
+    from cachesvc.app.cli.common import engine_config
+    from cachesvc.app.cli.main import build_parser
+
+    argv = ["generate", "--prompt", "hi", *(["--tier-codec", *flags] if flags else [])]
+    assert engine_config(build_parser().parse_args(argv)).tiers.codecs == codecs
+
+
+@pytest.mark.parametrize("value", ["zstd", "hbm=int8", "dram=", "dram=int8=raw"])
+def test_a_bad_tier_codec_flag_names_the_flag_and_the_choices(value: str) -> None:
+    from cachesvc.app.cli.common import CliError, engine_config
+    from cachesvc.app.cli.main import build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--tier-codec", value])
+    with pytest.raises(CliError, match=r"--tier-codec.*dram, nvme, redis.*fp8_e4m3"):
+        engine_config(args)

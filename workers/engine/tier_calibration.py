@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cachesvc.calibration import ComputeSample, probe_codecs
+from cachesvc.calibration import ComputeSample, codec_cost, probe_codecs
 from cachesvc.config import AUTO_CODECS
 from cachesvc.tiers.base import TierStats
 from cachesvc.types import BlockId, RequestId
@@ -36,17 +36,22 @@ def calibrate(tiering: KVTiering, runner: ModelRunner, max_tokens: int) -> None:
 
 def calibrate_tiers(tiering: KVTiering) -> None:
     """Measure each tier's read cost (and its codec's decode) with a few synthetic blocks; a
-    tier whose codec is "auto" keeps the mode whose read + decode of a fetch is fastest."""
+    tier whose codec is "auto" keeps the lossless mode whose read + decode of a fetch is
+    fastest."""
     gen = torch.Generator().manual_seed(0)
     sample = torch.randn(tiering.block_shape, generator=gen).to(tiering.kv_caches[0].dtype)
     array = kv_to_numpy(sample)  # compresses about as well as real KV (1.08x vs 1.06x)
     for tier in tiering.manager.all_tiers:
-        if tier.throttle.bytes_per_s is not None:
-            continue  # a capped tier's cost is mostly its cap (and probing it would be slow)
         codec = tiering.manager.codecs[tier.name]
+        prior = tiering.costs.tiers[tier.name]
+        if tier.throttle.bytes_per_s is not None:
+            # A capped tier's cost is mostly its cap (and probing it would be slow): the prior,
+            # with its codec's block size and decode time.
+            tiering.costs.tiers[tier.name] = codec_cost(codec, tiering.dtype, array, prior)
+            continue
+        # Never a quantized mode unless configured: "auto" picks among lossless ones.
         auto = tiering.config.codecs[tier.name] == "auto"
         modes = AUTO_CODECS if auto else (codec.mode,)
-        prior = tiering.costs.tiers[tier.name]
         probed = probe_codecs(tier, codec, modes, tiering.dtype, array, prior)
         tier.stats = TierStats()  # probes are not traffic
         if probed is None:

@@ -24,12 +24,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from cachesvc.block_pool import BlockPool
 from cachesvc.calibration import CostTracker, default_tier_cost
-from cachesvc.codec import Codec, KVBlock, header_size
+from cachesvc.codec import Codec, KVBlock, max_blob_size
 from cachesvc.config import AUTO_CODECS, TierConfig
 from cachesvc.events import TIER_HBM
 from cachesvc.planner import ComputeCost, LoadPlan, plan_load
@@ -107,31 +106,35 @@ class KVTiering:
         self.block_size = block_size
         self.dtype = _DTYPE_NAMES[kv_caches[0].dtype]
         self.block_shape = (len(kv_caches), *kv_caches[0].shape[1:])
-        raw_bytes = int(np.prod(self.block_shape)) * kv_caches[0].element_size()
         key = config.read_key()  # before building tiers: a bad key file fails the start
+        # "auto" starts uncompressed; calibration keeps the fastest lossless mode of each tier.
+        modes = {n: AUTO_CODECS[0] if m == "auto" else m for n, m in config.codecs.items()}
         local, shared = build_tiers(
             config,
             fingerprint,
-            raw_bytes + header_size(len(self.block_shape), signed=True),  # room for either tag
+            # DRAM slots fit a block in its codec (a quantized one is ~1/4 of float32), with
+            # room for either tag.
+            max_blob_size(modes["dram"], self.dtype, self.block_shape, signed=True),
             pin_memory=torch.cuda.is_available(),
         )
-        # Blocks that leave the process are signed when a key is configured. "auto" starts
-        # uncompressed; calibration keeps the fastest mode of each tier.
+        # Blocks that leave the process are signed when a key is configured.
         signed = {t.name for t in [*local, *([shared] if shared else [])] if t.outside_process}
         codecs = {
-            name: Codec(
-                fingerprint,
-                AUTO_CODECS[0] if mode == "auto" else mode,
-                key if name in signed else None,
-            )
-            for name, mode in config.codecs.items()
+            name: Codec(fingerprint, mode, key if name in signed else None)
+            for name, mode in modes.items()
         }
         self.manager = TierManager(
             local, shared, codecs, pool.events, config.redis_min_reuse, device_has=pool.contains
         )
+        # Until calibrated, a tier's cost is a prior over the bytes of a block in its codec.
         self.costs = CostTracker(
             _PRIOR_COMPUTE,
-            {t.name: default_tier_cost(t.name, raw_bytes) for t in self.manager.all_tiers},
+            {
+                t.name: default_tier_cost(
+                    t.name, codecs[t.name].max_blob_size(self.dtype, self.block_shape)
+                )
+                for t in self.manager.all_tiers
+            },
         )
         caps = {
             "dram": config.dram_cap_mbps,

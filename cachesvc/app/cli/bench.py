@@ -11,6 +11,8 @@ from cachesvc.app.cli.common import CliError
 
 def add_bench_parser(sub: Any) -> None:
     """Register `bench` and its suites on the CLI's subparsers."""
+    from cachesvc.config import TIER_CODECS
+
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
     bench_sub = bench.add_subparsers(dest="suite", required=True)
     eng = bench_sub.add_parser("engine", help="prefill/decode tokens/s vs Hugging Face")
@@ -42,6 +44,19 @@ def add_bench_parser(sub: Any) -> None:
     tiers.add_argument("--model", default=None)
     tiers.add_argument("--redis-url", default=None, help="default: a local redis-server")
     tiers.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    tiers.add_argument(
+        "--codec",
+        default=None,
+        choices=TIER_CODECS,
+        help="every tier's codec (default: each tier's default)",
+    )
+    codec = bench_sub.add_parser(
+        "kv-codec", help="tier codecs on real KV: bytes, speed, logit error, greedy agreement"
+    )
+    codec.add_argument("--json", dest="json_path", help="also write the results to this file")
+    codec.add_argument("--quick", action="store_true", help="5 prompts, 16 tokens (else 20, 64)")
+    codec.add_argument("--model", default=None)
+    codec.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     _add_routing_bench_parser(bench_sub)
     rc = bench_sub.add_parser(
         "response-cache", help="repeated deterministic requests: response-cache hits vs generation"
@@ -81,7 +96,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.suite == "tiers":
         from cachesvc.bench.tiers import run_tiers_bench
 
-        return run_tiers_bench(args.model, args.quick, args.json_path, args.redis_url, args.threads)
+        return run_tiers_bench(
+            args.model, args.quick, args.json_path, args.redis_url, args.threads, args.codec
+        )
+    if args.suite == "kv-codec":
+        from cachesvc.bench.kv_codec import run_kv_codec_bench
+
+        return run_kv_codec_bench(args.model, args.quick, args.json_path, args.threads)
     if args.suite == "response-cache":
         from cachesvc.bench.response_cache import ResponseCacheBenchArgs, run_response_cache_bench
 

@@ -49,3 +49,42 @@ def test_auto_is_the_default_below_dram_and_valid_in_config() -> None:
     config = TierConfig()
     assert config.codecs == {"dram": "raw", "nvme": "auto", "redis": "auto"}
     assert TierConfig(dram_codec="auto").codecs["dram"] == "auto"
+
+
+def test_a_quantized_mode_would_win_a_slow_link_but_auto_never_offers_it() -> None:
+    """On a slow link int8 reads a quarter of the bytes, so a probe that offered it would pick
+    it; "auto" offers only lossless modes, since a quantized one changes the model's output."""
+    from cachesvc.config import QUANTIZED_CODECS
+
+    array = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
+    tier = DramTier(capacity_mb=16, slot_bytes=array.nbytes + 4096, cap_mb_per_s=50)
+    prior = default_tier_cost("dram", array.nbytes)
+    offered = probe_codecs(tier, Codec(FP), (*AUTO_CODECS, "int8"), "float32", array, prior)
+    assert offered is not None and offered[0].mode == "int8"
+    mode, _ = _probe(array, cap_mb_per_s=50)
+    assert mode in AUTO_CODECS and mode not in QUANTIZED_CODECS
+
+
+def test_the_crossover_moves_with_the_codec() -> None:
+    """A capped tier is not probed: its cost is the prior under its codec (`codec_cost`), whose
+    bytes per block and decode time the planner uses. Where fetching the raw prefix is slower
+    than recomputing it, fetching it in int8 (~3.7x fewer bytes) is faster."""
+    from cachesvc.calibration import CostTracker, codec_cost
+    from cachesvc.planner import ComputeCost, plan_load
+    from cachesvc.tiers.results import TierHit
+
+    array = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
+    prior = default_tier_cost("dram", array.nbytes + 4096)
+    compute = ComputeCost(alpha_s=0.0, beta_s=0.6e-3, gamma_s=0.0)  # 256 tokens: 154 ms
+    plans = {}
+    for mode in ("raw", "int8"):
+        cost = codec_cost(Codec(FP, mode), "float32", array, prior)
+        costs = CostTracker(compute, {"dram": cost})
+        costs.set_cap("dram", 50)  # MB/s: a raw block reads in 15 ms, an int8 one in 4 ms
+        plans[mode] = plan_load([TierHit("dram", 0, 16)], 0, 16 * 16 + 1, 16, costs.model())
+        assert cost.seconds_per_byte > prior.seconds_per_byte  # the decode is in it
+    raw, int8 = plans["raw"], plans["int8"]
+    assert Codec(FP, "int8").max_blob_size("float32", SHAPE) * 3.5 < array.nbytes
+    assert raw.fetch_only_s > raw.recompute_only_s
+    assert int8.fetch_only_s < int8.recompute_only_s and int8.fetch_only_s < raw.fetch_only_s / 3
+    assert int8.predicted_s < raw.predicted_s
