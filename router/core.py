@@ -12,10 +12,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from dataclasses import asdict, fields
 
-from cachesvc.hashing import hash_blocks, root_hash
 from cachesvc.types import BlockHash, WorkerId
 from router.config import RouterConfig
 from router.domain import (
@@ -33,7 +32,7 @@ from router.domain import (
 from router.metrics import RequestOutcome, RouterMetrics
 from router.policy import Candidate, Policy, RouteDecision, RouteRequest
 from router.pool import Health, WorkerDied, WorkerPool, raise_stream_error
-from router.prompt_encoder import PromptEncoder
+from router.prompts import Prompts
 from router.response_cache import (
     ResponseCollector,
     is_deterministic,
@@ -44,7 +43,7 @@ from router.resume import Part, RequestProgress
 from router.streams import merged
 from router.supervisor import Replace, Supervisor
 from workers.protocol import StreamDelta, StreamError, Usage
-from workers.text.tokenizer import Tokenizer, TokenizerError
+from workers.text.tokenizer import Tokenizer
 
 _log = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ class Router:
         self._stats = RouterStats(policy.name)
         self.metrics = RouterMetrics()
         self.metrics.watch(pool)
-        self._encoder: PromptEncoder | None = None
+        self.prompts = Prompts(pool, tokenizer)
         self.responses = make_response_cache(config)
         if self.responses is not None:
             self.metrics.watch_response_cache(self.responses.stats)
@@ -79,84 +78,20 @@ class Router:
         """Wait for the workers, index what they hold and start supervising them."""
         model = await self.pool.start()
         self.supervisor.start()
-        if self.tokenizer is not None:
-            self._encoder = PromptEncoder(self.tokenizer, model.max_model_len)
+        self.prompts.start()
         self._stats.block_size = model.block_size
         self._stats.model_fingerprint = model.model_fingerprint
 
     async def close(self) -> None:
         await self.supervisor.close()
         await self.pool.close()
-        if self._encoder is not None:
-            self._encoder.close()
-
-    # ---- tokens and hashes ------------------------------------------------------------------
-
-    async def encode(self, prompt: PromptInput, field: str = "prompt") -> list[int]:
-        """Token ids of a prompt as the worker will see them; raises InvalidInput naming the
-        field (empty, ids outside the vocabulary, longer than the model's context). Long
-        texts are tokenized off the event loop (`PromptEncoder`)."""
-        if prompt.token_ids is not None:
-            ids = list(prompt.token_ids)
-            self._check_vocab(ids, f"{field}.token_ids")
-        else:
-            ids = await self._encode_text(self.render(prompt, field), field)
-        if not ids:
-            raise InvalidInput(f"{field} has no tokens")
-        limit = self.pool.model.max_model_len
-        if len(ids) >= limit:
-            raise InvalidInput(
-                f"{field} has {len(ids)} tokens; the model's context is {limit} "
-                "(room for at least one output token needed)"
-            )
-        return ids
-
-    def render(self, prompt: PromptInput, field: str = "prompt") -> str:
-        """The text a text or chat prompt is tokenized from (the chat template applied)."""
-        kind = "text" if prompt.text is not None else "chat"
-        if self.tokenizer is None:
-            raise InvalidInput(f"{field}.{kind}: this model has no tokenizer; send token_ids")
-        if prompt.text is not None:
-            if not prompt.text:
-                raise InvalidInput(f"{field}.text must not be empty")
-            return prompt.text
-        messages = [{"role": m.role, "content": m.content} for m in prompt.messages or ()]
-        if not messages:
-            raise InvalidInput(f"{field}.chat.messages must not be empty")
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=prompt.add_generation_prompt
-            )
-        except TokenizerError as exc:
-            raise InvalidInput(f"{field}.chat: {exc}") from exc
-
-    async def _encode_text(self, text: str, field: str, special: bool = True) -> list[int]:
-        assert self._encoder is not None  # render() checked there is a tokenizer
-        return await self._encoder.encode(text, field, add_special_tokens=special)
-
-    def _check_vocab(self, ids: Sequence[int], field: str) -> None:
-        vocab = self.pool.model.vocab_size
-        for i, token in enumerate(ids):
-            if not 0 <= token < vocab:
-                raise InvalidInput(f"{field}[{i}] = {token} is outside the vocabulary [0, {vocab})")
-
-    def block_hashes(self, ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
-        model = self.pool.model
-        root = root_hash(model.model_fingerprint, model.block_size, cache_salt or "")
-        return hash_blocks(ids, model.block_size, root)
+        self.prompts.close()
 
     async def tokenize(
         self, prompt: PromptInput, continuation: bool = False
     ) -> tuple[list[int], int, str]:
-        """Token ids, the number of full blocks they make, and the text they came from ("" for
-        a token-id prompt). A `continuation` text is encoded as Score encodes items: without
-        the tokens the model adds to a prompt."""
-        if continuation and prompt.text is not None:
-            ids = await self._encode_item(prompt, "prompt")
-            return ids, len(ids) // self.pool.model.block_size, prompt.text
-        ids = await self.encode(prompt)
-        text = "" if prompt.token_ids is not None else self.render(prompt)
-        return ids, len(ids) // self.pool.model.block_size, text
+        """Token ids, the number of full blocks they make, and the text they came from."""
+        return await self.prompts.tokenize(prompt, continuation)
 
     # ---- generate ---------------------------------------------------------------------------
 
@@ -166,8 +101,8 @@ class Router:
         another (see `router.resume`), so the client sees one stream."""
         if self._stats.num_inflight >= self.config.max_inflight:
             raise Exhausted(f"router is at its limit of {self.config.max_inflight} requests")
-        ids = await self.encode(req.prompt)
-        self._check_vocab(req.params.stop_token_ids, "sampling.stop_token_ids")
+        ids = await self.prompts.encode(req.prompt)
+        self.prompts.check_vocab(req.params.stop_token_ids, "sampling.stop_token_ids")
         progress = RequestProgress(ids, asdict(req.params), self.tokenizer)
         outcome = RequestOutcome(req.request_id or f"req-{uuid.uuid4().hex[:16]}", self.policy.name)
         self._stats.num_requests += 1
@@ -234,7 +169,9 @@ class Router:
             parts = progress.parts()
             # Every part continues the same prompt: the first one's blocks stand for all.
             prompt = parts[0].prompt_ids
-            decision = self._route(len(prompt), self.block_hashes(prompt, req.cache_salt), excluded)
+            decision = self._route(
+                len(prompt), self.prompts.block_hashes(prompt, req.cache_salt), excluded
+            )
             self.metrics.decisions.labels(decision.policy, decision.worker).inc()
             try:
                 attempt_deltas = self._attempt(decision, parts, call_id, req, progress)
@@ -362,20 +299,24 @@ class Router:
 
     async def score(self, req: ScoreInput) -> ScoreResult:
         """Per item, the log-probs of the label tokens after prefix + item."""
-        prefix = await self.encode(req.prefix, "prefix")
+        prefix = await self.prompts.encode(req.prefix, "prefix")
         if not req.items:
             raise InvalidInput("items must not be empty")
-        items = [await self._encode_item(item, f"items[{i}]") for i, item in enumerate(req.items)]
+        items = [
+            await self.prompts.encode_item(item, f"items[{i}]") for i, item in enumerate(req.items)
+        ]
         if not req.label_token_ids:
             raise InvalidInput("label_token_ids must not be empty")
-        self._check_vocab(req.label_token_ids, "label_token_ids")
+        self.prompts.check_vocab(req.label_token_ids, "label_token_ids")
         limit = self.pool.model.max_model_len
         for i, item in enumerate(items):
             if len(prefix) + len(item) > limit:
                 raise InvalidInput(f"prefix + items[{i}] exceed the model's context of {limit}")
         excluded: set[WorkerId] = set()
         for _ in range(self.config.max_retries + 1):
-            decision = self._route(len(prefix), self.block_hashes(prefix, req.cache_salt), excluded)
+            decision = self._route(
+                len(prefix), self.prompts.block_hashes(prefix, req.cache_salt), excluded
+            )
             try:
                 result = await self.pool.call(
                     decision.worker, "score", prefix, items, list(req.label_token_ids)
@@ -388,18 +329,6 @@ class Router:
             logprobs = tuple(tuple(float(x) for x in row) for row in result)
             return ScoreResult(logprobs, decision.worker)
         raise Unavailable("no live worker could score the request")
-
-    async def _encode_item(self, item: PromptInput, field: str) -> list[int]:
-        if item.token_ids is not None:
-            ids = list(item.token_ids)
-            self._check_vocab(ids, f"{field}.token_ids")
-        elif item.text and self.tokenizer is not None:
-            ids = await self._encode_text(item.text, field, special=False)
-        else:
-            raise InvalidInput(f"{field} must be non-empty text or token_ids")
-        if not ids:
-            raise InvalidInput(f"{field} has no tokens")
-        return ids
 
     # ---- admin ------------------------------------------------------------------------------
 

@@ -1,0 +1,116 @@
+"""A request's prompt as the workers will see it: token ids (text, chat or ids, validated) and
+the rolling block hashes the workers store their KV under (the routing key is the storage key).
+
+Long texts are tokenized off the event loop (`router/prompt_encoder.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cachesvc.hashing import hash_blocks, root_hash
+from cachesvc.types import BlockHash
+from router.domain import InvalidInput, PromptInput
+from router.pool import WorkerPool
+from router.prompt_encoder import PromptEncoder
+from workers.text.tokenizer import Tokenizer, TokenizerError
+
+
+class Prompts:
+    """Encodes prompts for the pool's model; `start` once the model is known, `close` at the
+    end (it owns the tokenizing threads)."""
+
+    def __init__(self, pool: WorkerPool, tokenizer: Tokenizer | None) -> None:
+        self._pool = pool
+        self.tokenizer = tokenizer
+        self._encoder: PromptEncoder | None = None
+
+    def start(self) -> None:
+        if self.tokenizer is not None:
+            self._encoder = PromptEncoder(self.tokenizer, self._pool.model.max_model_len)
+
+    def close(self) -> None:
+        if self._encoder is not None:
+            self._encoder.close()
+
+    async def encode(self, prompt: PromptInput, field: str = "prompt") -> list[int]:
+        """Token ids of a prompt as the worker will see them; raises InvalidInput naming the
+        field (empty, ids outside the vocabulary, longer than the model's context). Long
+        texts are tokenized off the event loop (`PromptEncoder`)."""
+        if prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
+            self.check_vocab(ids, f"{field}.token_ids")
+        else:
+            ids = await self._encode_text(self.render(prompt, field), field)
+        if not ids:
+            raise InvalidInput(f"{field} has no tokens")
+        limit = self._pool.model.max_model_len
+        if len(ids) >= limit:
+            raise InvalidInput(
+                f"{field} has {len(ids)} tokens; the model's context is {limit} "
+                "(room for at least one output token needed)"
+            )
+        return ids
+
+    def render(self, prompt: PromptInput, field: str = "prompt") -> str:
+        """The text a text or chat prompt is tokenized from (the chat template applied)."""
+        kind = "text" if prompt.text is not None else "chat"
+        if self.tokenizer is None:
+            raise InvalidInput(f"{field}.{kind}: this model has no tokenizer; send token_ids")
+        if prompt.text is not None:
+            if not prompt.text:
+                raise InvalidInput(f"{field}.text must not be empty")
+            return prompt.text
+        messages = [{"role": m.role, "content": m.content} for m in prompt.messages or ()]
+        if not messages:
+            raise InvalidInput(f"{field}.chat.messages must not be empty")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=prompt.add_generation_prompt
+            )
+        except TokenizerError as exc:
+            raise InvalidInput(f"{field}.chat: {exc}") from exc
+
+    async def _encode_text(self, text: str, field: str, special: bool = True) -> list[int]:
+        assert self._encoder is not None  # render() checked there is a tokenizer
+        return await self._encoder.encode(text, field, add_special_tokens=special)
+
+    def check_vocab(self, ids: Sequence[int], field: str) -> None:
+        """Raise InvalidInput naming `field[i]` for the first id outside the vocabulary."""
+        vocab = self._pool.model.vocab_size
+        for i, token in enumerate(ids):
+            if not 0 <= token < vocab:
+                raise InvalidInput(f"{field}[{i}] = {token} is outside the vocabulary [0, {vocab})")
+
+    def block_hashes(self, ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
+        """The rolling hashes of the full blocks, exactly as the workers store them."""
+        model = self._pool.model
+        root = root_hash(model.model_fingerprint, model.block_size, cache_salt or "")
+        return hash_blocks(ids, model.block_size, root)
+
+    async def tokenize(
+        self, prompt: PromptInput, continuation: bool = False
+    ) -> tuple[list[int], int, str]:
+        """Token ids, the number of full blocks they make, and the text they came from ("" for
+        a token-id prompt). A `continuation` text is encoded as Score encodes items: without
+        the tokens the model adds to a prompt."""
+        if continuation and prompt.text is not None:
+            ids = await self.encode_item(prompt, "prompt")
+            return ids, len(ids) // self._pool.model.block_size, prompt.text
+        ids = await self.encode(prompt)
+        text = "" if prompt.token_ids is not None else self.render(prompt)
+        return ids, len(ids) // self._pool.model.block_size, text
+
+    async def encode_item(self, item: PromptInput, field: str) -> list[int]:
+        """Token ids of a Score item (or a continuation): without the tokens the model adds
+        to a prompt; raises InvalidInput naming the field."""
+        if item.token_ids is not None:
+            ids = list(item.token_ids)
+            self.check_vocab(ids, f"{field}.token_ids")
+        elif item.text and self.tokenizer is not None:
+            ids = await self._encode_text(item.text, field, special=False)
+        else:
+            raise InvalidInput(f"{field} must be non-empty text or token_ids")
+        if not ids:
+            raise InvalidInput(f"{field} has no tokens")
+        return ids
