@@ -57,11 +57,7 @@ async def build_router(
     """A started Router over existing worker actors: the workers have loaded their model and
     their cached blocks are indexed when this returns. `replace` starts a new actor for a
     worker that died for good (see `router.supervisor`)."""
-    policy = make_policy(
-        config.policy,
-        abs_threshold=config.balance_abs_threshold,
-        rel_threshold=config.balance_rel_threshold,
-    )
+    policy = make_policy(config.policy, **config.policy_options())
     pool = WorkerPool(actors, make_index(config), config, make_event_source(config))
     router = Router(pool, load_router_tokenizer(model), policy, config, replace)
     await router.start()

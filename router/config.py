@@ -44,9 +44,18 @@ class RouterConfig:
     (see `router.auth.tenant_cache_salt`); `auth_token` is the operator's: no tenant, and the
     only token that may call the Admin service. `tls_cert_file` and `tls_key_file` (PEM) make
     the router speak TLS; `tls_client_ca_file` also requires client certificates it signed.
-    The balance thresholds bound load imbalance: a worker with more than
+
+    The `prefix_aware` policy (`router.policy.PrefixAware`) scores each worker in tokens of
+    work: the prompt it would compute (cached blocks in lower tiers weighted by the worker's
+    own fetch costs) plus `route_queue_weight` times its queued work. Two bounds protect against
+    overload: a worker whose queued work exceeds `balance_queue_factor` times the least-queued
+    worker's plus `balance_queue_slack_tokens` is not chosen, and neither is one with more than
     `balance_abs_threshold` requests above the least-loaded one *and* more than
-    `balance_rel_threshold` times its load is not chosen for its cached prefix.
+    `balance_rel_threshold` times its count, nor (while another is not) one given more than
+    `balance_traffic_factor` times the mean number of recent requests, which grows a second
+    holder for a hot prefix (0 turns it off). Workers scoring within `route_tie_fraction` of the
+    prompt's length of the best are near ties: the one given the least work lately (decayed with
+    a half-life of `route_work_half_life` decisions) wins, which spreads new prefix groups.
     """
 
     host: str = "127.0.0.1"
@@ -75,8 +84,14 @@ class RouterConfig:
     max_replacements: int = 10
     replace_backoff_s: float = 1.0
     start_timeout_s: float = 600.0
-    balance_abs_threshold: int = 8
-    balance_rel_threshold: float = 1.5
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 2.0
+    balance_queue_factor: float = 2.0
+    balance_queue_slack_tokens: int = 65536
+    balance_traffic_factor: float = 1.5
+    route_queue_weight: float = 0.25
+    route_tie_fraction: float = 0.1
+    route_work_half_life: float = 64.0
     # A worker with this many requests (running, waiting or in flight from this router) gets no
     # more: when every worker is that full, a call fails with RESOURCE_EXHAUSTED. None: no limit.
     max_queued_per_worker: int | None = None
@@ -140,6 +155,52 @@ class RouterConfig:
         if self.balance_rel_threshold < 1:
             raise ConfigError(
                 f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}"
+            )
+        self._check_routing()
+
+    def policy_options(self) -> dict[str, float]:
+        """The routing thresholds as `router.policy.make_policy` takes them."""
+        return {
+            "abs_threshold": self.balance_abs_threshold,
+            "rel_threshold": self.balance_rel_threshold,
+            "queue_factor": self.balance_queue_factor,
+            "queue_slack_tokens": self.balance_queue_slack_tokens,
+            "traffic_factor": self.balance_traffic_factor,
+            "queue_weight": self.route_queue_weight,
+            "tie_fraction": self.route_tie_fraction,
+            "work_half_life": self.route_work_half_life,
+        }
+
+    def _check_routing(self) -> None:
+        if self.balance_queue_factor < 1:
+            raise ConfigError(
+                f"balance_queue_factor must be >= 1 (a worker may always queue as much as the "
+                f"least-queued one), got {self.balance_queue_factor}"
+            )
+        if self.balance_queue_slack_tokens < 0:
+            raise ConfigError(
+                f"balance_queue_slack_tokens must be >= 0, got {self.balance_queue_slack_tokens}"
+            )
+        if self.balance_traffic_factor != 0 and self.balance_traffic_factor < 1:
+            raise ConfigError(
+                f"balance_traffic_factor must be 0 (off) or >= 1 (times the mean of recent "
+                f"requests), got {self.balance_traffic_factor}"
+            )
+        if not 0 <= self.route_queue_weight <= 1:
+            raise ConfigError(
+                f"route_queue_weight must be in [0, 1] (0: queues count only through the "
+                f"bounds; 1: a queued token weighs as much as a prompt token), got "
+                f"{self.route_queue_weight}"
+            )
+        if not 0 <= self.route_tie_fraction <= 1:
+            raise ConfigError(
+                f"route_tie_fraction must be in [0, 1] (a fraction of the prompt's length), got "
+                f"{self.route_tie_fraction}"
+            )
+        if self.route_work_half_life <= 0:
+            raise ConfigError(
+                f"route_work_half_life must be positive (decisions), got "
+                f"{self.route_work_half_life}"
             )
 
     def read_tls(self) -> ServerTls | None:

@@ -289,7 +289,13 @@ class Router:
                 raise Exhausted(f"every worker's queue is full ({limit} requests each)")
         matches = self.pool.index.longest_prefix(hashes)
         candidates = [
-            Candidate(s.worker_id, s.num_requests, s.num_queued_tokens, matches.get(s.worker_id))
+            Candidate(
+                s.worker_id,
+                s.num_requests,
+                s.num_queued_tokens,
+                matches.get(s.worker_id),
+                s.load.block_costs,
+            )
             for s in live
         ]
         request = RouteRequest(num_tokens, self.pool.model.block_size)

@@ -1,8 +1,9 @@
 """Routing policies, picked by name from a registry: pure choices over candidate snapshots.
 
-A policy sees, per live worker, its load and its cached prefix of the request (`Candidate`),
-and returns a `RouteDecision`. Policies keep only tie-breaking state (who was chosen when), so
-they are tested with tables of cases.
+A policy sees, per live worker, its load, its cached prefix of the request and its calibrated
+per-block costs (`Candidate`), and returns a `RouteDecision` that says why. Policies keep only a
+little state of their own (who was chosen when, the work routed lately), so they are tested with
+tables of cases and short runs of decisions.
 """
 
 from __future__ import annotations
@@ -10,14 +11,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from cachesvc.index import PrefixMatch
 from cachesvc.types import WorkerId
+from workers.protocol import BlockCosts
 
-# Cost of bringing one cached token into the device pool, relative to recomputing it (1.0).
+# Cost of bringing one cached token into the device pool, relative to recomputing it (1.0), for
+# a worker that does not report its own (`BlockCosts`: only workers with lower tiers do).
 TIER_FETCH_COST: Mapping[str, float] = {"hbm": 0.0, "dram": 0.05, "nvme": 0.2, "redis": 0.3}
 _UNKNOWN_TIER_COST = 0.5
+# Requests a worker may take above `traffic_factor` times the mean before the bound applies,
+# so that the first few decisions after a start (or an idle spell) bound nobody.
+_TRAFFIC_SLACK = 2.0
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,7 @@ class Candidate:
     num_requests: int  # running + waiting
     num_queued_tokens: int  # tokens still to compute ahead of a new request
     match: PrefixMatch | None = None  # its cached prefix of this request; None: nothing
+    costs: BlockCosts | None = None  # its calibrated per-block costs, when it reports them
 
 
 @dataclass(frozen=True)
@@ -107,95 +114,174 @@ class LeastLoaded:
         return RouteDecision(pick.worker, self.name, _matched(pick), reason="least queued work")
 
 
+def fetch_weights(candidate: Candidate) -> Mapping[str, float]:
+    """Cost of bringing one cached token into the device, relative to recomputing it, per
+    tier: the worker's own calibrated costs when it reports them, else `TIER_FETCH_COST`.
+    Never above 1: the worker's planner recomputes rather than fetch slower than that."""
+    costs = candidate.costs
+    if costs is None or costs.compute_s <= 0:
+        return TIER_FETCH_COST
+    weights = {tier: min(1.0, max(0.0, s / costs.compute_s)) for tier, s in costs.fetch_s.items()}
+    return {**TIER_FETCH_COST, **weights, "hbm": 0.0}
+
+
 def estimated_cost(request: RouteRequest, candidate: Candidate) -> float:
     """Tokens of work before the request's first token on `candidate`: its queue, the
     uncached part of the prompt to recompute, and the cached part to fetch from slower tiers."""
+    return candidate.num_queued_tokens + prefill_cost(request, candidate)
+
+
+def prefill_cost(request: RouteRequest, candidate: Candidate) -> float:
+    """Tokens of work of the request itself on `candidate`: the uncached part of the prompt,
+    and the cached part in slower tiers weighted by its fetch cost (`fetch_weights`)."""
     match = candidate.match
     cached_blocks = 0 if match is None else match.num_blocks
     # The engine always computes the last prompt token itself, so a full match still costs one.
     matched = min(cached_blocks * request.block_size, max(request.num_prompt_tokens - 1, 0))
     fetch = 0.0
     if match is not None:
+        weights = fetch_weights(candidate)
         for tier, num_blocks in match.blocks_by_tier.items():
-            cost = TIER_FETCH_COST.get(tier, _UNKNOWN_TIER_COST)
-            fetch += cost * num_blocks * request.block_size
-    return candidate.num_queued_tokens + (request.num_prompt_tokens - matched) + fetch
+            fetch += weights.get(tier, _UNKNOWN_TIER_COST) * num_blocks * request.block_size
+    return (request.num_prompt_tokens - matched) + fetch
 
 
 class PrefixAware:
-    """Minimum estimated time to first token, within a load-imbalance bound.
+    """Cache affinity that survives moderate load, within a bound on queued work.
 
-    A worker whose request count exceeds the least-loaded worker's by more than `abs_threshold`
-    and by a factor above `rel_threshold` is left out, so one hot prefix cannot pile every
-    request onto the worker that holds it (SGLang's cache-aware router uses the same test).
-    The same bound holds over recent traffic (a decayed count of the requests this policy
-    routed), and a request that no worker holds any of goes where recent traffic is lowest:
-    with fast requests the queues of one instant are short, and groups would otherwise pile up
-    on whichever worker happened to be idle when each group began.
+    Each worker gets a score in tokens of work: the part of the prompt it would compute, plus
+    the cached part it would fetch from slower tiers weighted by the worker's own costs
+    (`prefill_cost`), plus its queued work times `queue_weight`. The queue weighs less than the
+    prompt (by default a quarter) because a queue is one instant's noisy view of the wait while
+    a cached prefix is work saved for sure, and because sending a request away from its cache
+    makes the cluster compute the prefix again: under load that extra work delays everyone.
+
+    Real overload is the bound's job, not the score's: a worker whose queued work exceeds
+    `queue_factor` times the least-queued worker's plus `queue_slack_tokens` gets no request,
+    however well its cache matches, and neither does one whose request count exceeds the
+    least-loaded worker's by more than `abs_threshold` *and* by a factor above `rel_threshold`
+    (a backstop for load signals that lag). A hot prefix then grows a second holder instead of
+    a queue. A worker that was given more than `traffic_factor` times the mean number of recent
+    requests (plus two; decayed like the work below) is left out too, while others are not: a
+    prefix hot enough to bring one worker that much more traffic than the rest is worth a copy
+    elsewhere even before queues grow, and an ordinary group never gets there.
+
+    Among the workers within bound whose score is within `tie_fraction` of the prompt's length
+    of the best, the request goes to the one that was given the least work lately (prefill
+    tokens routed to it, decayed with a half-life of `work_half_life` decisions). So a request
+    that nobody holds much of (a new conversation, or one whose only match is a system prompt
+    every worker holds) starts its group where work has been lightest, and groups spread by
+    the work they bring rather than by the queues of one instant; a request that a worker holds
+    a real part of stays there.
     """
 
     name = "prefix_aware"
 
-    # Each decision multiplies every worker's recent traffic by this: a half-life of about 35.
-    TRAFFIC_DECAY = 0.98
-    # A worker whose recent traffic exceeds the least's by this factor plus this many requests
-    # gets no more for now, however well its cache matches.
-    TRAFFIC_REL_SLACK = 1.2
-    TRAFFIC_ABS_SLACK = 2.0
-
-    def __init__(self, abs_threshold: int = 8, rel_threshold: float = 1.5) -> None:
+    def __init__(
+        self,
+        abs_threshold: int = 32,
+        rel_threshold: float = 2.0,
+        queue_factor: float = 2.0,
+        queue_slack_tokens: int = 65536,
+        queue_weight: float = 0.25,
+        tie_fraction: float = 0.1,
+        work_half_life: float = 64.0,
+        traffic_factor: float = 1.5,
+    ) -> None:
         self.abs_threshold = abs_threshold
         self.rel_threshold = rel_threshold
+        self.queue_factor = queue_factor
+        self.queue_slack_tokens = queue_slack_tokens
+        self.queue_weight = queue_weight
+        self.tie_fraction = tie_fraction
+        self.work_half_life = work_half_life
+        self.traffic_factor = traffic_factor
+        self._decay = 0.5 ** (1.0 / work_half_life) if work_half_life > 0 else 0.0
         self._recency = _Recency()
-        self._traffic: dict[WorkerId, float] = {}  # decayed count of requests routed
+        self._work: dict[WorkerId, float] = {}  # prefill tokens routed lately, decayed
+        self._traffic: dict[WorkerId, float] = {}  # requests routed lately, decayed
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
-        eligible = self._within_bound(candidates)
-        costs = {c.worker: estimated_cost(request, c) for c in eligible}
-        bounded = len(eligible) < len(candidates)
-        reason = "lowest estimated ttft"
-        new_prefix = all(_matched(c) == 0 for c in eligible)
-        if new_prefix:
-            # Likely the first request of a new group: its followers will go where it goes.
-            # Among the workers that would start it about as soon as the fastest (within one
-            # prompt of queued work), take the one with the least recent traffic, so groups
-            # spread evenly rather than by the queue lengths of one instant (SGLang sends such
-            # requests to the worker with the smallest cache for the same reason).
-            floor = min(costs.values())
-            limit = floor + request.num_prompt_tokens
-            eligible = [c for c in eligible if costs[c.worker] <= limit]
-            reason = "no cached prefix: least recent traffic"
+        loaded = self._within_load_bound(candidates)
+        eligible = self._within_traffic_bound(loaded)
+        scores = {
+            c.worker: self.queue_weight * c.num_queued_tokens + prefill_cost(request, c)
+            for c in eligible
+        }
+        best = min(scores.values())
+        limit = best + self.tie_fraction * request.num_prompt_tokens
+        near = [c for c in eligible if scores[c.worker] <= limit]
         pick = min(
-            eligible,
+            near,
             key=lambda c: (
-                self._traffic.get(c.worker, 0.0) if new_prefix else 0.0,
-                costs[c.worker],
-                c.num_requests,
+                self._work.get(c.worker, 0.0),
+                scores[c.worker],
                 self._recency.age_key(c.worker),
                 c.worker,
             ),
         )
-        self._recency.chosen(pick.worker)
-        for worker in self._traffic:
-            self._traffic[worker] *= self.TRAFFIC_DECAY
-        self._traffic[pick.worker] = self._traffic.get(pick.worker, 0.0) + 1.0
-        if bounded:
-            reason += " within the load-imbalance bound"
-        return RouteDecision(pick.worker, self.name, _matched(pick), costs[pick.worker], reason)
+        reason = _reason(pick, candidates, loaded, eligible, lowest=scores[pick.worker] == best)
+        self._chosen(request, pick)
+        cost = estimated_cost(request, pick)
+        return RouteDecision(pick.worker, self.name, _matched(pick), cost, reason)
 
-    def _within_bound(self, candidates: Sequence[Candidate]) -> list[Candidate]:
-        least = min(c.num_requests for c in candidates)
-        now = [
+    def _chosen(self, request: RouteRequest, pick: Candidate) -> None:
+        self._recency.chosen(pick.worker)
+        for recent in (self._work, self._traffic):
+            for worker in recent:
+                recent[worker] *= self._decay
+        self._work[pick.worker] = self._work.get(pick.worker, 0.0) + prefill_cost(request, pick)
+        self._traffic[pick.worker] = self._traffic.get(pick.worker, 0.0) + 1.0
+
+    def _within_traffic_bound(self, candidates: list[Candidate]) -> list[Candidate]:
+        """Leave out the workers that got far more than their share of recent requests, unless
+        that would leave nobody."""
+        if self.traffic_factor <= 0:
+            return candidates
+        mean = sum(self._traffic.values()) / max(len(self._traffic), len(candidates))
+        ceiling = self.traffic_factor * mean + _TRAFFIC_SLACK
+        light = [c for c in candidates if self._traffic.get(c.worker, 0.0) <= ceiling]
+        return light or candidates
+
+    def _within_load_bound(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        least_requests = min(c.num_requests for c in candidates)
+        least_queued = min(c.num_queued_tokens for c in candidates)
+        ceiling = self.queue_factor * least_queued + self.queue_slack_tokens
+        within = [
             c
             for c in candidates
-            if c.num_requests - least <= self.abs_threshold
-            or c.num_requests <= least * self.rel_threshold
+            if c.num_queued_tokens <= ceiling
+            and (
+                c.num_requests - least_requests <= self.abs_threshold
+                or c.num_requests <= least_requests * self.rel_threshold
+            )
         ]
-        # The same bound over recent traffic: queues of one instant are short when requests
-        # are fast, yet a worker that keeps winning its prefixes ends up with most requests.
-        traffic = {c.worker: self._traffic.get(c.worker, 0.0) for c in now}
-        ceiling = min(traffic.values()) * self.TRAFFIC_REL_SLACK + self.TRAFFIC_ABS_SLACK
-        return [c for c in now if traffic[c.worker] <= ceiling]
+        # The two bounds together exclude everyone only when the load signals disagree (the
+        # fewest requests on one worker, the least queued work on another): the latter wins.
+        return within or [min(candidates, key=lambda c: (c.num_queued_tokens, c.worker))]
+
+
+def _reason(
+    pick: Candidate,
+    candidates: Sequence[Candidate],
+    loaded: Sequence[Candidate],
+    eligible: Sequence[Candidate],
+    lowest: bool,
+) -> str:
+    """Why `pick`: what it holds compared with the longest cached prefix anywhere, which bound
+    left the holders out if one did, and how it won (the lowest score, or the least recent
+    work among near ties)."""
+    how = "lowest estimated ttft" if lowest else "least recent work among near ties"
+    longest = max(_matched(c) for c in candidates)
+    if longest == 0:
+        return f"no cached prefix: {how}"
+    if _matched(pick) == longest:
+        return f"cached prefix: {how}"
+    if all(_matched(c) < longest for c in loaded):
+        return "bounded: holder overloaded"
+    if all(_matched(c) < longest for c in eligible):
+        return "bounded: holder took more than its share of recent requests"
+    return f"shorter prefix than the busier holder: {how}"
 
 
 def _matched(candidate: Candidate) -> int:
@@ -213,9 +299,10 @@ def policy_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_policy(name: str, *, abs_threshold: int = 8, rel_threshold: float = 1.5) -> Policy:
-    """A fresh policy by registry name; raises ValueError listing the known names."""
+def make_policy(name: str, **options: Any) -> Policy:
+    """A fresh policy by registry name, with its options (`PrefixAware`'s thresholds; the
+    others take none and ignore them); raises ValueError listing the known names."""
     factory = _REGISTRY.get(name)
     if factory is None:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {policy_names()}")
-    return factory(abs_threshold=abs_threshold, rel_threshold=rel_threshold)
+    return factory(**options)

@@ -263,7 +263,9 @@ class WorkerActor:
         )
         costs = None
         tiering = self._engine.engine.tiering
-        if tiering is not None:  # a snapshot of floats: safe to read between the engine's steps
+        if tiering is not None:
+            # Read while the engine may be stepping: the model is a snapshot of floats, and a
+            # coefficient one step stale is as good for routing.
             model, bs = tiering.costs.model(), self._info.block_size
             costs = BlockCosts(
                 compute_s=bs * model.compute.beta_s + bs * bs / 2 * model.compute.gamma_s,

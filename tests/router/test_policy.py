@@ -14,6 +14,7 @@ from router.policy import (
     make_policy,
     policy_names,
 )
+from workers.protocol import BlockCosts
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 REQ = RouteRequest(num_prompt_tokens=64, block_size=16)
@@ -47,17 +48,32 @@ def _c(
             "the same prefix in a faster tier wins",
         ),
         (
-            [_c(W0, requests=20, blocks={"hbm": 4}), _c(W1, requests=0)],
+            [_c(W0, requests=40, blocks={"hbm": 4}), _c(W1, requests=0)],
             W1,
-            "the imbalance bound overrides the hot prefix",
+            "the request-count bound overrides the hot prefix",
         ),
         (
-            [_c(W0, requests=6, blocks={"hbm": 4}), _c(W1, requests=0)],
+            [_c(W0, requests=3, queued=70_000, blocks={"hbm": 4}), _c(W1, requests=3)],
+            W1,
+            "the queued-work bound overrides the hot prefix",
+        ),
+        (
+            [_c(W0, requests=3, queued=60_000, blocks={"hbm": 4}), _c(W1, requests=3, queued=40)],
+            W1,
+            "within the queue bound, a queue far longer than the prompt still loses",
+        ),
+        (
+            [_c(W0, requests=3, queued=150, blocks={"hbm": 4}), _c(W1, requests=3)],
+            W0,
+            "a queue a few times the prompt's savings does not break affinity",
+        ),
+        (
+            [_c(W0, requests=30, blocks={"hbm": 4}), _c(W1, requests=0)],
             W0,
             "within the absolute slack the prefix still wins",
         ),
         (
-            [_c(W0, requests=40, blocks={"hbm": 4}), _c(W1, requests=31), _c(W2, requests=30)],
+            [_c(W0, requests=90, blocks={"hbm": 4}), _c(W1, requests=50), _c(W2, requests=45)],
             W0,
             "within the relative bound the prefix still wins",
         ),
@@ -69,11 +85,31 @@ def test_prefix_aware_choices(candidates: list[Candidate], expected: WorkerId, w
     assert decision.policy == "prefix_aware"
 
 
-def test_prefix_aware_reports_the_bound() -> None:
-    decision = PrefixAware(abs_threshold=2).choose(
-        REQ, [_c(W0, requests=9, blocks={"hbm": 4}), _c(W1, requests=1)]
-    )
-    assert decision.worker == W1 and "bound" in decision.reason
+@pytest.mark.parametrize(
+    ("candidates", "worker", "reason"),
+    [
+        ([_c(W0), _c(W1)], W0, "no cached prefix: lowest estimated ttft"),
+        ([_c(W0), _c(W1, blocks={"hbm": 3})], W1, "cached prefix: lowest estimated ttft"),
+        (
+            [_c(W0, queued=90_000, blocks={"hbm": 3}), _c(W1, queued=100, blocks={"hbm": 1})],
+            W1,
+            "bounded: holder overloaded",
+        ),
+        (
+            [_c(W0, queued=2_000, blocks={"hbm": 3}), _c(W1, queued=100, blocks={"hbm": 1})],
+            W1,
+            "shorter prefix than the busier holder: lowest estimated ttft",
+        ),
+        (
+            [_c(W0, requests=9, blocks={"hbm": 4}), _c(W1, requests=1)],
+            W1,
+            "bounded: holder overloaded",
+        ),
+    ],
+)
+def test_prefix_aware_says_why(candidates: list[Candidate], worker: WorkerId, reason: str) -> None:
+    decision = PrefixAware(abs_threshold=2).choose(REQ, candidates)
+    assert (decision.worker, decision.reason) == (worker, reason)
 
 
 @pytest.mark.parametrize(
@@ -89,6 +125,36 @@ def test_prefix_aware_reports_the_bound() -> None:
 )
 def test_estimated_cost(blocks: dict[str, int] | None, queued: int, cost: float) -> None:
     assert estimated_cost(REQ, _c(W0, queued=queued, blocks=blocks)) == pytest.approx(cost)
+
+
+@pytest.mark.parametrize(
+    ("costs", "blocks", "cost"),
+    [
+        (None, {"nvme": 2}, 32.0 + 0.2 * 32),  # no report: the fixed weights
+        (BlockCosts(1.0, {"nvme": 0.5}), {"nvme": 2}, 32.0 + 0.5 * 32),
+        (BlockCosts(1.0, {"nvme": 3.0}), {"nvme": 2}, 64.0),  # slower than recompute: recompute
+        (BlockCosts(1.0, {"nvme": 0.5}), {"dram": 2}, 32.0 + 0.05 * 32),  # unreported tier
+        (BlockCosts(1.0, {"hbm": 0.5}), {"hbm": 2}, 32.0),  # the device is never a fetch
+    ],
+)
+def test_fetch_costs_come_from_the_worker(
+    costs: BlockCosts | None, blocks: dict[str, int], cost: float
+) -> None:
+    candidate = Candidate(W0, 0, 0, PrefixMatch(W0, sum(blocks.values()), blocks), costs)
+    assert estimated_cost(REQ, candidate) == pytest.approx(cost)
+
+
+def test_calibrated_costs_change_the_choice() -> None:
+    # The same 3 blocks in NVMe on W0 and 2 in HBM on W1: by the fixed weights NVMe is cheap
+    # and W0 wins; a worker whose NVMe reads cost as much as recomputing makes W1 the choice.
+    slow = BlockCosts(compute_s=1e-3, fetch_s={"nvme": 1e-3})
+
+    def cands(costs: BlockCosts | None) -> list[Candidate]:
+        nvme = Candidate(W0, 0, 0, PrefixMatch(W0, 3, {"nvme": 3}), costs)
+        return [nvme, _c(W1, blocks={"hbm": 2})]
+
+    assert make_policy("prefix_aware").choose(REQ, cands(None)).worker == W0
+    assert make_policy("prefix_aware").choose(REQ, cands(slow)).worker == W1
 
 
 def test_equal_candidates_take_turns() -> None:

@@ -58,6 +58,9 @@ def add_bench_parser(sub: Any) -> None:
     codec.add_argument("--model", default=None)
     codec.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     _add_routing_bench_parser(bench_sub)
+    rb = bench_sub.add_parser("router", help="the router's own cost per decision, per stage")
+    rb.add_argument("--json", dest="json_path", help="also write the results to this file")
+    rb.add_argument("--quick", action="store_true", help="fewer prompts, a few seconds")
     rc = bench_sub.add_parser(
         "response-cache", help="repeated deterministic requests: response-cache hits vs generation"
     )
@@ -75,6 +78,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
     """Run the suite `args.suite`; returns the exit status."""
     if args.suite == "routing":
         return _run_routing_bench_command(args)
+    if args.suite == "router":
+        from cachesvc.bench.router_overhead import run_router_overhead_bench
+
+        return run_router_overhead_bench(args.quick, args.json_path)
     if args.suite == "engine":
         from cachesvc.bench.engine import run_engine_bench
 

@@ -23,6 +23,7 @@ from cachesvc.app.cli.demo import (
 from cachesvc.app.cli.generate import add_generate_parser, run_generate_command
 from cachesvc.app.cli.score import add_score_parser, run_score_command
 from cachesvc.app.cli.serve import add_serve_parser, run_serve_command
+from cachesvc.app.cli.simulate import add_simulate_parser, run_simulate_command
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "generate": run_generate_command,
@@ -32,6 +33,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "demo-serve": run_demo_serve_command,
     "score": run_score_command,
     "chat": run_chat_command,
+    "simulate": run_simulate_command,
 }
 
 
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_score_parser(sub)
     add_chat_parser(sub)
     add_demo_serve_parser(sub)
+    add_simulate_parser(sub)
     return parser
 
 

@@ -1,0 +1,124 @@
+"""`cachesvc simulate`: replay a Mooncake trace through the router's policies without a model;
+`cachesvc simulate calibrate` measures a cost profile of this machine for it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from cachesvc.app.cli.common import CliError
+
+# The routing thresholds of `RouterConfig` that `cachesvc simulate` takes as flags.
+_POLICY_FIELDS = (
+    "balance_abs_threshold",
+    "balance_rel_threshold",
+    "balance_queue_factor",
+    "balance_queue_slack_tokens",
+    "balance_traffic_factor",
+    "route_queue_weight",
+    "route_tie_fraction",
+    "route_work_half_life",
+)
+
+
+def add_simulate_parser(sub: Any) -> None:
+    """Register `simulate` (and `simulate calibrate`) on the CLI's subparsers."""
+    from router.config import RouterConfig
+
+    sim = sub.add_parser(
+        "simulate",
+        help="replay a Mooncake trace through the routing policies, without a model",
+        description="Replay a Mooncake JSONL trace at full size through the router's policies, "
+        "prefix index and block pools; time comes from a cost profile. Sizes are blocks of "
+        "the trace (512 tokens) or a percentage of the trace's unique blocks (e.g. 5%).",
+    )
+    actions = sim.add_subparsers(dest="action")
+    cal = actions.add_parser("calibrate", help="measure a cost profile on this machine")
+    cal.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
+    cal.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (default 1: steady timings)"
+    )
+    cal.add_argument("--out", default=None, help="profile file (default: profiles/cpu-calibrated)")
+
+    sim.add_argument("--trace", help="a Mooncake JSONL trace (timestamp, lengths, hash_ids)")
+    sim.add_argument("--profile", default="h100-llama3-8b", help="stored profile name or a file")
+    sim.add_argument("--workers", type=int, default=8)
+    sim.add_argument("--device-blocks", default="5%", help="device KV blocks per worker")
+    sim.add_argument("--dram-blocks", default="0", help="DRAM tier blocks per worker")
+    sim.add_argument("--nvme-blocks", default="0", help="NVMe tier blocks per worker")
+    sim.add_argument(
+        "--policy", action="append", default=None, help="a policy to run (repeat; default: all)"
+    )
+    sim.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply arrival times by this (0.5 replays at twice the trace's rate)",
+    )
+    sim.add_argument("--max-requests", type=int, default=None, help="replay the first N only")
+    sim.add_argument(
+        "--like-bench-routing",
+        action="store_true",
+        help="replay what `cachesvc bench routing --workload trace` sends for this trace "
+        "(a scaled-down sample, 16-token blocks) rather than the full trace",
+    )
+    sim.add_argument(
+        "--sweep",
+        default=None,
+        help="NAME=V1,V2,... over workers, device-blocks, dram-blocks or nvme-blocks",
+    )
+    sim.add_argument("--json", dest="json_path", help="also write the results to this file")
+    sim.add_argument("--plot", dest="plot_path", help="also draw the results into this PNG")
+    defaults = RouterConfig()
+    bounds = sim.add_argument_group("prefix_aware thresholds (RouterConfig fields)")
+    for name in _POLICY_FIELDS:
+        value = getattr(defaults, name)
+        flag = "--" + name.replace("_", "-")
+        bounds.add_argument(flag, type=type(value), default=value, help=f"default {value}")
+
+
+def run_simulate_command(args: argparse.Namespace) -> int:
+    if args.action == "calibrate":
+        return _calibrate(args)
+    from cachesvc.bench.simulate import SimulateArgs, Size, run_simulate
+    from router.config import RouterConfig
+
+    if not args.trace:
+        raise CliError("simulate needs --trace FILE (a Mooncake JSONL trace)")
+    if args.workers < 1:
+        raise CliError(f"--workers must be positive, got {args.workers}")
+    # The thresholds are validated as the router validates them.
+    config = RouterConfig(**{name: getattr(args, name) for name in _POLICY_FIELDS})
+    return run_simulate(
+        SimulateArgs(
+            trace=args.trace,
+            profile=args.profile,
+            workers=args.workers,
+            device_blocks=Size.parse(args.device_blocks),
+            dram_blocks=Size.parse(args.dram_blocks),
+            nvme_blocks=Size.parse(args.nvme_blocks),
+            policies=tuple(args.policy or ()),
+            policy_options=config.policy_options(),
+            time_scale=args.time_scale,
+            max_requests=args.max_requests,
+            sweep=args.sweep,
+            json_path=args.json_path,
+            plot_path=args.plot_path,
+            like_bench_routing=args.like_bench_routing,
+        )
+    )
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from cachesvc.bench.simulate_calibrate import calibrate_profile
+    from cachesvc.bench.simulate_profile import PROFILE_DIR, save_profile
+
+    profile = calibrate_profile(args.model, args.threads)
+    path = args.out or str(PROFILE_DIR / f"{profile.name}.json")
+    save_profile(profile, path)
+    print(f"wrote {path}")
+    for field in dataclasses.fields(profile):
+        if field.name not in ("name", "description", "source"):
+            print(f"  {field.name}: {getattr(profile, field.name)}")
+    return 0

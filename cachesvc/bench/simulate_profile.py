@@ -1,0 +1,138 @@
+"""The simulator's clock: a cost profile of one worker's device, stored as a JSON file.
+
+A profile predicts how long one engine step takes from what it computes, and how long a fetch
+from a lower tier takes from what it reads:
+
+    step_s        = fixed + beta * sum(k) + gamma * sum(k * (ctx + k / 2))       (prefill chunks)
+                    + per_seq * num_decodes + per_context_token * sum(decode ctx) (decode tokens)
+    fixed         = alpha with prefill chunks in the step, else the decode step's base
+    read(tier, n) = latency + n * bytes_per_block * seconds_per_byte
+    land(n)       = n * bytes_per_block * land_s_per_byte                          (into the device)
+
+The prefill terms are the planner's own `ComputeCost`, and the tier terms its `TierCost`: the
+simulated workers plan fetches with the same cost model their time comes from. Profiles live in
+`cachesvc/bench/profiles/` (`list_profiles`); `cachesvc simulate calibrate` writes one measured
+on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cachesvc.planner import ComputeCost, CostModel, TierCost
+
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """A decode-only step: a fixed cost (`base_s`), then per sequence its token and the reading
+    of its context's KV."""
+
+    base_s: float
+    per_seq_s: float
+    per_context_token_s: float
+
+
+@dataclass(frozen=True)
+class TierReadCost:
+    """One lower tier's read: a fixed latency per run, then per byte."""
+
+    latency_s: float
+    seconds_per_byte: float
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """One worker's device and tiers, as the simulator's clock (see the module docstring)."""
+
+    name: str
+    description: str
+    kv_bytes_per_token: float
+    prefill: ComputeCost
+    decode: DecodeCost
+    tiers: Mapping[str, TierReadCost] = field(default_factory=dict)
+    land_s_per_byte: float = 0.0
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    source: str = ""  # where the numbers come from: a measurement, or published figures
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token <= 0:
+            raise ValueError(f"profile {self.name}: kv_bytes_per_token must be positive")
+        if self.prefill.beta_s <= 0:
+            raise ValueError(f"profile {self.name}: prefill.beta_s must be positive")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError(f"profile {self.name}: step limits must be positive")
+
+    def step_s(self, chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
+        """Seconds of one step computing prefill `chunks` of (new tokens, context) and one
+        token of each sequence decoding after `decode_contexts` tokens."""
+        c, d = self.prefill, self.decode
+        k = sum(n for n, _ in chunks)
+        attention = sum(n * (ctx + n / 2) for n, ctx in chunks)
+        return (
+            (c.alpha_s if chunks else d.base_s)
+            + c.beta_s * k
+            + c.gamma_s * attention
+            + d.per_seq_s * len(decode_contexts)
+            + d.per_context_token_s * sum(decode_contexts)
+        )
+
+    def cost_model(self, block_size: int) -> CostModel:
+        """The planner's cost model for blocks of `block_size` tokens."""
+        block_bytes = self.kv_bytes_per_token * block_size
+        tiers = {
+            name: TierCost(t.latency_s, t.seconds_per_byte, block_bytes)
+            for name, t in self.tiers.items()
+        }
+        return CostModel(self.prefill, tiers, self.land_s_per_byte * block_bytes)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CostProfile:
+        """A profile from its JSON form; a missing or unknown key is a ValueError naming it."""
+        try:
+            return cls(
+                name=str(data["name"]),
+                description=str(data.get("description", "")),
+                kv_bytes_per_token=float(data["kv_bytes_per_token"]),
+                prefill=ComputeCost(**{k: float(v) for k, v in data["prefill"].items()}),
+                decode=DecodeCost(**{k: float(v) for k, v in data["decode"].items()}),
+                tiers={
+                    name: TierReadCost(**{k: float(v) for k, v in t.items()})
+                    for name, t in data.get("tiers", {}).items()
+                },
+                land_s_per_byte=float(data.get("land_s_per_byte", 0.0)),
+                max_num_batched_tokens=int(data.get("max_num_batched_tokens", 8192)),
+                max_num_seqs=int(data.get("max_num_seqs", 256)),
+                source=str(data.get("source", "")),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a cost profile: missing or unknown key {exc}") from exc
+
+
+def list_profiles() -> list[str]:
+    """Names of the profiles stored in the repository."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def load_profile(name_or_path: str) -> CostProfile:
+    """A stored profile by name (`list_profiles`), or a profile file by path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PROFILE_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        raise ValueError(f"no cost profile {name_or_path!r}; stored ones: {list_profiles()}")
+    return CostProfile.from_json(json.loads(path.read_text()))
+
+
+def save_profile(profile: CostProfile, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(profile.to_json(), indent=2) + "\n")

@@ -1,0 +1,117 @@
+"""A Mooncake trace as the simulator replays it: requests at full size, and the oracle.
+
+Each trace hash id stands for one block of `MOONCAKE_BLOCK_TOKENS` tokens, and equal ids mean an
+equal prefix, so an id is already what our rolling block hash is: the simulator uses it as the
+block's hash directly (16 bytes), with blocks of the trace's size. As in the engine, only full
+blocks of a prompt are registered, and a match stops before the block of the prompt's last
+token (its logits are needed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cachesvc.bench.workloads import (
+    MOONCAKE_BLOCK_TOKENS,
+    TraceScale,
+    load_mooncake,
+    trace_workload,
+)
+from cachesvc.hashing import hash_blocks, root_hash
+from cachesvc.types import BlockHash
+
+BLOCK_SIZE = MOONCAKE_BLOCK_TOKENS
+BENCH_VOCAB_SIZE = 49152  # the default model's: token values only decide which blocks are equal
+
+
+def block_hash(hash_id: int) -> BlockHash:
+    """The block hash standing for a trace hash id (any id, the same hash everywhere)."""
+    return BlockHash(hash_id.to_bytes(16, "little", signed=True))
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request of the replay: when it arrives, its sizes, its blocks' hashes."""
+
+    index: int
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    hashes: tuple[BlockHash, ...]  # one per block; the last may be partial
+    block_size: int = BLOCK_SIZE
+
+    @property
+    def num_full_blocks(self) -> int:
+        """Blocks the engine registers: the prompt's full ones."""
+        return min(len(self.hashes), self.prompt_len // self.block_size)
+
+    @property
+    def max_match_blocks(self) -> int:
+        """Blocks a cache hit may cover: all but the one holding the last prompt token."""
+        return min(len(self.hashes), (self.prompt_len - 1) // self.block_size)
+
+
+def load_trace(
+    path: str | Path, time_scale: float = 1.0, max_requests: int | None = None
+) -> list[SimRequest]:
+    """The first `max_requests` rows of a Mooncake JSONL trace (all by default), arrivals in
+    seconds from the first, multiplied by `time_scale` (0.5 replays at twice the rate)."""
+    if time_scale <= 0:
+        raise ValueError(f"--time-scale must be positive, got {time_scale}")
+    rows = load_mooncake(path)[:max_requests]
+    t0 = min(r.timestamp_ms for r in rows)
+    rows = sorted(rows, key=lambda r: r.timestamp_ms)  # stable: equal times keep file order
+    return [
+        SimRequest(
+            index=i,
+            arrival_s=(r.timestamp_ms - t0) / 1e3 * time_scale,
+            prompt_len=max(1, r.input_length),
+            output_len=max(1, r.output_length),
+            hashes=tuple(block_hash(h) for h in r.hash_ids),
+        )
+        for i, r in enumerate(rows)
+    ]
+
+
+def bench_routing_requests(
+    path: str | Path, max_requests: int | None = None, block_size: int = 16
+) -> list[SimRequest]:
+    """The requests `cachesvc bench routing --workload trace` sends for this trace (its default
+    `TraceScale`, with at most `max_requests`: 24 is its `--quick`), their tokens hashed as the
+    workers hash them, in blocks of `block_size`."""
+    root = root_hash("simulated", block_size)
+    out = []
+    scale = TraceScale()
+    if max_requests is not None:
+        scale = dataclasses.replace(scale, max_requests=max_requests)
+    sessions = trace_workload(load_mooncake(path), BENCH_VOCAB_SIZE, scale)
+    for i, session in enumerate(sessions):
+        [turn] = session.turns
+        ids = [*session.prefix_ids, *turn.question_ids]
+        hashes = hash_blocks(ids, block_size, root)
+        out.append(
+            SimRequest(i, session.arrival_s, len(ids), turn.max_tokens, tuple(hashes), block_size)
+        )
+    return out
+
+
+def num_unique_blocks(requests: Sequence[SimRequest]) -> int:
+    """Distinct blocks of the trace (its hash ids)."""
+    return len({h for r in requests for h in r.hashes})
+
+
+def oracle_hit_blocks(requests: Sequence[SimRequest]) -> list[int]:
+    """Per request, the blocks one infinite cache that has seen every earlier request (in
+    arrival order) would hit: the ideal any routing could reach."""
+    seen: set[BlockHash] = set()
+    hits = []
+    for r in requests:
+        n = 0
+        while n < r.max_match_blocks and r.hashes[n] in seen:
+            n += 1
+        hits.append(n)
+        seen.update(r.hashes[: r.num_full_blocks])
+    return hits

@@ -1,0 +1,353 @@
+"""One simulated worker: the engine's scheduling over a real `BlockPool`, without a model.
+
+It follows `workers/engine` step for step, with time from a `CostProfile` instead of a forward
+pass: each step schedules running requests first (decodes and prefill chunks), then admits
+waiting ones in arrival order within the token budget; blocks are allocated per chunk and a
+request's full prompt blocks are registered when scheduled (so a request admitted in the same
+step shares them); when blocks run out the newest running request is preempted and recomputed
+later. A waiting request's match walks the pool, then, with lower tiers, the real `TierManager`
+and planner decide what to fetch: a fetch is read on the engine's thread (the step takes that
+much longer), a split reads the back while the front is computed and lands when the front is
+done (the engine waits for a read still running).
+
+Every change of what the worker holds is an event in its `EventLog`, which the event loop feeds
+to the router's prefix index.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cachesvc.bench.simulate_profile import CostProfile
+from cachesvc.bench.simulate_tier import build_manager, stand_in_block
+from cachesvc.bench.simulate_trace import BLOCK_SIZE, SimRequest
+from cachesvc.block_pool import BlockPool
+from cachesvc.events import TIER_HBM, EventLog
+from cachesvc.planner import plan_load
+from cachesvc.tiers.results import FetchResult, TierHit
+from cachesvc.types import BlockHash, BlockId, WorkerId
+from workers.protocol import BlockCosts
+
+Ranges = list[tuple[str, list[BlockHash]]]
+
+
+@dataclass
+class _Split:
+    """A fetch of the back of a prefix, read while the front is computed."""
+
+    split_token: int
+    ranges: Ranges  # pinned until it lands or is dropped
+    ready_s: float  # when the background read is done
+
+
+@dataclass(eq=False)
+class SimSeq:
+    """A request on a worker: its counters, as the engine's `Request` keeps them."""
+
+    req: SimRequest
+    routed_blocks: int = 0  # device blocks the router saw it hit (the load estimate's)
+    block_ids: list[BlockId] = field(default_factory=list)
+    computed: int = 0
+    generated: int = 0
+    cached: dict[str, int] = field(default_factory=dict)  # prompt tokens served per tier
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    num_preemptions: int = 0
+    split: _Split | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.req.prompt_len + self.generated
+
+
+class SimWorker:
+    """A worker's scheduler, block pool and tiers; `start_step` and `finish_step` bracket one
+    engine step, which the event loop times."""
+
+    def __init__(
+        self,
+        worker_id: WorkerId,
+        profile: CostProfile,
+        num_blocks: int,
+        dram_blocks: int = 0,
+        nvme_blocks: int = 0,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
+        self.worker_id = worker_id
+        self.block_size = block_size
+        self.profile = profile
+        self.events = EventLog()
+        self.pool = BlockPool(num_blocks, self.events)
+        self.tiers = build_manager(dram_blocks, nvme_blocks, self.events, self.pool.contains)
+        if self.tiers is not None:
+            self.pool.on_evict = self._demote
+        self.cost = profile.cost_model(self.block_size)
+        self.waiting: deque[SimSeq] = deque()
+        self.running: list[SimSeq] = []
+        self.busy_s = 0.0
+        self.num_steps = 0
+        self.plans: Counter[str] = Counter()
+        self._step: list[tuple[SimSeq, int]] = []
+        self._carry_s = 0.0  # the engine waited for a split's read: the next step starts late
+
+    # ---- what the router sees ---------------------------------------------------------------
+
+    def fits(self, req: SimRequest) -> bool:
+        """Whether the request could ever run here (its whole sequence fits the pool)."""
+        return -(-(req.prompt_len + req.output_len) // self.block_size) <= self.pool.num_blocks
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Tokens still to compute (`EngineLoad.num_queued_tokens`): a waiting request's
+        prefix on the device is not work."""
+        waiting = sum(
+            s.num_tokens - min(s.routed_blocks * self.block_size, s.num_tokens - 1)
+            for s in self.waiting
+        )
+        return waiting + sum(s.num_tokens - s.computed for s in self.running)
+
+    def block_costs(self) -> BlockCosts | None:
+        """Per-block costs from the cost model, as a real worker with tiers reports them in
+        its poll (`WorkerActor._load`); None without tiers."""
+        if self.tiers is None:
+            return None
+        c, bs = self.cost.compute, self.block_size
+        return BlockCosts(
+            compute_s=bs * c.beta_s + bs * bs / 2 * c.gamma_s,
+            fetch_s={
+                name: t.bytes_per_block * t.seconds_per_byte + self.cost.land_s_per_block
+                for name, t in self.cost.tiers.items()
+            },
+        )
+
+    def add(self, seq: SimSeq) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def start_step(self, now: float) -> float | None:
+        """Schedule one step (blocks allocated and registered now, as the engine does);
+        returns its duration, None when there is nothing to do."""
+        budget = self.profile.max_num_batched_tokens
+        self._step = []
+        extra_s, self._carry_s = self._carry_s, 0.0
+        preempted = False
+        scheduled: set[int] = set()
+        for seq in list(self.running):
+            if budget == 0 or seq not in self.running:
+                continue
+            k = min(self._computable(seq), budget)
+            if k == 0:
+                continue
+            ok, lost = self._allocate_or_preempt(seq, k, scheduled)
+            preempted = preempted or lost
+            if ok:
+                scheduled.add(id(seq))
+                self._schedule(seq, k)
+                budget -= k
+        if not preempted:
+            extra_s += self._admit(budget, now)
+        if not self._step:
+            return None
+        self.num_steps += 1
+        duration = self._step_s() + extra_s
+        self.busy_s += duration
+        return duration
+
+    def finish_step(self, now: float) -> list[SimSeq]:
+        """The step scheduled last ended at `now`: advance its requests; the finished ones."""
+        finished = []
+        for seq, k in self._step:
+            seq.computed += k
+            if seq.split is not None and seq.computed >= seq.split.split_token:
+                self._carry_s += self._land_split(seq, now)
+            if seq.computed < seq.num_tokens:
+                continue
+            seq.generated += 1
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            if seq.generated >= seq.req.output_len:
+                seq.finish_s = now
+                self.running.remove(seq)
+                self._free(seq)
+                finished.append(seq)
+        self._step = []
+        return finished
+
+    def _step_s(self) -> float:
+        chunks, decodes = [], []
+        for seq, k in self._step:
+            if k == 1 and seq.generated > 0:
+                decodes.append(seq.computed)
+            else:
+                chunks.append((k, seq.computed))
+        return self.profile.step_s(chunks, decodes)
+
+    def _schedule(self, seq: SimSeq, k: int) -> None:
+        """Compute `k` tokens of `seq` this step; the full prompt blocks they complete are
+        registered now (before their KV exists, as in the engine)."""
+        self._step.append((seq, k))
+        hashes = seq.req.hashes
+        end = min((seq.computed + k) // self.block_size, seq.req.num_full_blocks)
+        for i in range(seq.computed // self.block_size, end):
+            parent = hashes[i - 1] if i > 0 else None
+            self.pool.register(seq.block_ids[i], hashes[i], (), parent)
+
+    def _computable(self, seq: SimSeq) -> int:
+        left = seq.num_tokens - seq.computed
+        return left if seq.split is None else min(left, seq.split.split_token - seq.computed)
+
+    def _admit(self, budget: int, now: float) -> float:
+        """Admit waiting requests in order; returns the seconds their fetches take."""
+        fetch_s = 0.0
+        while self.waiting and budget > 0 and len(self.running) < self.profile.max_num_seqs:
+            seq = self.waiting[0]
+            seconds = self._match(seq, now)
+            k = min(self._computable(seq), budget)
+            if k == 0 or not self._allocate(seq, k):
+                self._free(seq)  # give the hits back; retry next step
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            self._schedule(seq, k)
+            budget -= k
+            fetch_s += seconds
+        return fetch_s
+
+    # ---- blocks -----------------------------------------------------------------------------
+
+    def _allocate(self, seq: SimSeq, k: int) -> bool:
+        need = -(-(seq.computed + k) // self.block_size) - len(seq.block_ids)
+        if need > self.pool.num_free:
+            return False
+        if need > 0:
+            seq.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def _allocate_or_preempt(self, seq: SimSeq, k: int, scheduled: set[int]) -> tuple[bool, bool]:
+        """(allocated, preempted someone): the newest running request makes room."""
+        preempted = False
+        while not self._allocate(seq, k):
+            victim = self.running[-1]
+            if id(victim) in scheduled:
+                return False, preempted
+            self.running.remove(victim)
+            self._free(victim)
+            victim.num_preemptions += 1
+            self.waiting.appendleft(victim)
+            preempted = True
+            if victim is seq:
+                return False, preempted
+        return True, preempted
+
+    def _free(self, seq: SimSeq) -> None:
+        """Give back every block of `seq`, tail first (a prefix's head is evicted last)."""
+        if seq.split is not None and self.tiers is not None:
+            self.tiers.unpin(seq.split.ranges)
+            seq.split = None
+        self.pool.free(list(reversed(seq.block_ids)))
+        seq.block_ids = []
+        seq.computed = 0
+
+    def _demote(
+        self,
+        block_id: BlockId,
+        block_hash: BlockHash,
+        tokens: tuple[int, ...],
+        parent: BlockHash | None,
+    ) -> None:
+        assert self.tiers is not None
+        self.tiers.demote(stand_in_block(block_hash, parent))
+
+    # ---- cache hits -------------------------------------------------------------------------
+
+    def _match(self, seq: SimSeq, now: float) -> float:
+        """Reuse the device's longest prefix of a request holding no blocks, then plan a fetch
+        from the tiers; returns the seconds the engine's thread spends fetching."""
+        hits: list[BlockId] = []
+        for block_hash in seq.req.hashes[: seq.req.max_match_blocks]:
+            block_id = self.pool.lookup(block_hash, ())
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.pool.touch(hits)
+        seq.block_ids = hits
+        seq.computed = len(hits) * self.block_size
+        if seq.num_preemptions == 0:
+            seq.cached = {TIER_HBM: seq.computed}
+        return 0.0 if self.tiers is None else self._plan_fetch(seq, len(hits), now)
+
+    def _plan_fetch(self, seq: SimSeq, first: int, now: float) -> float:
+        assert self.tiers is not None
+        hashes = seq.req.hashes
+        end = min(seq.req.max_match_blocks, first + self.pool.num_free - 1)
+        if end <= first:
+            return 0.0
+        runs = self.tiers.lookup(hashes[first:end])
+        if not runs:
+            return 0.0
+        hits = [TierHit(h.tier, h.start + first, h.end + first) for h in runs]
+        plan = plan_load(hits, first, seq.num_tokens, self.block_size, self.cost)
+        self.plans[plan.kind] += 1
+        if plan.kind in ("none", "recompute"):
+            return 0.0
+        ranges: Ranges = [(f.tier, list(hashes[f.start : f.end])) for f in plan.fetch]
+        self.tiers.pin(ranges)
+        seq.block_ids.extend(self.pool.allocate(plan.fetch_end - first))
+        if plan.kind == "split":
+            ready = now + self._read_s([(name, len(h)) for name, h in ranges])
+            seq.split = _Split(plan.split_block * self.block_size, ranges, ready)
+            return 0.0
+        result = self.tiers.read(ranges)
+        self.tiers.unpin(ranges)
+        landed = self._land(seq, result, first, ranges)
+        keep = -(-seq.computed // self.block_size)
+        self.pool.free(list(reversed(seq.block_ids[keep:])))
+        del seq.block_ids[keep:]
+        return self._read_s(_read_runs(result)) + self.cost.land_s(landed)
+
+    def _land_split(self, seq: SimSeq, now: float) -> float:
+        """The front of a split is computed: land the back; returns how long the engine
+        waits (for a read still running, then for the copy)."""
+        assert seq.split is not None and self.tiers is not None
+        split, seq.split = seq.split, None
+        result = self.tiers.read(split.ranges)
+        self.tiers.unpin(split.ranges)
+        landed = self._land(seq, result, split.split_token // self.block_size, split.ranges)
+        return max(0.0, split.ready_s - now) + self.cost.land_s(landed)
+
+    def _land(self, seq: SimSeq, result: FetchResult, first: int, ranges: Ranges) -> int:
+        """Register fetched blocks from block `first` on and move the request past them."""
+        assert self.tiers is not None
+        self.tiers.settle(result)
+        hashes = seq.req.hashes
+        n = len(result.blocks)
+        for i, block in enumerate(result.blocks):
+            idx = first + i
+            parent = hashes[idx - 1] if idx > 0 else None
+            self.pool.register(seq.block_ids[idx], block.block_hash, (), parent)
+        seq.computed = (first + n) * self.block_size
+        if seq.num_preemptions == 0:
+            left = n
+            for name, run in ranges:
+                taken = min(len(run), left)
+                left -= taken
+                seq.cached[name] = seq.cached.get(name, 0) + taken * self.block_size
+        return n
+
+    def _read_s(self, runs: Sequence[tuple[str, int]]) -> float:
+        return sum(self.cost.tiers[name].fetch_s(n) for name, n in runs)
+
+
+def _read_runs(result: FetchResult) -> list[tuple[str, int]]:
+    return [(t.tier, t.num_blocks) for t in result.transfers]
