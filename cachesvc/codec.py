@@ -49,6 +49,7 @@ import numpy as np
 import xxhash
 
 from cachesvc.config import MIN_TIER_KEY_BYTES, QUANTIZED_CODECS
+from cachesvc.quantize import dequantize, num_scales, quantize
 from cachesvc.types import BlockHash
 
 MAGIC = b"CSKV"
@@ -62,7 +63,6 @@ FLAG_SIGNED = 4
 FLAG_INT8 = 8
 FLAG_FP8 = 16
 _QUANT_FLAGS = {"int8": FLAG_INT8, "fp8_e4m3": FLAG_FP8}
-_QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}  # the largest code of each
 _MAX_NDIM = 8
 _NO_PARENT = bytes(16)
 _PREFIX = struct.Struct("<4sHHBB")  # magic, version, flags, dtype code, ndim
@@ -122,7 +122,7 @@ def max_blob_size(mode: str, dtype: str, shape: tuple[int, ...], signed: bool = 
     """The most bytes a block of `shape` encodes to in `mode` (a quantized block: exactly)."""
     num_values = int(np.prod(shape))
     if mode in QUANTIZED_CODECS:
-        return header_size(len(shape), signed) + 2 * _num_scales(shape) + num_values
+        return header_size(len(shape), signed) + 2 * num_scales(shape) + num_values
     return header_size(len(shape), signed) + num_values * DTYPES[dtype][1].itemsize
 
 
@@ -177,7 +177,7 @@ class Codec:
         version, scales = VERSION, b""
         payload: bytes | memoryview
         if self.mode in QUANTIZED_CODECS:
-            scales, payload = _quantize(array, dtype, self.mode)
+            scales, payload = quantize(array, dtype, self.mode)
             version, flags = QUANT_VERSION, _QUANT_FLAGS[self.mode]
         else:
             raw = np.ascontiguousarray(array).data.cast("B")  # a view, no copy
@@ -282,7 +282,7 @@ class Codec:
         if mode in QUANTIZED_CODECS:
             if header.stored_len != num_values:
                 raise CodecError("quantized payload length does not match the shape")
-            array = _dequantize(header.scales, payload, header.shape, name, mode)
+            array = dequantize(header.scales, payload, header.shape, name, mode)
         else:
             raw = _decompress(payload, header.flags, header.raw_len, storage.itemsize)
             array = raw.view(storage).reshape(header.shape)
@@ -318,15 +318,15 @@ def _read_header(view: memoryview) -> _Header:
     offset += 4 * ndim
     ids = _IDS.unpack_from(view, offset)  # fingerprint, hash, parent, raw and stored lengths
     offset += _IDS.size
-    num_scales = 0
+    count = 0
     if quantized:
         if quantized == FLAG_INT8 | FLAG_FP8 or flags & (FLAG_LZ4 | FLAG_SHUFFLE):
             raise CodecError("bad quantization flags")
         if len(shape) != 5 or shape[1] != 2:
             raise CodecError("a quantized block that is not [layers, 2, tokens, heads, dim]")
-        num_scales = _num_scales(shape)
-    scales = view[offset : offset + 2 * num_scales]
-    if len(scales) != 2 * num_scales:
+        count = num_scales(shape)
+    scales = view[offset : offset + 2 * count]
+    if len(scales) != 2 * count:
         raise CodecError("truncated scales")
     return _Header._make((version, flags, code, shape, *ids, scales, offset + len(scales)))
 
@@ -371,101 +371,3 @@ def _mode_of(flags: int) -> str:
     if flags & FLAG_SHUFFLE:
         return "shuffle_lz4"
     return "lz4" if flags & FLAG_LZ4 else "raw"
-
-
-# ---- quantization ------------------------------------------------------------------------------
-
-
-def _num_scales(shape: tuple[int, ...]) -> int:
-    """K's per channel `[layers, heads, head_dim]`, then V's per token `[layers, tokens, heads]`."""
-    layers, _, tokens, heads, head_dim = shape
-    return layers * heads * (head_dim + tokens)
-
-
-def _quantize(array: np.ndarray, dtype: str, mode: str) -> tuple[bytes, bytes]:
-    """The scales (bfloat16 bits) and the codes (one byte per value, in the array's layout)."""
-    if array.ndim != 5 or array.shape[1] != 2:
-        raise ValueError(
-            f"a quantized block is [layers, 2, block_size, kv_heads, head_dim], got {array.shape}"
-        )
-    x = _to_float32(array, dtype)  # a fresh array: scaled in place
-    qmax = _QMAX[mode]
-    k_bits = _scale_bits(np.abs(x[:, 0]).max(axis=1) / qmax)  # per channel, over the tokens
-    v_bits = _scale_bits(np.abs(x[:, 1]).max(axis=3) / qmax)  # per token, over head_dim
-    x[:, 0] /= _scale_values(k_bits)[:, None]
-    x[:, 1] /= _scale_values(v_bits)[..., None]
-    np.clip(x, -qmax, qmax, out=x)  # only float rounding can step past the scale
-    codes = np.rint(x).astype(np.int8) if mode == "int8" else _to_fp8(x)
-    return k_bits.tobytes() + v_bits.tobytes(), codes.tobytes()
-
-
-def _dequantize(
-    scales: memoryview, codes: memoryview, shape: tuple[int, ...], dtype: str, mode: str
-) -> np.ndarray:
-    """The block in `dtype`'s storage dtype (a fresh, writable array)."""
-    layers, _, tokens, heads, head_dim = shape
-    bits = np.frombuffer(scales, dtype="<u2")
-    num_k = layers * heads * head_dim
-    k_scale = _scale_values(bits[:num_k]).reshape(layers, heads, head_dim)
-    v_scale = _scale_values(bits[num_k:]).reshape(layers, tokens, heads)
-    raw = np.frombuffer(codes, dtype=np.uint8).reshape(shape)
-    x = raw.view(np.int8).astype(np.float32) if mode == "int8" else np.take(_FP8_VALUES, raw)
-    x[:, 0] *= k_scale[:, None]
-    x[:, 1] *= v_scale[..., None]
-    return _from_float32(x, dtype)
-
-
-def _scale_bits(scale: np.ndarray) -> np.ndarray:
-    """Scales as bfloat16 bits rounded up, so that no value exceeds the largest code; at least
-    float32's smallest normal, so that an all-zero channel divides by something."""
-    bits = np.maximum(scale, np.finfo(np.float32).tiny).astype(np.float32).view(np.uint32)
-    return ((bits + np.uint32(0xFFFF)) >> np.uint32(16)).astype(np.uint16)
-
-
-def _scale_values(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-def _to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        return (array.astype(np.uint32) << np.uint32(16)).view(np.float32)
-    return array.astype(np.float32)
-
-
-def _from_float32(x: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":  # round to nearest even, as torch does
-        bits = x.view(np.uint32)
-        bits += np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-        return (bits >> np.uint32(16)).astype(np.uint16)
-    return x if dtype == "float32" else x.astype(DTYPES[dtype][1])
-
-
-def _fp8_values() -> np.ndarray:
-    """The value of each float8 e4m3fn code: a sign, 4 exponent bits biased by 7, 3 mantissa
-    bits; subnormal below 2**-6, no infinities, 0x7f and 0xff are NaN."""
-    code = np.arange(256)
-    exponent, mantissa = (code >> 3) & 0xF, (code & 7) / 8
-    magnitude = np.where(
-        exponent == 0, mantissa * 2.0**-6, (1 + mantissa) * 2.0 ** (exponent - 7.0)
-    )
-    magnitude[(code & 0x7F) == 0x7F] = np.nan
-    return np.where(code & 0x80, -magnitude, magnitude).astype(np.float32)
-
-
-_FP8_VALUES = _fp8_values()
-
-
-def _to_fp8(x: np.ndarray) -> np.ndarray:
-    """float32 values within +-448 as e4m3fn codes, rounded to nearest even (as torch's cast):
-    rounding the float32 bits to 3 mantissa bits carries into the exponent by itself; values
-    below 2**-6 are subnormal, multiples of 2**-9."""
-    bits = x.view(np.uint32)
-    magnitude = bits & np.uint32(0x7FFFFFFF)
-    half = np.uint32(0x7FFFF) + ((magnitude >> np.uint32(20)) & np.uint32(1))
-    rounded = (magnitude + half) >> np.uint32(20)  # float32 exponent and 3 mantissa bits
-    codes = (rounded - np.uint32(120 << 3)).astype(np.uint8)  # rebias the exponent 127 -> 7
-    small = magnitude < np.uint32(0x3C800000)  # 2**-6
-    if small.any():
-        codes[small] = np.rint(magnitude[small].view(np.float32) * np.float32(512))
-    codes |= (bits >> np.uint32(24)).astype(np.uint8) & np.uint8(0x80)
-    return codes

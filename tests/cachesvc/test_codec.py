@@ -301,7 +301,7 @@ def test_fp8_codes_are_torch_float8_e4m3fn() -> None:
     """The numpy cast (round to nearest even) and the decode table against torch's own."""
     import torch
 
-    from cachesvc.codec import _FP8_VALUES, _to_fp8
+    from cachesvc.quantize import _FP8_VALUES, _to_fp8
 
     rng = np.random.default_rng(0)
     bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
