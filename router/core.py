@@ -42,7 +42,7 @@ from router.response_cache import (
 from router.resume import Part, RequestProgress
 from router.streams import merged
 from router.supervisor import Replace, Supervisor
-from workers.protocol import StreamDelta, StreamError, Usage
+from workers.protocol import HolderHint, StreamDelta, StreamError, Usage
 from workers.text.tokenizer import Tokenizer
 
 _log = logging.getLogger(__name__)
@@ -169,12 +169,12 @@ class Router:
             parts = progress.parts()
             # Every part continues the same prompt: the first one's blocks stand for all.
             prompt = parts[0].prompt_ids
-            decision = self._route(
-                len(prompt), self.prompts.block_hashes(prompt, req.cache_salt), excluded
-            )
+            hashes = self.prompts.block_hashes(prompt, req.cache_salt)
+            decision = self._route(len(prompt), hashes, excluded)
             self.metrics.decisions.labels(decision.policy, decision.worker).inc()
+            holder = self._holder_hint(decision, hashes, excluded)
             try:
-                attempt_deltas = self._attempt(decision, parts, call_id, req, progress)
+                attempt_deltas = self._attempt(decision, parts, call_id, req, progress, holder)
                 async with contextlib.aclosing(attempt_deltas) as deltas:
                     async for part, raw in deltas:
                         delta = progress.forward(part, raw, decision.worker)
@@ -214,11 +214,12 @@ class Router:
         request_id: str,
         req: GenerateInput,
         progress: RequestProgress,
+        holder: HolderHint | None = None,
     ) -> AsyncGenerator[tuple[Part, StreamDelta], None]:
         """The deltas of every part, as they come; a part whose sample the router ended is
         closed (which aborts it on the worker)."""
         streams = {
-            part.sample: self._part(decision, part, _part_id(request_id, part), req)
+            part.sample: self._part(decision, part, _part_id(request_id, part), req, holder)
             for part in parts
         }
         by_sample = {part.sample: part for part in parts}
@@ -231,7 +232,12 @@ class Router:
                 yield by_sample[sample], delta
 
     async def _part(
-        self, decision: RouteDecision, part: Part, request_id: str, req: GenerateInput
+        self,
+        decision: RouteDecision,
+        part: Part,
+        request_id: str,
+        req: GenerateInput,
+        holder: HolderHint | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         state = self.pool.state(decision.worker)
         ids = part.prompt_ids
@@ -241,7 +247,9 @@ class Router:
         prefilled = False
         num_finished = 0
         try:
-            stream = self.pool.stream(decision.worker, ids, part.params, request_id, req.cache_salt)
+            stream = self.pool.stream(
+                decision.worker, ids, part.params, request_id, req.cache_salt, holder
+            )
             async with contextlib.aclosing(stream) as deltas:
                 async for delta in deltas:
                     if not prefilled:
@@ -300,6 +308,25 @@ class Router:
         ]
         request = RouteRequest(num_tokens, self.pool.model.block_size)
         return self.policy.choose(request, candidates)
+
+    def _holder_hint(
+        self, decision: RouteDecision, hashes: list[BlockHash], excluded: set[WorkerId]
+    ) -> HolderHint | None:
+        """The healthy worker holding the longest prefix, when it holds more than the chosen
+        one: the chosen worker may pull the difference from it (`EngineConfig.peer_pull`)."""
+        named = {
+            s.worker_id: s.info.actor_name
+            for s in self.pool.healthy()
+            if s.worker_id not in excluded and s.info is not None and s.info.actor_name
+        }
+        named.pop(decision.worker, None)
+        if not named:
+            return None
+        matches = [m for m in self.pool.index.longest_prefix(hashes).values() if m.worker in named]
+        best = max(matches, key=lambda m: m.num_blocks, default=None)
+        if best is None or best.num_blocks <= decision.matched_blocks:
+            return None
+        return HolderHint(named[best.worker], best.num_blocks)
 
     # ---- score ------------------------------------------------------------------------------
 

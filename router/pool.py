@@ -29,7 +29,14 @@ from router.config import RouterConfig
 from router.domain import Exhausted, InvalidInput, Unimplemented
 from router.events_source import EventSource, StreamPosition, make_event_source
 from router.ray_failures import Failure, actor_state, classify, ray_error_types
-from workers.protocol import PollResult, StreamDelta, StreamError, WorkerInfo, WorkerLoad
+from workers.protocol import (
+    HolderHint,
+    PollResult,
+    StreamDelta,
+    StreamError,
+    WorkerInfo,
+    WorkerLoad,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -205,16 +212,20 @@ class WorkerPool:
         params: dict[str, Any],
         request_id: str,
         cache_salt: str | None,
+        holder: HolderHint | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         """Forward a request and stream its deltas; raises WorkerDied (the worker failed, or
         stopped answering pings while the stream waited), or the router's typed error for a
-        refusal. Closing the iterator early cancels the request on the worker."""
+        refusal. Closing the iterator early cancels the request on the worker. `holder` names
+        a worker with a longer prefix of the prompt to pull from."""
         import ray
 
         state = self._workers[worker]
         actor = state.actor
+        # The hint goes only when there is one, so a worker of an older build still answers.
+        extra = () if holder is None else (holder,)
         gen = actor.generate.options(num_returns="streaming").remote(
-            prompt_ids, params, request_id, cache_salt
+            prompt_ids, params, request_id, cache_salt, *extra
         )
         started = done = False
         try:

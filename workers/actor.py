@@ -27,6 +27,7 @@ from cachesvc.index import IndexSnapshot
 from cachesvc.types import BlockId
 from workers.protocol import (
     BlockCosts,
+    HolderHint,
     PollResult,
     StreamDelta,
     StreamError,
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from workers.engine.async_engine import AsyncEngine
     from workers.engine.engine import Engine
     from workers.engine.outputs import RequestOutput
+    from workers.engine.peer import PeerBlocks
 
 # ---- the actor ---------------------------------------------------------------------------------
 
@@ -58,6 +60,7 @@ class WorkerActor:
         config: EngineConfig,
         max_queued_requests: int,
         event_stream: EventStreamConfig | None = None,
+        actor_name: str | None = None,
     ) -> None:
         from workers.engine.async_engine import AsyncEngine
         from workers.engine.engine import Engine
@@ -72,6 +75,8 @@ class WorkerActor:
         self._publishing: asyncio.Task[None] | None = None
         self._open: set[str] = set()  # request ids of open `generate` streams
         self._closed = False
+        self._pulled_blocks = 0  # landed from peers
+        self._pull_failures = 0  # pulls whose peer was gone, failed or timed out
         if event_stream is not None:
             from cachesvc.events_redis import StreamPublisher
 
@@ -85,6 +90,7 @@ class WorkerActor:
             max_model_len=engine.max_model_len,
             device=config.device,
             event_stream=None if self._publisher is None else self._publisher.key,
+            actor_name=actor_name,
         )
 
     async def info(self) -> WorkerInfo:
@@ -102,11 +108,13 @@ class WorkerActor:
         params: dict[str, Any],
         request_id: str,
         cache_salt: str | None,
+        holder: HolderHint | None = None,
     ) -> AsyncIterator[StreamDelta | StreamError]:
         """Stream deltas of every sample (call with num_returns="streaming").
 
         Refusals are yielded as one StreamError, never raised, so the router can tell a bad
-        request from a dead worker.
+        request from a dead worker. With `holder` (and `peer_pull` configured), the blocks of
+        the prompt it holds beyond this worker's device pool are pulled from it first.
         """
         from workers.engine.engine import PromptError
         from workers.sampling_params import SamplingParams
@@ -124,6 +132,8 @@ class WorkerActor:
         except (TypeError, ValueError) as exc:
             yield StreamError("invalid_argument", f"sampling: {exc}")
             return
+        if holder is not None and self._engine.engine.config.peer_pull:
+            await self._pull(prompt_ids, cache_salt, holder)
         sent: dict[int, int] = {}
         self._open.add(request_id)
         try:
@@ -136,6 +146,17 @@ class WorkerActor:
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
+
+    async def export_blocks(
+        self, prompt_ids: list[int], cache_salt: str | None, start_block: int, max_blocks: int
+    ) -> PeerBlocks:
+        """The encoded blocks `start_block ..` (below `max_blocks`) of a prompt under
+        `cache_salt` that this worker holds, up to the first it lacks; read between steps."""
+        from workers.engine.peer import export_blocks
+
+        return await self._engine.call(
+            lambda e: export_blocks(e, prompt_ids, cache_salt, start_block, max_blocks)
+        )
 
     async def tokenize(self, text: str) -> list[int]:
         """Token ids of `text` with the worker's own tokenizer (as `generate` would see it)."""
@@ -183,6 +204,10 @@ class WorkerActor:
     async def stats(self) -> WorkerLoad:
         return self._load()
 
+    async def peer_stats(self) -> dict[str, int]:
+        """Blocks landed from peers, and pulls that failed (computed instead)."""
+        return {"pulled_blocks": self._pulled_blocks, "pull_failures": self._pull_failures}
+
     async def close(self, timeout_s: float = 30.0) -> bool:
         """Stop serving: abort open requests, stop the engine loop, close the tiers
         (`Engine.close`: the device cache goes to NVMe when there is one, queued writes are
@@ -204,6 +229,33 @@ class WorkerActor:
         return await asyncio.to_thread(self._publisher.close, timeout_s)
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    async def _pull(self, prompt_ids: list[int], cache_salt: str | None, holder: HolderHint) -> int:
+        """Land the blocks of the prompt `holder` has beyond this device pool's match, when
+        they are at least `peer_pull_min_blocks`; returns how many landed. A holder that is
+        gone, fails or does not answer in time costs the recompute of what did not land."""
+        import ray
+
+        from workers.engine.peer import import_blocks, num_device_blocks
+
+        config = self._engine.engine.config
+        have = await self._engine.call(lambda e: num_device_blocks(e, prompt_ids, cache_salt))
+        if holder.num_blocks - have < config.peer_pull_min_blocks:
+            return 0
+        try:
+            namespace = ray.get_runtime_context().namespace
+            peer = ray.get_actor(holder.actor_name, namespace=namespace)
+            sent: PeerBlocks = await asyncio.wait_for(
+                peer.export_blocks.remote(prompt_ids, cache_salt, have, holder.num_blocks),
+                config.peer_pull_timeout_s,
+            )
+        except (TimeoutError, ValueError, ray.exceptions.RayError) as exc:
+            self._pull_failures += 1
+            _log.warning("pull from %s failed, computing instead: %r", holder.actor_name, exc)
+            return 0
+        landed = await self._engine.call(lambda e: import_blocks(e, prompt_ids, cache_salt, sent))
+        self._pulled_blocks += landed
+        return landed
 
     def _close_engine(self, engine: Engine) -> None:
         engine.close()
@@ -326,8 +378,9 @@ def spawn_worker(
     import ray
 
     remote_cls = ray.remote(WorkerActor)
+    name = name or f"cachesvc-{worker_id}-{uuid.uuid4().hex[:6]}"
     return remote_cls.options(  # type: ignore[attr-defined]
-        name=name or f"cachesvc-{worker_id}-{uuid.uuid4().hex[:6]}",
+        name=name,
         namespace=namespace,
         num_cpus=num_cpus,
         num_gpus=num_gpus,
@@ -336,4 +389,4 @@ def spawn_worker(
         max_task_retries=0,
         # Streams are long-lived coroutines, not threads: allow many at once.
         max_concurrency=1000,
-    ).remote(worker_id, config, max_queued_requests, event_stream)
+    ).remote(worker_id, config, max_queued_requests, event_stream, name)

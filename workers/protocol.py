@@ -25,6 +25,7 @@ class WorkerInfo:
     max_model_len: int
     device: str
     event_stream: str | None = None  # the Redis Stream it publishes its events to, if any
+    actor_name: str | None = None  # its Ray actor's name, for peers to pull blocks from it
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,16 @@ class PollResult:
     load: WorkerLoad
     events: tuple[Event, ...]
     next_seq: int = 0
+
+
+@dataclass(frozen=True)
+class HolderHint:
+    """A worker that holds a longer prefix of a request than the one chosen to run it: the
+    name of its Ray actor (in the chosen worker's namespace) and how many leading blocks of the
+    prompt it holds. The chosen worker may pull the blocks it lacks from it."""
+
+    actor_name: str
+    num_blocks: int
 
 
 @dataclass(frozen=True)
