@@ -169,19 +169,15 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     tiers: TierConfig = field(default_factory=TierConfig)
-    # Pull a prefix's blocks from the worker the router names as holding more of it, when that
-    # is at least `peer_pull_min_blocks` more than this worker's device pool holds; a pull not
-    # answered within `peer_pull_timeout_s` is computed instead.
+    # Let the load planner pull a prefix's blocks from the worker the router names as holding
+    # more of it, when its calibrated cost beats computing them (a peer is one more source, like
+    # a tier); a pull not answered within `peer_pull_timeout_s` is computed instead.
     peer_pull: bool = False
-    peer_pull_min_blocks: int = 1
     peer_pull_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.peer_pull_min_blocks < 1 or self.peer_pull_timeout_s <= 0:
-            raise ConfigError(
-                "peer_pull_min_blocks must be >= 1 and peer_pull_timeout_s > 0, got "
-                f"{self.peer_pull_min_blocks} and {self.peer_pull_timeout_s}"
-            )
+        if self.peer_pull_timeout_s <= 0:
+            raise ConfigError(f"peer_pull_timeout_s must be > 0, got {self.peer_pull_timeout_s}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.prefill_scheme not in PREFILL_SCHEMES:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from workers.engine.async_engine import AsyncEngine
     from workers.engine.engine import Engine
     from workers.engine.outputs import RequestOutput
-    from workers.engine.peer import PeerBlocks
+    from workers.engine.peer_pull import PeerBlocks
 
 # ---- the actor ---------------------------------------------------------------------------------
 
@@ -66,6 +66,12 @@ class WorkerActor:
         from workers.engine.engine import Engine
 
         engine = Engine(config)
+        if config.peer_pull:
+            import ray
+
+            from workers.peer_link import RayPeerLink
+
+            engine.attach_peers(RayPeerLink(ray.get_runtime_context().namespace))
         self._engine: AsyncEngine = AsyncEngine(engine)
         self._max_queued = max_queued_requests
         # Events are kept (not drained away) so that several routers can follow one worker.
@@ -75,8 +81,6 @@ class WorkerActor:
         self._publishing: asyncio.Task[None] | None = None
         self._open: set[str] = set()  # request ids of open `generate` streams
         self._closed = False
-        self._pulled_blocks = 0  # landed from peers
-        self._pull_failures = 0  # pulls whose peer was gone, failed or timed out
         if event_stream is not None:
             from cachesvc.events_redis import StreamPublisher
 
@@ -113,8 +117,8 @@ class WorkerActor:
         """Stream deltas of every sample (call with num_returns="streaming").
 
         Refusals are yielded as one StreamError, never raised, so the router can tell a bad
-        request from a dead worker. With `holder` (and `peer_pull` configured), the blocks of
-        the prompt it holds beyond this worker's device pool are pulled from it first.
+        request from a dead worker. With `holder` (and `peer_pull` configured), the load
+        planner may pull the blocks of the prompt it holds beyond what this worker holds.
         """
         from workers.engine.engine import PromptError
         from workers.sampling_params import SamplingParams
@@ -132,12 +136,16 @@ class WorkerActor:
         except (TypeError, ValueError) as exc:
             yield StreamError("invalid_argument", f"sampling: {exc}")
             return
+        peer = None
         if holder is not None and self._engine.engine.config.peer_pull:
-            await self._pull(prompt_ids, cache_salt, holder)
+            from workers.engine.peer_pull import PeerSource
+
+            peer = PeerSource(holder.actor_name, holder.num_blocks)
         sent: dict[int, int] = {}
         self._open.add(request_id)
         try:
-            async for out in self._engine.generate(prompt_ids, sampling, request_id, cache_salt):
+            stream = self._engine.generate(prompt_ids, sampling, request_id, cache_salt, peer)
+            async for out in stream:
                 yield self._delta(out, request_id, sampling.n, sent)
         except PromptError as exc:
             yield StreamError("invalid_argument", f"prompt: {exc}")
@@ -205,8 +213,13 @@ class WorkerActor:
         return self._load()
 
     async def peer_stats(self) -> dict[str, int]:
-        """Blocks landed from peers, and pulls that failed (computed instead)."""
-        return {"pulled_blocks": self._pulled_blocks, "pull_failures": self._pull_failures}
+        """Blocks landed from peers, and pulls whose peer did not answer (computed instead)."""
+        tiering = self._engine.engine.tiering
+        stats = None if tiering is None or tiering.peers is None else tiering.peers.stats
+        return {
+            "pulled_blocks": 0 if stats is None else stats.pulled_blocks,
+            "pull_failures": 0 if stats is None else stats.failures,
+        }
 
     async def close(self, timeout_s: float = 30.0) -> bool:
         """Stop serving: abort open requests, stop the engine loop, close the tiers
@@ -229,33 +242,6 @@ class WorkerActor:
         return await asyncio.to_thread(self._publisher.close, timeout_s)
 
     # ---- helpers ----------------------------------------------------------------------------
-
-    async def _pull(self, prompt_ids: list[int], cache_salt: str | None, holder: HolderHint) -> int:
-        """Land the blocks of the prompt `holder` has beyond this device pool's match, when
-        they are at least `peer_pull_min_blocks`; returns how many landed. A holder that is
-        gone, fails or does not answer in time costs the recompute of what did not land."""
-        import ray
-
-        from workers.engine.peer import import_blocks, num_device_blocks
-
-        config = self._engine.engine.config
-        have = await self._engine.call(lambda e: num_device_blocks(e, prompt_ids, cache_salt))
-        if holder.num_blocks - have < config.peer_pull_min_blocks:
-            return 0
-        try:
-            namespace = ray.get_runtime_context().namespace
-            peer = ray.get_actor(holder.actor_name, namespace=namespace)
-            sent: PeerBlocks = await asyncio.wait_for(
-                peer.export_blocks.remote(prompt_ids, cache_salt, have, holder.num_blocks),
-                config.peer_pull_timeout_s,
-            )
-        except (TimeoutError, ValueError, ray.exceptions.RayError) as exc:
-            self._pull_failures += 1
-            _log.warning("pull from %s failed, computing instead: %r", holder.actor_name, exc)
-            return 0
-        landed = await self._engine.call(lambda e: import_blocks(e, prompt_ids, cache_salt, sent))
-        self._pulled_blocks += landed
-        return landed
 
     def _close_engine(self, engine: Engine) -> None:
         engine.close()

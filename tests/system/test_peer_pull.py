@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from cachesvc.config import EngineConfig
+from cachesvc.config import EngineConfig, TierConfig
 from workers.protocol import HolderHint, StreamDelta
 
 pytestmark = pytest.mark.system
@@ -51,7 +51,11 @@ def pair(ray_cluster: None, engine_config: EngineConfig) -> Iterator[dict[str, A
 
     from workers.actor import spawn_worker
 
-    config = dataclasses.replace(engine_config, peer_pull=True, peer_pull_timeout_s=2.0)
+    # A forced fetch: the tiny model computes a prompt faster than a pull's prior cost.
+    tiers = TierConfig(plan="fetch", calibrate=False)
+    config = dataclasses.replace(
+        engine_config, peer_pull=True, peer_pull_timeout_s=2.0, tiers=tiers
+    )
     names = {role: f"peer-{role}-{uuid.uuid4().hex[:6]}" for role in ("holder", "puller")}
     actors = {
         role: spawn_worker(role, config, name=name, num_cpus=0.5, max_restarts=0)
@@ -107,7 +111,7 @@ def _fake_holder(kind: str) -> tuple[Any, str]:
         async def export_blocks(
             self, prompt: list[int], salt: str | None, start: int, end: int
         ) -> Any:
-            from workers.engine.peer import PeerBlocks
+            from workers.engine.peer_pull import PeerBlocks
 
             return PeerBlocks(start, tuple(b"\x00garbage" * 64 for _ in range(start, end)))
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from cachesvc.types import RequestId
 from workers.engine.engine import Engine
 from workers.engine.outputs import RequestOutput
+from workers.engine.peer_pull import PeerSource
 from workers.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -111,6 +112,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        peer: PeerSource | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream snapshots of a request (of each of its `params.n` samples, interleaved).
 
@@ -120,7 +122,9 @@ class AsyncEngine:
         """
         base = request_id or f"req-{uuid.uuid4().hex[:12]}"
         queue: asyncio.Queue[_Item] = asyncio.Queue()
-        rids = await self.call(lambda e: self._add(e, prompt, params, base, cache_salt, queue))
+        rids = await self.call(
+            lambda e: self._add(e, prompt, params, base, cache_salt, peer, queue)
+        )
         remaining = set(rids)
         last: dict[RequestId, RequestOutput] = {}
         try:
@@ -185,9 +189,10 @@ class AsyncEngine:
         params: SamplingParams,
         base: str,
         cache_salt: str | None,
+        peer: PeerSource | None,
         queue: asyncio.Queue[_Item],
     ) -> list[RequestId]:
-        rids = engine.add_request(prompt, params, request_id=base, cache_salt=cache_salt)
+        rids = engine.add_request(prompt, params, base, cache_salt, peer)
         for rid in rids:
             self._streams[rid] = queue
         self._groups[base] = rids

@@ -33,9 +33,11 @@ from workers.text.detokenizer import IncrementalDetokenizer
 from workers.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from workers.engine.peer_pull import PeerLink, PeerSource
     from workers.engine.tiering import KVTiering
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_LOAD_WAIT_S = 0.01  # a step with only pulls in flight waits this long for one to land
 
 
 def _load_tokenizer(path: Path) -> Tokenizer | None:
@@ -103,8 +105,9 @@ class Engine:
         self.beams = BeamSearch(self.forker, self._requests, self._drop, self.max_model_len)
 
     def _start_tiers(self, config: EngineConfig, kv_caches: list[torch.Tensor]) -> KVTiering | None:
-        """DRAM / NVMe / Redis below the device pool, when configured (config.tiers)."""
-        if not config.tiers.enabled:
+        """DRAM / NVMe / Redis below the device pool, when configured (config.tiers), and the
+        load planner they share with pulls from peers (`peer_pull`)."""
+        if not config.tiers.enabled and not config.peer_pull:
             return None
         from workers.engine.tier_calibration import calibrate
         from workers.engine.tiering import KVTiering
@@ -116,6 +119,11 @@ class Engine:
         if config.tiers.calibrate:
             calibrate(tiering, self.runner, config.max_num_batched_tokens)
         return tiering
+
+    def attach_peers(self, link: PeerLink) -> None:
+        """Pull blocks from the peers requests name through `link` (with `peer_pull` on)."""
+        if self.config.peer_pull and self.tiering is not None:
+            self.tiering.attach_peers(link, self.config.peer_pull_timeout_s)
 
     def close(self) -> None:
         """Flush the tiers' background writes and close them (an NVMe folder is then complete).
@@ -199,8 +207,10 @@ class Engine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        peer: PeerSource | None = None,
     ) -> list[RequestId]:
-        """Queue a prompt; returns one request id per output (`params.n` of them).
+        """Queue a prompt; returns one request id per output (`params.n` of them). `peer`: a
+        worker holding more of the prompt, that the load planner may pull it from.
 
         With `n > 1` the prompt is computed once: the other samples fork from the first when it
         samples its first token. With `beam_width > 1` one id is returned, for the best beam.
@@ -216,6 +226,7 @@ class Engine:
             params if params.n == 1 else params.for_sample(0),
             eos_token_ids=self._eos_ids(),
             cache_salt=cache_salt,
+            peer=peer,
         )
         self._requests[first.request_id] = first
         if params.beam_width > 1:
@@ -269,6 +280,8 @@ class Engine:
         output = self.scheduler.schedule()
         self._after_evictions()
         if output.is_empty:
+            if self.tiering is not None:
+                self.tiering.wait_for_loads(_LOAD_WAIT_S)  # nothing to do until a pull lands
             return []
         keep = set(self._fork_plans) | set(self.beams.group_of)
         start = time.perf_counter()

@@ -54,6 +54,14 @@ class TieringHooks(Protocol):
         """The request gives its blocks back: drop its planned fetch."""
         ...
 
+    def land_ready(self, request: Request) -> None:
+        """Land the request's planned fetch if it is due and has arrived (not waiting)."""
+        ...
+
+    def awaits_load(self, request: Request) -> bool:
+        """True while the request can compute nothing before its planned fetch lands."""
+        ...
+
 
 class KVCacheManager:
     """Gives each request the blocks its tokens need, reuses cached prefixes, takes blocks back.
@@ -170,6 +178,16 @@ class KVCacheManager:
         """Called after the request's computed tokens advanced."""
         if self.tiering is not None:
             self.tiering.on_computed(request)
+
+    def land_ready(self, request: Request) -> None:
+        """Called before scheduling a running request: a fetch that arrived lands now."""
+        if self.tiering is not None:
+            self.tiering.land_ready(request)
+
+    def awaits_load(self, request: Request) -> bool:
+        """True while the request waits for a planned fetch with nothing to compute first
+        (a pull from a peer): it is admitted all the same, to hold its blocks meanwhile."""
+        return self.tiering is not None and self.tiering.awaits_load(request)
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow `request.block_ids` to hold `num_new_tokens` more tokens, and register the

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cachesvc.types import BlockHash, BlockId, RequestId
+from workers.engine.peer_pull import PeerSource
 from workers.engine.sampler import token_seed
 from workers.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class Request:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None  # isolates this tenant's prefix cache from others'
+    peer: PeerSource | None = None  # a worker holding more of the prompt, to pull it from
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

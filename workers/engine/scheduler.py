@@ -76,6 +76,7 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0 or request not in self.running:
                 continue
+            self.kv.land_ready(request)  # a pull that arrived since the last step
             num_new = min(self.kv.num_computable(request), budget)
             if num_new == 0:
                 continue  # a beam waiting for its siblings' logits has nothing to compute
@@ -143,18 +144,24 @@ class Scheduler:
                 deferred.append(request)
                 continue
             num_new = self._num_new_for(request, budget, bool(chunks))
+            if num_new == 0 and self.kv.awaits_load(request):
+                self._start(request, match.num_cached_tokens)  # computes once its KV landed
+                continue
             if num_new == 0 or not self.kv.allocate_slots(request, num_new):
                 self._release(request)  # give the prefix hits back; retry next step
                 self.waiting.appendleft(request)
                 break
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = match.num_cached_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._start(request, match.num_cached_tokens)
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))
         return budget
+
+    def _start(self, request: Request, num_cached_tokens: int) -> None:
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_cached_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def _num_new_for(self, request: Request, budget: int, batch_has_work: bool) -> int:
         """Tokens to compute for a newly admitted request; 0 when it must wait."""

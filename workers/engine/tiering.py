@@ -9,6 +9,9 @@
   the front part; when the front is computed up to the split point (`on_computed`), the fetched
   blocks land and the request jumps ahead.
   Whatever fails to read back (a miss, a corrupt blob) is simply computed.
+  A peer worker holding more of the prompt (`peer_pull.PeerSource`, from the router's hint) is
+  one more source after the local tiers: its pull always runs in the background, so the engine
+  keeps stepping; a fetch that waits on it computes nothing until it lands (`land_ready`).
 * Share: blocks reused `redis_min_reuse` times are written to Redis for the other workers.
 
 Only the engine's thread touches the device tensors and the manager's state; the background
@@ -20,7 +23,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -31,13 +34,14 @@ from cachesvc.calibration import CostTracker, default_tier_cost
 from cachesvc.codec import Codec, KVBlock, max_blob_size
 from cachesvc.config import AUTO_CODECS, TierConfig
 from cachesvc.events import TIER_HBM
-from cachesvc.planner import ComputeCost, LoadPlan, plan_load
+from cachesvc.planner import ComputeCost, FetchRange, LoadPlan, plan_load
 from cachesvc.tiers.base import Throttle
 from cachesvc.tiers.configured import build_tiers
 from cachesvc.tiers.results import FetchResult, TierHit
 from cachesvc.tiers.tier_manager import TierManager
 from cachesvc.types import BlockHash, BlockId, RequestId
 from workers.engine.kv_copy import layered, read_block, write_blocks
+from workers.engine.peer_pull import PeerLink, PeerPuller, PeerRead, is_peer
 from workers.engine.plan_timing import PlanTimer
 from workers.engine.request import Request
 from workers.engine.scheduler import SchedulerOutput
@@ -48,15 +52,28 @@ _PRIOR_COMPUTE = ComputeCost(alpha_s=5e-3, beta_s=1e-3, gamma_s=1e-7)  # before 
 Ranges = list[tuple[str, list[BlockHash]]]
 
 
+@dataclass(frozen=True)
+class PendingPull:
+    """The peer's part of a pending load: its pull, how many blocks and how long predicted."""
+
+    future: Future[PeerRead]
+    num_blocks: int
+    predicted_s: float
+
+
 @dataclass
 class PendingLoad:
     """A fetch running in the background while the request computes up to `split_token`."""
 
     split_token: int
-    ranges: Ranges  # pinned until the fetch lands or is dropped
+    ranges: Ranges  # the local ones pinned until the fetch lands or is dropped
     future: Future[FetchResult]
     started: float  # perf_counter when the fetch was submitted
     overlap_s: float  # predicted max(front compute, back read), without the overlap delay
+    pull: PendingPull | None = None  # a peer's run after the local ones
+
+    def done(self) -> bool:
+        return self.future.done() and (self.pull is None or self.pull.future.done())
 
 
 @dataclass(frozen=True)
@@ -78,14 +95,24 @@ class TieringStats:
 
 
 def _landed_by_tier(ranges: Ranges, num_landed: int, block_size: int) -> dict[str, int]:
-    """Tokens per tier among the first `num_landed` blocks of `ranges`."""
+    """Tokens per tier among the first `num_landed` blocks of `ranges` (peers as "peer")."""
     out: dict[str, int] = {}
     for name, hashes in ranges:
         n = min(len(hashes), num_landed)
         num_landed -= n
         if n:
-            out[name] = out.get(name, 0) + n * block_size
+            key = _usage_name(name)
+            out[key] = out.get(key, 0) + n * block_size
     return out
+
+
+def _usage_name(tier: str) -> str:
+    return "peer" if is_peer(tier) else tier
+
+
+def _local(ranges: Ranges) -> Ranges:
+    """The ranges read from this worker's own tiers (pinned while planned)."""
+    return [(name, hashes) for name, hashes in ranges if not is_peer(name)]
 
 
 class KVTiering:
@@ -104,6 +131,7 @@ class KVTiering:
         self.kv_caches = kv_caches
         self._whole = layered(kv_caches)  # for demotions: one strided copy per block
         self.block_size = block_size
+        self.fingerprint = fingerprint
         self.dtype = _DTYPE_NAMES[kv_caches[0].dtype]
         self.block_shape = (len(kv_caches), *kv_caches[0].shape[1:])
         key = config.read_key()  # before building tiers: a bad key file fails the start
@@ -152,7 +180,15 @@ class KVTiering:
         self._usage: OrderedDict[RequestId, dict[str, int]] = OrderedDict()
         self._share_queue: list[tuple[BlockHash, BlockId, BlockHash | None]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
+        self._key = key
+        self.peers: PeerPuller | None = None  # see `attach_peers`
         pool.on_evict = self.on_evict
+
+    def attach_peers(self, link: PeerLink, timeout_s: float) -> None:
+        """Plan pulls from the peers that requests name (`Request.peer`) through `link`."""
+        codec = Codec(self.fingerprint, "raw", self._key)
+        size = codec.max_blob_size(self.dtype, self.block_shape)
+        self.peers = PeerPuller(link, codec, self.costs, size, timeout_s)
 
     # ---- device <-> numpy -------------------------------------------------------------------
 
@@ -188,6 +224,9 @@ class KVTiering:
         if end <= d:
             return 0
         hits = [TierHit(h.tier, h.start + d, h.end + d) for h in self.manager.lookup(hashes[d:end])]
+        peer = self._peer_hit(request, hits[-1].end if hits else d, end)
+        if peer is not None:
+            hits.append(peer)
         if not hits:
             return 0
         plan = plan_load(
@@ -199,9 +238,12 @@ class KVTiering:
         if plan.kind in ("none", "recompute"):
             return 0
         ranges: Ranges = [(f.tier, list(hashes[f.start : f.end])) for f in plan.fetch]
-        self.manager.pin(ranges)
+        self.manager.pin(_local(ranges))
         # Allocating may evict (and demote) device blocks: the pins keep the planned ones put.
         request.block_ids.extend(self.pool.allocate(plan.fetch_end - d))
+        pulled = [f for f in plan.fetch if is_peer(f.tier)]
+        if pulled:
+            return self._start_pull(request, plan, ranges, pulled[0])
         if plan.kind == "split":
             future = self._executor.submit(self.manager.read, ranges)
             split_token = plan.split_block * self.block_size
@@ -218,6 +260,47 @@ class KVTiering:
             num_loaded = self._land(request, result, d, ranges)
         self._trim_blocks(request)
         return num_loaded * self.block_size
+
+    def _peer_hit(self, request: Request, start: int, end: int) -> TierHit | None:
+        """The run of the request's peer after block `start` (below `end`), when it has one."""
+        source = request.peer
+        if self.peers is None or source is None or min(source.num_blocks, end) <= start:
+            return None
+        return TierHit(self.peers.cost(source), start, min(source.num_blocks, end))
+
+    def _start_pull(
+        self, request: Request, plan: LoadPlan, ranges: Ranges, pulled: FetchRange
+    ) -> int:
+        """Start a plan that pulls from a peer: its local reads and the pull both in the
+        background; the request computes up to the split (nothing, for a plain fetch) and
+        waits there until both have arrived. Returns the tokens planned."""
+        assert self.peers is not None and request.peer is not None
+        local = _local(ranges)
+        future = self._executor.submit(self.manager.read, local)
+        hashes = dict(ranges)[pulled.tier]
+        pull = self.peers.executor.submit(
+            self.peers.read,
+            request.peer,
+            list(request.prompt_token_ids),
+            request.cache_salt,
+            hashes,
+            pulled.start,
+        )
+        n = pulled.end - pulled.start
+        predicted = self.costs.model().tiers[pulled.tier].fetch_s(n)
+        split_token = plan.split_block * self.block_size
+        self._pending[request.request_id] = PendingLoad(
+            split_token,
+            ranges,
+            future,
+            time.perf_counter(),
+            plan.overlap_s,
+            PendingPull(pull, n, predicted),
+        )
+        self._usage[request.request_id].update(
+            _landed_by_tier(ranges, plan.num_fetch_blocks, self.block_size)
+        )
+        return plan.num_fetch_blocks * self.block_size
 
     def _borrowed(self, ranges: Ranges) -> ExitStack:
         """Borrow the tiers of `ranges` that lend views of their memory (DRAM's slots, NVMe's
@@ -242,7 +325,8 @@ class KVTiering:
         were read while the engine computed (a split)."""
         self.manager.settle(result)
         for transfer in result.transfers:
-            self.costs.observe_transfer(transfer, background)
+            if not is_peer(transfer.tier):  # a pull is learned by `PeerPuller.settle`
+                self.costs.observe_transfer(transfer, background)
         n = len(result.blocks)
         ids = request.block_ids[first : first + n]
         start = time.perf_counter()
@@ -264,7 +348,7 @@ class KVTiering:
         self.stats.loaded_blocks += n
         self.stats.failed_blocks += planned - n
         self._usage.get(request.request_id, {}).update(
-            {name: 0 for name, _ in ranges} | _landed_by_tier(ranges, n, bs)
+            {_usage_name(name): 0 for name, _ in ranges} | _landed_by_tier(ranges, n, bs)
         )
         first_parent = request.block_hashes[first - 1] if first > 0 else None
         self._note_reuse([b.block_hash for b in result.blocks], ids, first_parent)
@@ -290,12 +374,44 @@ class KVTiering:
         pending = self._pending.get(request.request_id)
         if pending is None or request.num_computed_tokens < pending.split_token:
             return
+        if pending.pull is not None and not pending.done():
+            return  # a pull is not waited for: it lands in `land_ready` once it arrived
+        self._complete(request, pending)
+
+    @torch.inference_mode()
+    def land_ready(self, request: Request) -> None:
+        """Land the request's fetch if it is due and has arrived (a pull, which the engine
+        does not wait for)."""
+        if self.awaits_load(request) and self._pending[request.request_id].done():
+            self._complete(request, self._pending[request.request_id])
+
+    def awaits_load(self, request: Request) -> bool:
+        """True while the request has nothing to compute before a planned fetch lands."""
+        pending = self._pending.get(request.request_id)
+        return pending is not None and request.num_computed_tokens >= pending.split_token
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Block until a pending pull arrives, at most `timeout_s` (a step with nothing else
+        to compute waits here instead of spinning)."""
+        futures = [p.pull.future for p in self._pending.values() if p.pull is not None]
+        if futures:
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    def _complete(self, request: Request, pending: PendingLoad) -> None:
+        """Land a due fetch (waiting for its local reads, Cake); what missed is computed."""
         del self._pending[request.request_id]
         result = pending.future.result()  # the front is computed: wait for the back (Cake)
         waited = time.perf_counter() - pending.started
-        if request.num_preemptions == 0:  # a preempted request's front computed twice
+        if pending.pull is not None:
+            read = pending.pull.future.result()
+            assert self.peers is not None
+            self.peers.settle(read, pending.pull.num_blocks, pending.pull.predicted_s)
+            local = sum(len(h) for _, h in _local(pending.ranges))
+            if len(result.blocks) == local:  # the peer's run extends the local one
+                result.blocks.extend(read.blocks)
+        elif request.num_preemptions == 0:  # a preempted request's front computed twice
             self.costs.observe_overlap(result.transfers, waited - pending.overlap_s)
-        self.manager.unpin(pending.ranges)
+        self.manager.unpin(_local(pending.ranges))
         first = pending.split_token // self.block_size
         landed = self._land(request, result, first, pending.ranges, background=True)
         missed = sum(len(h) for _, h in pending.ranges) - landed
@@ -307,7 +423,9 @@ class KVTiering:
         pending = self._pending.pop(request.request_id, None)
         if pending is not None:
             pending.future.cancel()
-            self.manager.unpin(pending.ranges)
+            if pending.pull is not None:
+                pending.pull.future.cancel()  # a pull already under way ends unused
+            self.manager.unpin(_local(pending.ranges))
 
     # ---- reuse, sharing and the step loop ---------------------------------------------------
 
@@ -363,6 +481,8 @@ class KVTiering:
             failed_blocks=self.stats.failed_blocks,
         )
         out.update(self.timer.metrics())
+        if self.peers is not None:
+            out.update(self.peers.stats.as_dict())
         return out
 
     def usage(self, request_id: RequestId) -> dict[str, int]:
@@ -381,5 +501,7 @@ class KVTiering:
         """Finish background reads and writes, then close the tiers."""
         for request_id in list(self._pending):
             self._pending.pop(request_id).future.cancel()
+        if self.peers is not None:
+            self.peers.close()
         self._executor.shutdown(wait=True)
         self.manager.close()

@@ -1,9 +1,13 @@
-"""Blocks pulled from a peer engine: the puller computes only the rest of the prompt and says the
-same greedy tokens; a corrupt, foreign-tenant or misplaced block is a miss; a peer never serves
-a block under another tenant's salt; blocks come from the peer's device pool or its DRAM tier."""
+"""A peer as a source of the load planner, between two engines in one process (the link calls
+the holder's `export_blocks` directly): the puller computes only the rest of the prompt and says
+the same greedy tokens; a corrupt, foreign-tenant or misplaced block is a miss; a failing peer
+costs a recompute; the planner pulls only when the peer's cost beats computing; the engine keeps
+stepping while a pull is in flight; the peer's cost is learned from pulls."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,8 +15,10 @@ import pytest
 import torch
 
 from cachesvc.config import ConfigError, EngineConfig, TierConfig
+from cachesvc.planner import TierCost
 from workers.engine.engine import Engine
-from workers.engine.peer import PeerBlocks, export_blocks, import_blocks, num_device_blocks
+from workers.engine.peer import export_blocks
+from workers.engine.peer_pull import PEER_PRIOR, PeerBlocks, PeerSource, peer_tier
 from workers.model.loader import LoadedModel, load_model
 from workers.sampling_params import SamplingParams
 
@@ -20,6 +26,35 @@ BS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = torch.randint(0, 320, (42,), generator=torch.Generator().manual_seed(3)).tolist()
 NUM_FULL = len(PROMPT) // BS  # 10
+HOLDER = PeerSource("holder", NUM_FULL)
+
+Tamper = Callable[[PeerBlocks], PeerBlocks]
+
+
+class LocalLink:
+    """Serves pulls from engines of this process; `tamper` changes what is sent, `gate` holds
+    every pull until it is set."""
+
+    def __init__(self, peers: dict[str, Engine], tamper: Tamper | None = None) -> None:
+        self.peers = peers
+        self.tamper = tamper
+        self.gate: threading.Event | None = None
+        self.calls = 0
+
+    def fetch(
+        self,
+        peer: str,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        start_block: int,
+        end_block: int,
+        timeout_s: float,
+    ) -> PeerBlocks:
+        self.calls += 1
+        if self.gate is not None and not self.gate.wait(timeout_s):
+            raise TimeoutError("peer did not answer")
+        sent = export_blocks(self.peers[peer], token_ids, cache_salt, start_block, end_block)
+        return sent if self.tamper is None else self.tamper(sent)
 
 
 @pytest.fixture(scope="module")
@@ -32,98 +67,223 @@ def _engine(loaded: LoadedModel, **overrides: object) -> Engine:
     return Engine(replace(config, **overrides), loaded)  # type: ignore[arg-type]
 
 
-def _run(engine: Engine, prompt: list[int], salt: str | None = None) -> tuple[list[int], int]:
-    [out] = engine.generate([prompt], GREEDY, cache_salt=salt)
-    return list(out.token_ids), out.num_cached_tokens
+def _puller(
+    loaded: LoadedModel, holder: Engine, plan: str = "fetch", tamper: Tamper | None = None
+) -> tuple[Engine, LocalLink]:
+    puller = _engine(loaded, peer_pull=True, tiers=TierConfig(plan=plan, calibrate=False))
+    link = LocalLink({HOLDER.name: holder}, tamper)
+    puller.attach_peers(link)
+    return puller, link
 
 
-def _reference(loaded: LoadedModel) -> list[int]:
-    tokens, _ = _run(_engine(loaded, enable_prefix_caching=False), PROMPT)
+def _run(
+    engine: Engine, prompt: list[int], salt: str | None = None, peer: PeerSource | None = None
+) -> tuple[list[int], int, dict[str, int]]:
+    [rid] = engine.add_request(prompt, GREEDY, cache_salt=salt, peer=peer)
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                final = out
+    assert final is not None
+    return list(final.token_ids), final.num_cached_tokens, dict(final.cached_tokens_by_tier)
+
+
+@pytest.fixture(scope="module")
+def reference(loaded: LoadedModel) -> list[int]:
+    tokens, _, _ = _run(_engine(loaded, enable_prefix_caching=False), PROMPT)
     return tokens
 
 
-def test_pulled_blocks_give_the_same_tokens(loaded: LoadedModel) -> None:
-    holder, puller = _engine(loaded), _engine(loaded)
+def _stats(engine: Engine) -> dict[str, float]:
+    assert engine.tiering is not None and engine.tiering.peers is not None
+    return engine.tiering.peers.stats.as_dict()
+
+
+def _check_pool(engine: Engine) -> None:
+    engine.pool.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks  # nothing leaked
+
+
+def test_pulled_blocks_give_the_same_tokens(loaded: LoadedModel, reference: list[int]) -> None:
+    holder = _engine(loaded)
     _run(holder, PROMPT, "t1")
-    sent = export_blocks(holder, PROMPT, "t1", 0, NUM_FULL)
-    assert len(sent.blobs) == NUM_FULL
-    assert import_blocks(puller, PROMPT, "t1", sent) == NUM_FULL
-    assert num_device_blocks(puller, PROMPT, "t1") == NUM_FULL
-    tokens, cached = _run(puller, PROMPT, "t1")
-    assert tokens == _reference(loaded)
-    assert cached == NUM_FULL * BS
-    puller.pool.check_integrity()
-    assert puller.pool.num_free == puller.pool.num_blocks
+    puller, link = _puller(loaded, holder)
+    tokens, cached, by_tier = _run(puller, PROMPT, "t1", HOLDER)
+    assert tokens == reference
+    assert cached == NUM_FULL * BS and by_tier.get("peer") == NUM_FULL * BS
+    assert link.calls == 1
+    stats = _stats(puller)
+    assert stats["peer_pulled_blocks"] == NUM_FULL and stats["peer_failures"] == 0
+    assert stats["peer_measured_s"] > 0 and stats["peer_predicted_s"] > 0
+    _check_pool(puller)
+    # Landed blocks are cached like computed ones: the next request hits them on the device.
+    _, cached, by_tier = _run(puller, PROMPT, "t1")
+    assert cached == NUM_FULL * BS and by_tier.get("hbm") == NUM_FULL * BS
 
 
-def test_partial_pull_extends_own_prefix(loaded: LoadedModel) -> None:
-    holder, puller = _engine(loaded), _engine(loaded)
+def test_pull_extends_own_prefix(loaded: LoadedModel, reference: list[int]) -> None:
+    holder = _engine(loaded)
     _run(holder, PROMPT)
+    puller, _ = _puller(loaded, holder)
     _run(puller, PROMPT[:17])  # 4 full blocks of its own
-    have = num_device_blocks(puller, PROMPT, None)
-    assert have == 4
-    sent = export_blocks(holder, PROMPT, None, have, NUM_FULL)
-    assert sent.start_block == 4 and len(sent.blobs) == NUM_FULL - 4
-    assert import_blocks(puller, PROMPT, None, sent) == NUM_FULL - 4
-    tokens, cached = _run(puller, PROMPT)
-    assert tokens == _reference(loaded) and cached == NUM_FULL * BS
+    tokens, cached, by_tier = _run(puller, PROMPT, None, HOLDER)
+    assert tokens == reference and cached == NUM_FULL * BS
+    assert by_tier.get("hbm") == 4 * BS and by_tier.get("peer") == (NUM_FULL - 4) * BS
+    assert _stats(puller)["peer_pulled_blocks"] == NUM_FULL - 4
 
 
-def test_corrupt_block_is_a_miss(loaded: LoadedModel) -> None:
-    holder, puller = _engine(loaded), _engine(loaded)
+def _damage(index: int) -> Tamper:
+    def tamper(sent: PeerBlocks) -> PeerBlocks:
+        blobs = list(sent.blobs)
+        damaged = bytearray(blobs[index])
+        damaged[-5] ^= 0xFF
+        blobs[index] = bytes(damaged)
+        return PeerBlocks(sent.start_block, tuple(blobs))
+
+    return tamper
+
+
+def test_corrupt_block_is_a_miss(loaded: LoadedModel, reference: list[int]) -> None:
+    holder = _engine(loaded)
     _run(holder, PROMPT)
-    blobs = list(export_blocks(holder, PROMPT, None, 0, NUM_FULL).blobs)
-    damaged = bytearray(blobs[3])
-    damaged[-5] ^= 0xFF
-    blobs[3] = bytes(damaged)
-    assert import_blocks(puller, PROMPT, None, PeerBlocks(0, tuple(blobs))) == 3
-    tokens, cached = _run(puller, PROMPT)
-    assert tokens == _reference(loaded) and cached == 3 * BS
+    puller, _ = _puller(loaded, holder, tamper=_damage(3))
+    tokens, cached, _ = _run(puller, PROMPT, None, HOLDER)
+    assert tokens == reference and cached == 3 * BS
+    assert _stats(puller)["peer_missed_blocks"] == NUM_FULL - 3
+    _check_pool(puller)
 
 
-def test_misplaced_blocks_are_a_miss(loaded: LoadedModel) -> None:
-    holder, puller = _engine(loaded), _engine(loaded)
+def test_misplaced_blocks_are_a_miss(loaded: LoadedModel, reference: list[int]) -> None:
+    holder = _engine(loaded)
     _run(holder, PROMPT)
-    sent = export_blocks(holder, PROMPT, None, 0, NUM_FULL)
-    assert import_blocks(puller, PROMPT, None, PeerBlocks(1, sent.blobs)) == 0
-    assert puller.pool.num_cached == 0
+
+    def shift(sent: PeerBlocks) -> PeerBlocks:  # block 0 sent as block 1 onwards
+        return PeerBlocks(sent.start_block, (sent.blobs[0], *sent.blobs[:-1]))
+
+    puller, _ = _puller(loaded, holder, tamper=shift)
+    tokens, cached, _ = _run(puller, PROMPT, None, HOLDER)
+    assert tokens == reference and cached == 1 * BS  # block 0 is in place, block 1 is not
+    _check_pool(puller)
 
 
-def test_peer_never_serves_another_tenants_blocks(loaded: LoadedModel) -> None:
-    holder, puller = _engine(loaded), _engine(loaded)
+def test_peer_never_serves_another_tenants_blocks(
+    loaded: LoadedModel, reference: list[int]
+) -> None:
+    holder = _engine(loaded)
     _run(holder, PROMPT, "tenant:a")
     assert export_blocks(holder, PROMPT, "tenant:b", 0, NUM_FULL).blobs == ()
     assert export_blocks(holder, PROMPT, None, 0, NUM_FULL).blobs == ()
+    puller, _ = _puller(loaded, holder)
+    tokens, cached, _ = _run(puller, PROMPT, "tenant:b", HOLDER)
+    assert tokens == reference and cached == 0
     # Tenant a's blocks handed to a request of tenant b do not verify.
-    sent = export_blocks(holder, PROMPT, "tenant:a", 0, NUM_FULL)
-    assert import_blocks(puller, PROMPT, "tenant:b", sent) == 0
-    assert puller.pool.num_cached == 0
+    stolen = export_blocks(holder, PROMPT, "tenant:a", 0, NUM_FULL)
+    thief, _ = _puller(loaded, holder, tamper=lambda _: stolen)
+    tokens, cached, _ = _run(thief, PROMPT, "tenant:c", HOLDER)
+    assert tokens == reference and cached == 0
+    assert _stats(thief)["peer_missed_blocks"] == NUM_FULL
 
 
-def test_blocks_from_the_peers_dram_tier(loaded: LoadedModel) -> None:
+def test_blocks_from_the_peers_dram_tier(loaded: LoadedModel, reference: list[int]) -> None:
     holder = _engine(loaded, num_blocks=12, tiers=TierConfig(dram_mb=16, calibrate=False))
-    puller = _engine(loaded)
     _run(holder, PROMPT)
     _run(holder, list(range(200, 240)))  # evicts the prompt's blocks: demoted to DRAM
-    assert holder.tiering is not None
-    assert num_device_blocks(holder, PROMPT, None) == 0
-    assert holder.tiering.manager.held_by_tier()["dram"]
-    sent = export_blocks(holder, PROMPT, None, 0, NUM_FULL)
-    assert len(sent.blobs) == NUM_FULL
-    assert import_blocks(puller, PROMPT, None, sent) == NUM_FULL
-    tokens, cached = _run(puller, PROMPT)
-    assert tokens == _reference(loaded) and cached == NUM_FULL * BS
+    assert holder.tiering is not None and holder.tiering.manager.held_by_tier()["dram"]
+    puller, _ = _puller(loaded, holder)
+    tokens, cached, _ = _run(puller, PROMPT, None, HOLDER)
+    assert tokens == reference and cached == NUM_FULL * BS
 
 
-def test_pull_keeps_a_block_free(loaded: LoadedModel) -> None:
-    holder, puller = _engine(loaded), _engine(loaded, num_blocks=6)
+def test_failing_peer_costs_a_recompute(loaded: LoadedModel, reference: list[int]) -> None:
+    puller, _ = _puller(loaded, _engine(loaded))
+    tokens, cached, _ = _run(puller, PROMPT, None, PeerSource("gone", NUM_FULL))  # KeyError
+    assert tokens == reference and cached == 0
+    assert _stats(puller)["peer_failures"] == 1
+    _check_pool(puller)
+
+
+def test_planner_pulls_only_when_it_pays(loaded: LoadedModel, reference: list[int]) -> None:
+    holder = _engine(loaded)
     _run(holder, PROMPT)
-    sent = export_blocks(holder, PROMPT, None, 0, NUM_FULL)
-    assert import_blocks(puller, PROMPT, None, sent) == 5
-    puller.pool.check_integrity()
+    puller, link = _puller(loaded, holder, plan="auto")
+    assert puller.tiering is not None
+    costs = puller.tiering.costs
+    costs.tiers[peer_tier(HOLDER.name)] = TierCost(10.0, 1e-9, 1e4)  # 10 s per pull
+    tokens, cached, _ = _run(puller, PROMPT, None, HOLDER)
+    assert tokens == reference and cached == 0 and link.calls == 0
+    assert puller.tiering.last_plan is not None and puller.tiering.last_plan.kind == "recompute"
+    puller.flush()
+    costs.tiers[peer_tier(HOLDER.name)] = TierCost(0.0, 0.0, 1e4)  # free
+    tokens, cached, _ = _run(puller, PROMPT, None, HOLDER)
+    assert tokens == reference and cached == NUM_FULL * BS and link.calls == 1
 
 
-@pytest.mark.parametrize("field", [{"peer_pull_min_blocks": 0}, {"peer_pull_timeout_s": 0.0}])
-def test_peer_pull_config_is_validated(field: dict[str, object]) -> None:
-    with pytest.raises(ConfigError, match="peer_pull"):
-        EngineConfig(peer_pull=True, **field)  # type: ignore[arg-type]
+def test_split_computes_the_front_while_the_back_arrives(
+    loaded: LoadedModel, reference: list[int]
+) -> None:
+    holder = _engine(loaded)
+    _run(holder, PROMPT)
+    puller, _ = _puller(loaded, holder, plan="split")
+    tokens, cached, by_tier = _run(puller, PROMPT, None, HOLDER)
+    assert puller.tiering is not None and puller.tiering.last_plan is not None
+    plan = puller.tiering.last_plan
+    assert plan.kind == "split" and 0 < plan.split_block < NUM_FULL
+    assert tokens == reference
+    assert cached == by_tier["peer"] == (NUM_FULL - plan.split_block) * BS
+
+
+def test_engine_keeps_stepping_while_a_pull_waits(
+    loaded: LoadedModel, reference: list[int]
+) -> None:
+    holder = _engine(loaded)
+    _run(holder, PROMPT)
+    puller, link = _puller(loaded, holder)
+    link.gate = threading.Event()
+    [waiting] = puller.add_request(PROMPT, GREEDY, peer=HOLDER)
+    other = list(range(100, 130))
+    [busy] = puller.add_request(other, GREEDY)
+    done: dict[str, list[int]] = {}
+    for _ in range(50):
+        for out in puller.step():
+            if out.finished:
+                done[out.request_id] = list(out.token_ids)
+        if busy in done:
+            break
+    assert busy in done and waiting not in done  # the other request ran to its end meanwhile
+    link.gate.set()
+    while puller.has_unfinished():
+        for out in puller.step():
+            if out.finished:
+                done[out.request_id] = list(out.token_ids)
+    assert done[waiting] == reference
+    assert _stats(puller)["peer_pulled_blocks"] == NUM_FULL
+    _check_pool(puller)
+
+
+def test_abort_while_a_pull_waits_leaks_nothing(loaded: LoadedModel) -> None:
+    holder = _engine(loaded)
+    _run(holder, PROMPT)
+    puller, link = _puller(loaded, holder)
+    link.gate = threading.Event()
+    [rid] = puller.add_request(PROMPT, GREEDY, peer=HOLDER)
+    puller.step()
+    puller.abort(rid)
+    link.gate.set()
+    assert not puller.has_unfinished()
+    _check_pool(puller)
+
+
+def test_pulls_teach_the_peers_cost(loaded: LoadedModel) -> None:
+    holder = _engine(loaded)
+    _run(holder, PROMPT)
+    puller, _ = _puller(loaded, holder)
+    _run(puller, PROMPT, None, HOLDER)
+    assert puller.tiering is not None
+    learned = puller.tiering.costs.tiers[peer_tier(HOLDER.name)]
+    assert learned.seconds_per_byte != pytest.approx(PEER_PRIOR[1])  # moved off the prior
+
+
+def test_peer_pull_config_is_validated() -> None:
+    with pytest.raises(ConfigError, match="peer_pull_timeout_s"):
+        EngineConfig(peer_pull=True, peer_pull_timeout_s=0.0)

@@ -1,0 +1,179 @@
+"""A peer as one more source of blocks for the load planner.
+
+A request may carry a `PeerSource` (from the router's holder hint): another worker that holds a
+longer prefix of its prompt. `KVTiering` then offers the planner, after the runs the local tiers
+hold, one more run: the blocks the peer holds beyond them, under the tier name `peer:<name>`, at
+that peer's calibrated cost (latency + seconds per byte, learned from every pull like any
+tier's). The planner picks fetch, split or recompute as for any tier; a planned pull runs on a
+background thread (`PeerPuller.read`) while the engine keeps stepping, and what arrives is
+verified against the hashes this worker computed under the request's own salt. A peer that is
+gone, fails or does not answer within the timeout costs the recompute of what did not arrive.
+
+The transport (`PeerLink`) is the actor's (Ray); the engine only sees this interface.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from cachesvc.calibration import CostTracker
+from cachesvc.codec import Codec, KVBlock
+from cachesvc.planner import TierCost
+from cachesvc.tiers.results import Transfer
+from cachesvc.types import BlockHash
+
+PEER_PREFIX = "peer:"
+# Prior of a pull before any was measured: an actor call's round trip, then ~1 GB/s (Ray's
+# object transfer between processes of one node is faster, between nodes about this).
+PEER_PRIOR = (5e-3, 1 / 1e9)
+
+
+def peer_tier(name: str) -> str:
+    """The tier name a peer's blocks are planned and counted under."""
+    return PEER_PREFIX + name
+
+
+def is_peer(tier: str) -> bool:
+    return tier.startswith(PEER_PREFIX)
+
+
+@dataclass(frozen=True)
+class PeerSource:
+    """Another worker holding the first `num_blocks` full blocks of a request's prompt."""
+
+    name: str
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class PeerBlocks:
+    """Encoded blocks `start_block, start_block + 1, ...` of a prompt, as a peer sent them."""
+
+    start_block: int
+    blobs: tuple[bytes, ...]
+
+
+class PeerLink(Protocol):
+    """How a worker asks a peer for blocks (the actor's Ray transport)."""
+
+    def fetch(
+        self,
+        peer: str,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        start_block: int,
+        end_block: int,
+        timeout_s: float,
+    ) -> PeerBlocks:
+        """The peer's encoded blocks `start_block ..` (below `end_block`) of the prompt, up to
+        the first it lacks; raises on any failure (gone, timed out, refused). Blocking: called
+        from a background thread."""
+        ...
+
+
+@dataclass
+class PeerStats:
+    """Counters of pulls: planned, blocks landed, failures, and predicted vs measured time."""
+
+    planned: int = 0
+    pulled_blocks: int = 0
+    missed_blocks: int = 0  # planned, arrived missing or not verifying: computed instead
+    failures: int = 0  # the peer did not answer (gone, error, timeout)
+    pulled_bytes: int = 0
+    predicted_s: float = 0.0  # of the pulls that answered
+    measured_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {f"peer_{k}": float(v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class PeerRead:
+    """What one pull brought: the verified leading blocks and the measured transfer."""
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    transfer: Transfer | None = None
+    failed: bool = False
+
+
+class PeerPuller:
+    """Offers a request's peer run to the planner and pulls it; owned by `KVTiering`."""
+
+    def __init__(
+        self, link: PeerLink, codec: Codec, costs: CostTracker, block_bytes: int, timeout_s: float
+    ) -> None:
+        self.link = link
+        self.codec = codec
+        self.costs = costs
+        self.block_bytes = block_bytes  # a raw block's encoded size, for the cost prior
+        self.timeout_s = timeout_s
+        self.stats = PeerStats()
+        # Pulls wait on the network, not the cores: a few at once, apart from the tiers' reads.
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-peer")
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        return self._executor
+
+    def cost(self, source: PeerSource) -> str:
+        """The peer's tier name, its cost known to the planner (the prior until measured)."""
+        tier = peer_tier(source.name)
+        if tier not in self.costs.tiers:
+            latency, per_byte = PEER_PRIOR
+            self.costs.tiers[tier] = TierCost(latency, per_byte, float(self.block_bytes))
+        return tier
+
+    def read(
+        self,
+        source: PeerSource,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        hashes: Sequence[BlockHash],
+        start_block: int,
+    ) -> PeerRead:
+        """Pull blocks `start_block .. start_block + len(hashes)` of the prompt from the peer
+        and verify each against `hashes` (this worker's, under the request's salt); the run
+        stops at the first that does not check out. Blocking; thread-safe."""
+        end = start_block + len(hashes)
+        began = time.perf_counter()
+        try:
+            sent = self.link.fetch(
+                source.name, token_ids, cache_salt, start_block, end, self.timeout_s
+            )
+        except Exception:  # any failure of the peer is a recompute, never the request's error
+            return PeerRead(failed=True)
+        seconds = time.perf_counter() - began
+        out = PeerRead()
+        if not isinstance(sent, PeerBlocks) or sent.start_block != start_block:
+            return out
+        for i, blob in enumerate(sent.blobs[: len(hashes)]):
+            block = self.codec.decode(blob, hashes[i])
+            parent = hashes[i - 1] if i > 0 else None
+            if block is None or (i > 0 and block.parent != parent):
+                break
+            out.blocks.append(block)
+        num_bytes = sum(len(b) for b in sent.blobs[: len(out.blocks)])
+        out.transfer = Transfer(peer_tier(source.name), num_bytes, seconds, len(out.blocks))
+        return out
+
+    def settle(self, read: PeerRead, planned: int, predicted_s: float) -> None:
+        """Count a finished pull and learn the peer's cost from it (on the engine's thread)."""
+        self.stats.planned += 1
+        self.stats.pulled_blocks += len(read.blocks)
+        self.stats.missed_blocks += planned - len(read.blocks)
+        if read.failed:
+            self.stats.failures += 1
+            return
+        t = read.transfer
+        if t is not None:
+            self.stats.pulled_bytes += t.num_bytes
+            self.stats.predicted_s += predicted_s
+            self.stats.measured_s += t.seconds
+            self.costs.observe_transfer(t)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
