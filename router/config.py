@@ -56,6 +56,11 @@ class RouterConfig:
     holder for a hot prefix (0 turns it off). Workers scoring within `route_tie_fraction` of the
     prompt's length of the best are near ties: the one given the least work lately (decayed with
     a half-life of `route_work_half_life` decisions) wins, which spreads new prefix groups.
+
+    With `peer_pull` (and workers started with `engine.peer_pull`), a worker's score counts
+    the prefix another worker holds at the worker's calibrated cost of pulling it, not of
+    computing it, and the request carries that holder's name for the worker's load planner: a
+    busy holder no longer forces a choice between its queue and a recompute.
     """
 
     host: str = "127.0.0.1"
@@ -92,6 +97,7 @@ class RouterConfig:
     route_queue_weight: float = 0.25
     route_tie_fraction: float = 0.1
     route_work_half_life: float = 64.0
+    peer_pull: bool = True
     # A worker with this many requests (running, waiting or in flight from this router) gets no
     # more: when every worker is that full, a call fails with RESOURCE_EXHAUSTED. None: no limit.
     max_queued_per_worker: int | None = None

@@ -172,6 +172,7 @@ class Router:
             hashes = self.prompts.block_hashes(prompt, req.cache_salt)
             decision = self._route(len(prompt), hashes, excluded)
             self.metrics.decisions.labels(decision.policy, decision.worker).inc()
+            outcome.route_reason = decision.reason
             holder = self._holder_hint(decision, hashes, excluded)
             try:
                 attempt_deltas = self._attempt(decision, parts, call_id, req, progress, holder)
@@ -296,6 +297,8 @@ class Router:
             if not live:
                 raise Exhausted(f"every worker's queue is full ({limit} requests each)")
         matches = self.pool.index.longest_prefix(hashes)
+        holders = self._holders(excluded) if self.config.peer_pull else set()
+        held = {w: m.num_blocks for w, m in matches.items() if w in holders}
         candidates = [
             Candidate(
                 s.worker_id,
@@ -303,22 +306,30 @@ class Router:
                 s.num_queued_tokens,
                 matches.get(s.worker_id),
                 s.load.block_costs,
+                max((n for w, n in held.items() if w != s.worker_id), default=0),
             )
             for s in live
         ]
         request = RouteRequest(num_tokens, self.pool.model.block_size)
         return self.policy.choose(request, candidates)
 
-    def _holder_hint(
-        self, decision: RouteDecision, hashes: list[BlockHash], excluded: set[WorkerId]
-    ) -> HolderHint | None:
-        """The healthy worker holding the longest prefix, when it holds more than the chosen
-        one: the chosen worker may pull the difference from it (`EngineConfig.peer_pull`)."""
-        named = {
+    def _holders(self, excluded: set[WorkerId]) -> dict[WorkerId, str]:
+        """The healthy workers a peer may pull from, by their Ray actor names."""
+        return {
             s.worker_id: s.info.actor_name
             for s in self.pool.healthy()
             if s.worker_id not in excluded and s.info is not None and s.info.actor_name
         }
+
+    def _holder_hint(
+        self, decision: RouteDecision, hashes: list[BlockHash], excluded: set[WorkerId]
+    ) -> HolderHint | None:
+        """The healthy worker holding the longest prefix, when it holds more than the chosen
+        one: the chosen worker's load planner may pull the difference from it
+        (`EngineConfig.peer_pull`). None with `RouterConfig.peer_pull` off."""
+        if not self.config.peer_pull:
+            return None
+        named = self._holders(excluded)
         named.pop(decision.worker, None)
         if not named:
             return None
@@ -326,6 +337,7 @@ class Router:
         best = max(matches, key=lambda m: m.num_blocks, default=None)
         if best is None or best.num_blocks <= decision.matched_blocks:
             return None
+        self.metrics.pull_hints.inc()
         return HolderHint(named[best.worker], best.num_blocks)
 
     # ---- score ------------------------------------------------------------------------------

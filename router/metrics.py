@@ -72,6 +72,11 @@ class RouterMetrics:
             ["policy", "worker"],
             registry=r,
         )
+        self.pull_hints = Counter(
+            "cachesvc_pull_hints",
+            "Requests sent with a holder a worker may pull the prefix from",
+            registry=r,
+        )
         self.retries = Counter(
             "cachesvc_retries",
             "Requests sent again: before_start (never started) or mid_stream (resumed)",
@@ -119,6 +124,8 @@ class RequestOutcome:
     started_s: float = field(default_factory=time.perf_counter)
     ttft_s: float | None = None
     worker: str | None = None
+    route_reason: str = ""  # the policy's, of the last attempt
+    pulled_tokens: int = 0  # prompt tokens pulled from another worker
     prompt_tokens: int = 0
     cached_tokens: int = 0
     computed_tokens: int = 0
@@ -135,6 +142,7 @@ class RequestOutcome:
         self.worker = usage.worker_id
         self.prompt_tokens = usage.prompt_tokens
         self.cached_tokens += sum(usage.cached_tokens.values())
+        self.pulled_tokens += usage.cached_tokens.get("peer", 0)
         self.computed_tokens += usage.computed_tokens
         self.completion_tokens += usage.completion_tokens
 
@@ -150,7 +158,9 @@ class RequestOutcome:
                 "status": self.status,
                 "policy": self.policy,
                 "worker": self.worker,
+                "route_reason": self.route_reason,
                 "prompt_tokens": self.prompt_tokens,
+                "pulled_tokens": self.pulled_tokens,
                 "cached_tokens": self.cached_tokens,
                 "computed_tokens": self.computed_tokens,
                 "completion_tokens": self.completion_tokens,

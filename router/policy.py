@@ -21,6 +21,7 @@ from workers.protocol import BlockCosts
 # a worker that does not report its own (`BlockCosts`: only workers with lower tiers do).
 TIER_FETCH_COST: Mapping[str, float] = {"hbm": 0.0, "dram": 0.05, "nvme": 0.2, "redis": 0.3}
 _UNKNOWN_TIER_COST = 0.5
+PEER = "peer"  # the pseudo-tier of a pull from another worker, in `BlockCosts.fetch_s`
 # Requests a worker may take above `traffic_factor` times the mean before the bound applies,
 # so that the first few decisions after a start (or an idle spell) bound nobody.
 _TRAFFIC_SLACK = 2.0
@@ -35,6 +36,9 @@ class Candidate:
     num_queued_tokens: int  # tokens still to compute ahead of a new request
     match: PrefixMatch | None = None  # its cached prefix of this request; None: nothing
     costs: BlockCosts | None = None  # its calibrated per-block costs, when it reports them
+    # The longest prefix of this request another worker holds, that this one may pull (it
+    # counts only when the worker reports a pull cost: `BlockCosts.fetch_s["peer"]`).
+    peer_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class RouteDecision:
     matched_blocks: int = 0
     estimated_cost_tokens: float | None = None
     reason: str = ""
+    pull_blocks: int = 0  # blocks the worker is expected to pull from a holder
 
 
 class Policy(Protocol):
@@ -114,6 +119,30 @@ class LeastLoaded:
         return RouteDecision(pick.worker, self.name, _matched(pick), reason="least queued work")
 
 
+class LongestPrefix:
+    """Pure cache affinity: the worker holding the longest prefix of the request (any tier),
+    then the least queued work. No bound: a hot prefix stays on its holder however busy."""
+
+    name = "longest_prefix"
+
+    def __init__(self) -> None:
+        self._recency = _Recency()
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
+        pick = min(
+            candidates,
+            key=lambda c: (
+                -_matched(c),
+                c.num_queued_tokens,
+                self._recency.age_key(c.worker),
+                c.worker,
+            ),
+        )
+        self._recency.chosen(pick.worker)
+        reason = "longest cached prefix" if _matched(pick) else "no cached prefix: least queued"
+        return RouteDecision(pick.worker, self.name, _matched(pick), reason=reason)
+
+
 def fetch_weights(candidate: Candidate) -> Mapping[str, float]:
     """Cost of bringing one cached token into the device, relative to recomputing it, per
     tier: the worker's own calibrated costs when it reports them, else `TIER_FETCH_COST`.
@@ -133,17 +162,31 @@ def estimated_cost(request: RouteRequest, candidate: Candidate) -> float:
 
 def prefill_cost(request: RouteRequest, candidate: Candidate) -> float:
     """Tokens of work of the request itself on `candidate`: the uncached part of the prompt,
-    and the cached part in slower tiers weighted by its fetch cost (`fetch_weights`)."""
+    the cached part in slower tiers weighted by its fetch cost (`fetch_weights`), and the part
+    it can pull from a holder weighted by its pull cost."""
     match = candidate.match
     cached_blocks = 0 if match is None else match.num_blocks
     # The engine always computes the last prompt token itself, so a full match still costs one.
-    matched = min(cached_blocks * request.block_size, max(request.num_prompt_tokens - 1, 0))
+    most = max(request.num_prompt_tokens - 1, 0)
+    matched = min(cached_blocks * request.block_size, most)
+    weights = fetch_weights(candidate)
     fetch = 0.0
     if match is not None:
-        weights = fetch_weights(candidate)
         for tier, num_blocks in match.blocks_by_tier.items():
             fetch += weights.get(tier, _UNKNOWN_TIER_COST) * num_blocks * request.block_size
-    return (request.num_prompt_tokens - matched) + fetch
+    pulled = pull_blocks(request, candidate) * request.block_size
+    pulled = min(pulled, most - matched)
+    return (request.num_prompt_tokens - matched - pulled) + fetch + weights.get(PEER, 1.0) * pulled
+
+
+def pull_blocks(request: RouteRequest, candidate: Candidate) -> int:
+    """Blocks `candidate` would pull from the worker holding the longest prefix: what that one
+    holds beyond its own, when it pulls at all (it reports a pull cost)."""
+    costs = candidate.costs
+    if costs is None or PEER not in costs.fetch_s:
+        return 0
+    own = 0 if candidate.match is None else candidate.match.num_blocks
+    return max(0, candidate.peer_blocks - own)
 
 
 class PrefixAware:
@@ -221,9 +264,12 @@ class PrefixAware:
             ),
         )
         reason = _reason(pick, candidates, loaded, eligible, lowest=scores[pick.worker] == best)
+        pulled = pull_blocks(request, pick)
+        if pulled:
+            reason += f"; pulls {pulled} blocks from the holder"
         self._chosen(request, pick)
         cost = estimated_cost(request, pick)
-        return RouteDecision(pick.worker, self.name, _matched(pick), cost, reason)
+        return RouteDecision(pick.worker, self.name, _matched(pick), cost, reason, pulled)
 
     def _chosen(self, request: RouteRequest, pick: Candidate) -> None:
         self._recency.chosen(pick.worker)
@@ -291,6 +337,7 @@ def _matched(candidate: Candidate) -> int:
 _REGISTRY: dict[str, Callable[..., Policy]] = {
     RoundRobin.name: lambda **_: RoundRobin(),
     LeastLoaded.name: lambda **_: LeastLoaded(),
+    LongestPrefix.name: lambda **_: LongestPrefix(),
     PrefixAware.name: lambda **kw: PrefixAware(**kw),
 }
 

@@ -25,6 +25,7 @@ from cachesvc.events import TIER_HBM, Event
 from cachesvc.events_redis import EventStreamConfig
 from cachesvc.index import IndexSnapshot
 from cachesvc.types import BlockId
+from workers.engine.peer_pull import is_peer
 from workers.protocol import (
     BlockCosts,
     HolderHint,
@@ -305,12 +306,16 @@ class WorkerActor:
             # Read while the engine may be stepping: the model is a snapshot of floats, and a
             # coefficient one step stale is as good for routing.
             model, bs = tiering.costs.model(), self._info.block_size
+            fetch_s = {
+                name: t.bytes_per_block * t.seconds_per_byte + model.land_s_per_block
+                for name, t in model.tiers.items()
+                if not is_peer(name)
+            }
+            if tiering.peers is not None:  # one figure for pulls, whichever the holder
+                fetch_s["peer"] = tiering.peers.block_s(model)
             costs = BlockCosts(
                 compute_s=bs * model.compute.beta_s + bs * bs / 2 * model.compute.gamma_s,
-                fetch_s={
-                    name: t.bytes_per_block * t.seconds_per_byte + model.land_s_per_block
-                    for name, t in model.tiers.items()
-                },
+                fetch_s=fetch_s,
             )
         return WorkerLoad(
             load.num_running,

@@ -5,6 +5,12 @@ Reports, per policy: prefix-cache hit ratio, prompt tokens computed, TTFT p50/p9
 client, from sending a request to its first token), output throughput, and load imbalance
 (max / mean requests per worker). Greedy, fixed-length outputs (`ignore_eos`), so every policy
 does the same work.
+
+The `hot-prefix` workload (one long context forked into many requests) compares, over workers
+started with `peer_pull`: affinity only (`longest_prefix`), load only (`least_loaded`: a worker
+without the prefix recomputes it), and load-aware routing with pulls (the same policies with the
+router's `peer_pull`: a worker without the prefix may pull it from its holder), with the
+tokens and bytes pulled.
 """
 
 from __future__ import annotations
@@ -32,13 +38,32 @@ from cachesvc.bench.workloads import (
     Session,
     TraceScale,
     groups_workload,
+    hot_prefix_workload,
     load_mooncake,
     multiturn_workload,
     trace_workload,
 )
 from cachesvc.types import WorkerId
 
-WORKLOADS = ("groups", "multiturn", "trace")
+WORKLOADS = ("groups", "multiturn", "trace", "hot-prefix")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the table: a routing policy, with or without pulls between workers."""
+
+    label: str
+    policy: str
+    peer_pull: bool = False
+
+
+# Affinity only, load only (recompute), and load-aware with pulls.
+PULL_VARIANTS = (
+    Variant("longest_prefix", "longest_prefix"),
+    Variant("least_loaded", "least_loaded"),
+    Variant("least_loaded+pull", "least_loaded", True),
+    Variant("prefix_aware+pull", "prefix_aware", True),
+)
 
 
 # ---- one policy over live workers -----------------------------------------------------------
@@ -76,6 +101,7 @@ async def _run_session(
         assert usage is not None and ttft is not None
         records.append(
             RequestRecord(
+                pulled_tokens=usage.cached_tokens.get("peer", 0),
                 worker=usage.worker_id,
                 prompt_tokens=usage.prompt_tokens,
                 cached_tokens=sum(usage.cached_tokens.values()),
@@ -93,13 +119,12 @@ async def _run_session(
 async def run_policy(
     actors: Mapping[WorkerId, Any],
     model: str | None,
-    policy: str,
+    variant: Variant,
     sessions: Sequence[Session],
     workload: str = "custom",
-    **router_options: Any,
 ) -> PolicyResult:
-    """Serve `sessions` through a fresh router with `policy` over existing workers (their
-    caches flushed first) and summarize what the client saw."""
+    """Serve `sessions` through a fresh router with `variant`'s policy over existing workers
+    (their caches flushed first) and summarize what the client saw."""
     import grpc
 
     from proto.cachesvc.v1 import cachesvc_pb2 as pb
@@ -108,7 +133,7 @@ async def run_policy(
     from router.config import RouterConfig
     from router.server import RouterServer
 
-    config = RouterConfig(policy=policy, port=0, **router_options)
+    config = RouterConfig(policy=variant.policy, port=0, peer_pull=variant.peer_pull)
     router = await build_router(actors, config, model)
     server = RouterServer(router, config)
     await server.start()
@@ -116,16 +141,24 @@ async def run_policy(
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.InferenceStub(channel)
             await pb_grpc.AdminStub(channel).Flush(pb.FlushRequest())
+            pulled_before = await _pulled_bytes(actors)
             start = asyncio.get_running_loop().time()
             began = time.perf_counter()
             done = await asyncio.gather(*(_run_session(stub, s, start) for s in sessions))
             wall_s = time.perf_counter() - began
+            pulled = await _pulled_bytes(actors) - pulled_before
     finally:
         await server.stop(grace_s=1.0)
         await router.close()
     records = [r for rs, _ in done for r in rs]
     errors = sum(e for _, e in done)
-    return summarize(policy, workload, records, sorted(actors), errors, wall_s)
+    return summarize(variant.label, workload, records, sorted(actors), errors, wall_s, pulled)
+
+
+async def _pulled_bytes(actors: Mapping[WorkerId, Any]) -> int:
+    """KV bytes the workers have pulled from each other so far."""
+    loads = await asyncio.gather(*(a.stats.remote() for a in actors.values()))
+    return int(sum(load.tiering.get("peer_pulled_bytes", 0) for load in loads))
 
 
 async def run_all_policies(
@@ -133,17 +166,26 @@ async def run_all_policies(
     model: str | None,
     sessions: Sequence[Session],
     workload: str,
-    policies: Sequence[str],
+    variants: Sequence[Variant],
 ) -> list[PolicyResult]:
-    """A short warm-up (first calls are slow), then each policy in turn on the same workload."""
+    """A short warm-up (first calls are slow), then each variant in turn on the same workload."""
     warmup = [Session(0.0, tuple(range(40, 72)), sessions[0].turns[:1]) for _ in actors]
-    await run_policy(actors, model, "round_robin", warmup, "warmup")
+    await run_policy(actors, model, Variant("warmup", "round_robin"), warmup, "warmup")
     results = []
-    for policy in policies:
-        result = await run_policy(actors, model, policy, sessions, workload)
-        print(f"  {policy}: done ({result.num_requests} requests)", file=sys.stderr, flush=True)
+    for variant in variants:
+        result = await run_policy(actors, model, variant, sessions, workload)
+        print(f"  {variant.label}: done ({result.num_requests} requests)", file=sys.stderr)
         results.append(result)
     return results
+
+
+def variants_for(workload: str) -> list[Variant]:
+    """Every policy as it is for most workloads; affinity, load and pulls for hot-prefix."""
+    from router.policy import policy_names
+
+    if workload == "hot-prefix":
+        return list(PULL_VARIANTS)
+    return [Variant(name, name) for name in policy_names()]
 
 
 # ---- the command --------------------------------------------------------------------------------
@@ -160,7 +202,7 @@ class RoutingBenchArgs:
     model: str | None = None
     tiny: bool = False
     rate: float | None = None
-    num_blocks: int = 128
+    num_blocks: int | None = None  # None: 128, or 1024 with hot-prefix (long prompts at once)
     trace_scale: TraceScale = TraceScale()
 
 
@@ -168,6 +210,7 @@ def build_workload(args: RoutingBenchArgs, workload: str, vocab_size: int) -> li
     """The sessions of `workload` at the sizes `args` asks for, arriving at a rate that fits
     the model (a tiny one, or SmolLM2 on two CPU cores)."""
     rate = args.rate if args.rate is not None else (20.0 if args.tiny else 1.5)
+    out_len = 4 if args.quick else 16
     if workload == "groups":
         size = {"num_groups": 6, "prompts_per_group": 4} if args.quick else {}
         out_len = 4 if args.quick else 8
@@ -175,6 +218,18 @@ def build_workload(args: RoutingBenchArgs, workload: str, vocab_size: int) -> li
     if workload == "multiturn":
         size = {"num_users": 6, "num_turns": 3} if args.quick else {"num_users": 8, "num_turns": 4}
         return multiturn_workload(vocab_size, output_len=4, rate=rate / 2, **size)
+    if workload == "hot-prefix":
+        burst = args.rate if args.rate is not None else 8.0
+        small = args.tiny or args.quick
+        return hot_prefix_workload(
+            vocab_size,
+            prefix_len=256 if small else 1024,
+            num_forks=8 if small else 16,
+            suffix_len=32 if small else 256,
+            output_len=out_len,
+            fork_at_s=1.0 if small else 4.0,
+            rate=burst,
+        )
     assert workload == "trace" and args.trace is not None, "checked by run_routing_bench"
     scale = args.trace_scale
     if args.quick:
@@ -187,7 +242,6 @@ def run_routing_bench(args: RoutingBenchArgs) -> int:
     import ray
 
     from cachesvc.config import EngineConfig
-    from router.policy import policy_names
     from workers.cluster import WorkerGroup, spawn_workers, stop_workers
 
     workloads = _workloads(args)
@@ -198,8 +252,10 @@ def run_routing_bench(args: RoutingBenchArgs) -> int:
 
             folder = Path(tmp) / "tiny-llama"
             model = str(write_tiny_model(folder, vocab_size=512, max_position_embeddings=2048))
+        pulls = "hot-prefix" in workloads
+        num_blocks = args.num_blocks or (1024 if pulls else 128)
         engine = EngineConfig.from_env(
-            model=model, block_size=16, num_blocks=args.num_blocks, num_threads=1
+            model=model, block_size=16, num_blocks=num_blocks, num_threads=1, peer_pull=pulls
         )
         ray.init(include_dashboard=False, log_to_driver=False)
         actors: dict[WorkerId, Any] = {}
@@ -212,7 +268,7 @@ def run_routing_bench(args: RoutingBenchArgs) -> int:
                 num = sum(s.num_requests for s in sessions)
                 print(f"{workload}: {num} requests, {args.workers} workers", file=sys.stderr)
                 results += asyncio.run(
-                    run_all_policies(actors, model, sessions, workload, policy_names())
+                    run_all_policies(actors, model, sessions, workload, variants_for(workload))
                 )
         finally:
             stop_workers(actors)

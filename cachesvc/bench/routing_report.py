@@ -24,6 +24,7 @@ class RequestRecord:
     output_tokens: int
     ttft_s: float
     latency_s: float
+    pulled_tokens: int = 0  # of `cached_tokens`, pulled from another worker
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class PolicyResult:
     throughput_tok_s: float
     imbalance: float  # max / mean requests per worker; 1.0 is perfectly even
     requests_per_worker: Mapping[str, int]
+    pulled_tokens: int = 0  # prompt tokens pulled from another worker
+    pulled_mb: float = 0.0  # KV bytes the workers pulled from each other
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -57,6 +60,7 @@ def summarize(
     workers: Sequence[str],
     num_errors: int,
     wall_s: float,
+    pulled_bytes: int = 0,
 ) -> PolicyResult:
     """Aggregate the records of one policy's run (pure)."""
     per_worker = {w: 0 for w in workers}
@@ -77,6 +81,8 @@ def summarize(
         throughput_tok_s=sum(r.output_tokens for r in records) / wall_s if wall_s > 0 else 0.0,
         imbalance=max(per_worker.values()) / mean if mean else 0.0,
         requests_per_worker=per_worker,
+        pulled_tokens=sum(r.pulled_tokens for r in records),
+        pulled_mb=pulled_bytes / 2**20,
     )
 
 
@@ -89,6 +95,9 @@ def to_json(result: PolicyResult) -> dict[str, Any]:
 def format_results(results: Sequence[PolicyResult]) -> str:
     headers = ["policy", "hit ratio", "computed tok", "TTFT p50 ms", "TTFT p99 ms"]
     headers += ["tok/s", "imbalance", "errors"]
+    pulls = any(r.pulled_tokens for r in results)
+    if pulls:
+        headers += ["pulled tok", "pulled MiB"]
     rows = [
         [
             r.policy,
@@ -99,6 +108,7 @@ def format_results(results: Sequence[PolicyResult]) -> str:
             r.throughput_tok_s,
             r.imbalance,
             r.num_errors,
+            *([r.pulled_tokens, r.pulled_mb] if pulls else []),
         ]
         for r in results
     ]

@@ -106,6 +106,31 @@ def multiturn_workload(
     ]
 
 
+def hot_prefix_workload(
+    vocab_size: int,
+    *,
+    prefix_len: int = 1024,
+    num_forks: int = 16,
+    suffix_len: int = 32,
+    output_len: int = 8,
+    fork_at_s: float = 2.0,
+    rate: float = 4.0,
+    seed: int = 0,
+) -> list[Session]:
+    """One agent's long context forked into many sub-agents (llm-d's P2P benchmark): a parent
+    request computes the `prefix_len`-token context at 0; from `fork_at_s` on, `num_forks`
+    requests of that context plus a suffix of their own arrive as a Poisson burst of `rate`
+    per second, so the worker holding the context faces them all at once."""
+    rng = random.Random(seed)
+    prefix = _tokens(rng, prefix_len, vocab_size)
+    parent = Session(0.0, prefix, (Turn(_tokens(rng, suffix_len, vocab_size), output_len),))
+    arrivals = _poisson_arrivals(rng, num_forks, rate)
+    return [parent] + [
+        Session(fork_at_s + t, prefix, (Turn(_tokens(rng, suffix_len, vocab_size), output_len),))
+        for t in arrivals
+    ]
+
+
 @dataclass(frozen=True)
 class TraceScale:
     """How a Mooncake trace is shrunk to fit a small machine.

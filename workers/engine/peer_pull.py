@@ -22,7 +22,7 @@ from typing import Protocol
 
 from cachesvc.calibration import CostTracker
 from cachesvc.codec import Codec, KVBlock
-from cachesvc.planner import TierCost
+from cachesvc.planner import CostModel, TierCost
 from cachesvc.tiers.results import Transfer
 from cachesvc.types import BlockHash
 
@@ -126,6 +126,16 @@ class PeerPuller:
             latency, per_byte = PEER_PRIOR
             self.costs.tiers[tier] = TierCost(latency, per_byte, float(self.block_bytes))
         return tier
+
+    def block_s(self, model: CostModel) -> float:
+        """Seconds to pull one block of a long run and land it, for the router's estimate: the
+        mean over the peers pulled from so far (their transfer alone), else the prior."""
+        costs = [t for name, t in model.tiers.items() if is_peer(name)]
+        if not costs:
+            latency, per_byte = PEER_PRIOR
+            costs = [TierCost(latency, per_byte, float(self.block_bytes))]
+        transfer = sum(t.bytes_per_block * t.seconds_per_byte for t in costs) / len(costs)
+        return transfer + model.land_s_per_block
 
     def read(
         self,

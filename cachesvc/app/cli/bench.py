@@ -138,7 +138,13 @@ def _add_routing_bench_parser(bench_sub: Any) -> None:
         "routing", help="every routing policy on one workload: hit ratio, TTFT, imbalance"
     )
     b.add_argument("--workers", type=int, default=2)
-    b.add_argument("--workload", default="groups", choices=("groups", "multiturn", "trace", "all"))
+    b.add_argument(
+        "--workload",
+        default="groups",
+        choices=("groups", "multiturn", "trace", "hot-prefix", "all"),
+        help="hot-prefix: one long context forked into many requests; affinity only, load "
+        "only and load-aware with pulls between workers",
+    )
     b.add_argument("--trace", help="a Mooncake JSONL trace for --workload trace")
     b.add_argument("--json", dest="json_path", help="also write the results to this file")
     b.add_argument("--plot", dest="plot_path", help="also draw the results into this PNG")
@@ -146,7 +152,12 @@ def _add_routing_bench_parser(bench_sub: Any) -> None:
     b.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     b.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of a model")
     b.add_argument("--rate", type=float, default=None, help="arrivals per second")
-    b.add_argument("--num-blocks", type=int, default=128, help="KV blocks per worker")
+    b.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per worker (default 128; 1024 with hot-prefix)",
+    )
     d = TraceScale()
     b.add_argument(
         "--trace-block-tokens",

@@ -13,6 +13,7 @@ from cachesvc.bench.workloads import (
     TraceScale,
     groups_workload,
     hash_block_tokens,
+    hot_prefix_workload,
     load_mooncake,
     multiturn_workload,
     trace_workload,
@@ -92,3 +93,15 @@ def test_summary_hit_ratio_percentiles_and_imbalance() -> None:
     assert result.throughput_tok_s == pytest.approx(6.0)
     assert result.imbalance == pytest.approx(2 / 1)  # w0 served 2, the mean is 1
     assert result.num_errors == 1
+
+
+def test_hot_prefix_forks_one_context_after_its_parent() -> None:
+    sessions = hot_prefix_workload(700, prefix_len=40, num_forks=5, suffix_len=6, fork_at_s=2.0)
+    parent, *forks = sessions
+    assert parent.arrival_s == 0.0 and len(forks) == 5
+    assert all(f.prefix_ids == parent.prefix_ids and len(f.prefix_ids) == 40 for f in forks)
+    assert all(f.arrival_s >= 2.0 for f in forks)
+    assert len({f.turns[0].question_ids for f in sessions}) == 6  # a suffix of its own each
+    assert sessions == hot_prefix_workload(
+        700, prefix_len=40, num_forks=5, suffix_len=6, fork_at_s=2.0
+    )
