@@ -1,10 +1,8 @@
-"""The workers as the router sees them: handles, load, health, and their KV event streams.
+"""The workers as the router sees them: handles, load, health, and calls to them.
 
 The supervisor (`router/supervisor.py`) pings and polls every worker (`WorkerActor.poll`) for
-its load. The KV events come from an `EventSource` (`router/events_source.py`): with the polls
-themselves, or from the workers' Redis Streams when Redis is configured. Either way the pool
-applies them to the prefix index in order, per worker, and a gap or a new incarnation (a
-restarted actor) resyncs the worker from a snapshot.
+its load. Their KV events, with the polls or from their Redis Streams, reach the prefix index
+through the pool's `IndexSync` (`router/index_sync.py`).
 
 Health: a worker whose call fails with any Ray error, or that stops answering pings, is
 UNHEALTHY (routed to only when no worker is healthy; its streams fail over); one that Ray says
@@ -15,20 +13,20 @@ Ray is imported only inside the methods that call it.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from cachesvc.events import Event
-from cachesvc.index import IndexSnapshot, PrefixIndex
+from cachesvc.index import PrefixIndex
 from cachesvc.types import WorkerId
 from router.config import RouterConfig
 from router.domain import Exhausted, InvalidInput, Unimplemented
-from router.events_source import EventSource, StreamPosition, make_event_source
+from router.events_source import EventSource, make_event_source
+from router.index_sync import IndexSync
 from router.ray_failures import Failure, actor_state, classify, ray_error_types
+from router.worker_state import Health, WorkerState
 from workers.protocol import (
     HolderHint,
     PollResult,
@@ -39,17 +37,6 @@ from workers.protocol import (
 )
 
 _log = logging.getLogger(__name__)
-
-# How long `sync` waits for a worker's stream to bring the events its poll announced. A stream
-# that misses it is marked lagging and not waited for again until it moves: a Redis outage must
-# not add this to every request.
-_READ_YOUR_WRITES_S = 0.5
-
-
-class Health(str, enum.Enum):
-    HEALTHY = "healthy"
-    UNHEALTHY = "unhealthy"  # failing; routed to only when no healthy worker is left
-    DEAD = "dead"  # gone for good: out of routing and the index until replaced
 
 
 class WorkerDied(Exception):
@@ -71,40 +58,6 @@ class ModelInfo:
     max_model_len: int
 
 
-@dataclass
-class WorkerState:
-    """One worker's handle and what the router knows about it; mutated by the pool only."""
-
-    worker_id: WorkerId
-    actor: Any
-    info: WorkerInfo | None = None
-    health: Health = Health.HEALTHY
-    load: WorkerLoad = field(default_factory=WorkerLoad)
-    missed_polls: int = 0
-    failing_since: float | None = None  # monotonic time it became unhealthy
-    num_replacements: int = 0
-    # Requests this router has sent and not yet seen finish, and their prompt tokens not yet
-    # prefilled: fresher than the polled load.
-    num_inflight: int = 0
-    num_inflight_tokens: int = 0
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    incarnation: str = ""  # the life of the worker the index follows
-    # Events through the event source (not the polls); the index holds those before
-    # `stream_seq`; `advanced` is set, and replaced, whenever `stream_seq` moves.
-    streamed: bool = False
-    stream_seq: int = 0
-    stream_lagging: bool = False
-    advanced: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def num_requests(self) -> int:
-        return max(self.load.num_running + self.load.num_waiting, self.num_inflight)
-
-    @property
-    def num_queued_tokens(self) -> int:
-        return max(self.load.num_queued_tokens, self.num_inflight_tokens)
-
-
 _ERRORS = {"invalid_argument": InvalidInput, "resource_exhausted": Exhausted}
 
 
@@ -114,7 +67,8 @@ def raise_stream_error(error: StreamError) -> None:
 
 
 class WorkerPool:
-    """Owns the worker handles and keeps `index` in step with their events."""
+    """Owns the worker handles, their health and the calls to them; keeps `index` in step with
+    their events through its `IndexSync`."""
 
     def __init__(
         self,
@@ -128,9 +82,16 @@ class WorkerPool:
         self.index = index
         self.config = config
         self.events = events if events is not None else make_event_source(config)
-        self.num_resyncs = 0
         self._workers = {w: WorkerState(w, a) for w, a in sorted(actors.items())}
+        self._sync = IndexSync(
+            index, self.events, self._workers, config.call_timeout_s, self.missed
+        )
         self._model: ModelInfo | None = None
+
+    @property
+    def num_resyncs(self) -> int:
+        """Times a worker's part of the index was replaced by its snapshot."""
+        return self._sync.num_resyncs
 
     @property
     def model(self) -> ModelInfo:
@@ -152,12 +113,7 @@ class WorkerPool:
             state.streamed = self.events.follows(state.worker_id, info.event_stream)
         self._model = _agree(infos)
         await asyncio.gather(*(self._catch_up(s) for s in states))
-        positions = {
-            s.worker_id: StreamPosition(s.incarnation, s.stream_seq)
-            for s in states
-            if s.streamed and s.health is not Health.DEAD
-        }
-        await self.events.start(positions, self._apply_streamed)
+        await self._sync.start(states)
         await asyncio.gather(*(self.poll(s) for s in states))  # every load known at start
         return self._model
 
@@ -178,10 +134,8 @@ class WorkerPool:
             state.actor, state.info, state.incarnation = actor, info, info.incarnation
             state.streamed = self.events.follows(worker, info.event_stream)
             state.load, state.missed_polls = WorkerLoad(), 0
-            await self._resync(state)
-        if state.streamed:
-            position = StreamPosition(state.incarnation, state.stream_seq)
-            await self.events.follow(worker, position, self._apply_streamed)
+            await self._sync.resync(state)
+        await self._sync.follow(state)
         state.num_replacements += 1
         self._healthy(state)
 
@@ -301,15 +255,14 @@ class WorkerPool:
             _log.warning("worker %s is dead: %s", worker, str(reason).splitlines()[0:1])
         state.health = Health.DEAD
         state.failing_since = state.failing_since or time.monotonic()
-        self.events.forget(worker)
-        self.index.drop_worker(worker)
+        self._sync.forget(worker)
 
     def _healthy(self, state: WorkerState) -> None:
         if state.health is not Health.HEALTHY:
             _log.warning("worker %s is healthy again", state.worker_id)
         state.health, state.failing_since, state.missed_polls = Health.HEALTHY, None, 0
 
-    # ---- events -----------------------------------------------------------------------------
+    # ---- polls ------------------------------------------------------------------------------
 
     async def sync(self, worker: WorkerId) -> None:
         """Poll one worker now: its load, and its events into the index. When its events come
@@ -318,7 +271,7 @@ class WorkerPool:
         state = self._workers[worker]
         announced = await self.poll(state)
         if announced is not None and state.streamed:
-            await self._await_stream(state, announced)
+            await self._sync.await_stream(state, announced)
 
     async def poll(self, state: WorkerState) -> int | None:
         """Load, incarnation check and (unless streamed) events of one worker; returns the
@@ -326,7 +279,7 @@ class WorkerPool:
         if state.health is Health.DEAD:
             return None
         async with state.lock:  # events of one worker are applied in order
-            since = None if state.streamed else (self.index.next_seq(state.worker_id) or 0)
+            since = self._sync.polled_since(state)
             try:
                 result: PollResult = await asyncio.wait_for(
                     state.actor.poll.remote(since), self.config.call_timeout_s
@@ -336,69 +289,12 @@ class WorkerPool:
                 return None
             state.load = result.load
             self._healthy(state)
-            # With no events (streamed), `apply` still checks the index follows this life.
-            if not self.index.apply(state.worker_id, result.incarnation, result.events):
-                await self._resync(state)
+            await self._sync.apply_polled(state, result)
         return result.next_seq
 
-    async def _apply_streamed(
-        self, worker: WorkerId, incarnation: str, events: Sequence[Event]
-    ) -> None:
-        """Apply events the stream delivered (oldest first), resyncing on a gap."""
-        state = self._workers.get(worker)
-        if state is None or state.health is Health.DEAD or not events:
-            return
-        async with state.lock:
-            if incarnation != state.incarnation:
-                await self._resync(state)  # a restarted worker: learn its new life
-                if incarnation != state.incarnation:
-                    return  # entries of a past life, still in the stream
-            if self.index.apply(worker, incarnation, events):
-                self._advance(state, incarnation, events[-1].seq + 1)
-            else:
-                await self._resync(state)
-
-    async def _await_stream(self, state: WorkerState, next_seq: int) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + _READ_YOUR_WRITES_S
-        while state.stream_seq < next_seq and not state.stream_lagging:
-            advanced = state.advanced
-            try:
-                await asyncio.wait_for(advanced.wait(), deadline - loop.time())
-            except asyncio.TimeoutError:
-                _log.info("worker %s: its event stream lags; not waiting for it", state.worker_id)
-                state.stream_lagging = True
-
-    def _advance(self, state: WorkerState, incarnation: str, next_seq: int) -> None:
-        if incarnation != state.incarnation:  # a new life numbers its events from zero
-            state.incarnation, state.stream_seq = incarnation, next_seq
-        elif next_seq <= state.stream_seq:
-            return
-        state.stream_seq, state.stream_lagging = next_seq, False
-        state.advanced.set()
-        state.advanced = asyncio.Event()
-
     async def _catch_up(self, state: WorkerState) -> None:
-        """At start: a shared index that already follows this life of the worker (another
-        router, or this one before a restart, kept it in Redis) only needs the newer events;
-        otherwise take a snapshot."""
-        if self.index.apply(state.worker_id, state.incarnation, ()):
-            self._advance(state, state.incarnation, self.index.next_seq(state.worker_id) or 0)
-            await self.poll(state)
-        else:
-            await self._resync(state)
-
-    async def _resync(self, state: WorkerState) -> None:
-        try:
-            snapshot: IndexSnapshot = await asyncio.wait_for(
-                state.actor.snapshot.remote(), self.config.call_timeout_s
-            )
-        except ray_error_types() as exc:
-            self.missed(state, exc)
-            return
-        self.index.resync(state.worker_id, snapshot)
-        self._advance(state, snapshot.incarnation, snapshot.next_seq)
-        self.num_resyncs += 1
+        if await self._sync.catch_up(state):
+            await self.poll(state)  # the index followed this life already: the newer events
 
     def missed(self, state: WorkerState, exc: BaseException) -> None:
         """A poll or ping that failed; `max_missed_polls` in a row make the worker unhealthy

@@ -10,8 +10,8 @@ no such rule). The device pool counts as holding a parent, through `device_has`.
 A hit is promoted by copying it into the device pool; the tiers keep their copy (inclusive), so
 when the device evicts the block again it costs no new write.
 
-The shared tier (Redis) is written only for blocks reused at least `min_reuse` times, and is only
-ever asked, never managed: other workers write it and Redis evicts by itself.
+The shared tier (Redis) is written only for blocks reused at least `min_reuse` times, by the
+manager's `Sharing` (`cachesvc/tiers/sharing.py`); it is only ever asked, never managed.
 
 Every change is an event in the worker's `EventLog`: stored / moved / removed, naming the tier.
 State lives on the caller's thread; only `read` (the fetch itself) may run on another thread.
@@ -20,44 +20,17 @@ State lives on the caller's thread; only `read` (the fetch itself) may run on an
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 from cachesvc.codec import AuthError, Codec, KVBlock
 from cachesvc.events import EventLog
 from cachesvc.tiers.base import Tier, TierItem
+from cachesvc.tiers.payload import Payload
 from cachesvc.tiers.results import FetchResult, ManagerStats, TierHit, Transfer
+from cachesvc.tiers.sharing import Sharing
 from cachesvc.types import BlockHash
 
 _VICTIM_SCAN = 64  # how many of a tier's oldest blocks to scan for a leaf
-_MAX_TRACKED = 1 << 20  # reuse counters kept (least recently counted forgotten first)
-
-
-class _Payload:
-    """A block on its way into a tier: its KV, or a blob with the codec of the tier it comes
-    from (which verifies it), encoded lazily per codec."""
-
-    def __init__(
-        self,
-        block_hash: BlockHash,
-        parent: BlockHash | None,
-        *,
-        block: KVBlock | None = None,
-        blob: bytes | None = None,
-        source: Codec | None = None,
-    ) -> None:
-        self.block_hash = block_hash
-        self.parent = parent
-        self._block = block
-        self._blob = blob
-        self._source = source
-
-    def encoded(self, codec: Codec) -> bytes | None:
-        if self._block is not None:
-            b = self._block
-            return codec.encode(b.block_hash, b.parent, b.dtype, b.array)
-        assert self._blob is not None
-        return codec.transcode(self._blob, self.block_hash, self._source)
 
 
 class TierManager:
@@ -76,15 +49,16 @@ class TierManager:
         self.shared = shared
         self.codecs = dict(codecs)
         self.events = events
-        self.min_reuse = min_reuse
         self.device_has = device_has
         self.stats = ManagerStats()
         self._where: dict[BlockHash, set[str]] = {}
         self._parent: dict[BlockHash, BlockHash | None] = {}
         self._children: dict[BlockHash, set[BlockHash]] = {}
-        self._reuse: OrderedDict[BlockHash, int] = OrderedDict()
-        self._shared_sent: OrderedDict[BlockHash, None] = OrderedDict()  # not to send twice
-        self._shared_errors = 0
+        self._sharing = (
+            None
+            if shared is None
+            else Sharing(shared, self.codecs[shared.name], events, self.stats, min_reuse)
+        )
         self._by_name = {t.name: t for t in self.all_tiers}
         self._rebuild()
 
@@ -124,10 +98,10 @@ class TierManager:
         """Take a block leaving the device (its KV copied out); False when no tier took it, in
         which case its held descendants are dropped too."""
         self.poll()
-        payload = _Payload(block.block_hash, block.parent, block=block)
+        payload = Payload(block.block_hash, block.parent, block=block)
         landed = self._admit(0, payload) if block.block_hash not in self._where else "held"
-        if self._reuse.get(block.block_hash, 0) >= self.min_reuse:
-            self.share(block)
+        if self._sharing is not None:
+            self._sharing.offer(payload)
         if landed is None:
             self._drop_descendants(block.block_hash)
             return False
@@ -136,7 +110,7 @@ class TierManager:
             self.events.stored(landed, (block.block_hash,), block.parent)
         return True
 
-    def _admit(self, level: int, payload: _Payload) -> str | None:
+    def _admit(self, level: int, payload: Payload) -> str | None:
         """Store in local tier `level` or a slower one; the name of the tier, None if none."""
         for tier in self.local[level:]:
             codec = self.codecs[tier.name]
@@ -172,15 +146,17 @@ class TierManager:
         """Push a block one tier down (or drop it from the last)."""
         level = self.local.index(tier)
         [blob] = tier.pop([block_hash])
+        parent = self._parent.get(block_hash)  # before `_unrecord` may forget it
         self._unrecord(block_hash, tier.name)
         lower = {t.name for t in self.local[level + 1 :]}
         if self._where.get(block_hash, set()) & lower or blob is None:
             landed = None  # already held below (or unreadable): nothing to copy
         else:
             source = self.codecs[tier.name]
-            payload = _Payload(block_hash, self._parent.get(block_hash), blob=blob, source=source)
+            payload = Payload(block_hash, parent, blob=blob, source=source)
             landed = self._admit(level + 1, payload)
-            self._maybe_share_blob(block_hash, blob, source)
+            if self._sharing is not None:
+                self._sharing.offer(payload)
         if landed is not None:
             self.events.moved((block_hash,), tier.name, landed)
             return
@@ -242,15 +218,8 @@ class TierManager:
         """Account for blocks a tier lost in the background (a failed NVMe write, a shared write
         that failed), and forget what was shared once the shared tier failed (a restarted Redis
         kept nothing)."""
-        if self.shared is not None:
-            lost = self.shared.drain_lost()
-            for h in lost:
-                self._shared_sent.pop(h, None)
-            if lost:
-                self.events.removed(self.shared.name, tuple(lost))
-            if self.shared.stats.errors != self._shared_errors:
-                self._shared_errors = self.shared.stats.errors
-                self._shared_sent.clear()
+        if self._sharing is not None:
+            self._sharing.poll()
         for tier in self.local:
             for h in tier.drain_lost():
                 if tier.name in self._where.get(h, ()):
@@ -334,53 +303,24 @@ class TierManager:
     # ---- reuse and the shared tier ----------------------------------------------------------
 
     def note_reuse(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        """Count one reuse of each block; returns those that just became worth sharing."""
-        ready: list[BlockHash] = []
-        for h in hashes:
-            count = self._reuse.pop(h, 0) + 1
-            self._reuse[h] = count
-            if count >= self.min_reuse and h not in self._shared_sent:
-                ready.append(h)
-        while len(self._reuse) > _MAX_TRACKED:
-            self._reuse.popitem(last=False)
-        return ready if self.shared is not None else []
+        """Count one reuse of each block; returns those that just became worth sharing (none
+        without a shared tier)."""
+        return [] if self._sharing is None else self._sharing.note_reuse(hashes)
 
     def share(self, block: KVBlock) -> bool:
         """Write a block to the shared tier (once); False when there is none or it failed."""
-        if self.shared is None or block.block_hash in self._shared_sent:
-            return False
-        codec = self.codecs[self.shared.name]
-        data = codec.encode(block.block_hash, block.parent, block.dtype, block.array)
-        return self._put_shared(block.block_hash, block.parent, data)
+        payload = Payload(block.block_hash, block.parent, block=block)
+        return self._sharing is not None and self._sharing.share(payload)
 
     def share_held(self, block_hash: BlockHash) -> bool:
         """Share a block held in a local tier (read from the fastest that has it)."""
         for name in [t.name for t in self.local if t.name in self._where.get(block_hash, ())]:
             [blob] = self.tier(name).get([block_hash])
             if blob is not None:
-                return self._maybe_share_blob(block_hash, blob, self.codecs[name], force=True)
+                parent, source = self._parent.get(block_hash), self.codecs[name]
+                payload = Payload(block_hash, parent, blob=blob, source=source)
+                return self._sharing is not None and self._sharing.share(payload)
         return False
-
-    def _maybe_share_blob(
-        self, h: BlockHash, blob: bytes, source: Codec, force: bool = False
-    ) -> bool:
-        if self.shared is None or h in self._shared_sent:
-            return False
-        if not force and self._reuse.get(h, 0) < self.min_reuse:
-            return False
-        data = self.codecs[self.shared.name].transcode(blob, h, source)
-        return data is not None and self._put_shared(h, self._parent.get(h), data)
-
-    def _put_shared(self, h: BlockHash, parent: BlockHash | None, data: bytes) -> bool:
-        assert self.shared is not None
-        if not self.shared.put([TierItem(h, parent, data)]):
-            return False
-        self._shared_sent[h] = None
-        while len(self._shared_sent) > _MAX_TRACKED:
-            self._shared_sent.popitem(last=False)
-        self.stats.shared += 1
-        self.events.stored(self.shared.name, (h,), parent)
-        return True
 
     # ---- purge and spill --------------------------------------------------------------------
 
@@ -395,7 +335,8 @@ class TierManager:
         self._where.clear()
         self._parent.clear()
         self._children.clear()
-        self._shared_sent.clear()  # gone from the shared tier: worth sending again
+        if self._sharing is not None:
+            self._sharing.forget_sent()
         return counts
 
     def spill(self) -> None:

@@ -21,7 +21,7 @@ from cachesvc.hashing import hash_blocks, root_hash
 from cachesvc.tiers.dram import DramTier
 from cachesvc.tiers.nvme import NvmeTier, file_name
 from cachesvc.tiers.redis_tier import RedisTier
-from cachesvc.tiers.results import TierHit
+from cachesvc.tiers.results import FetchResult, TierHit
 from cachesvc.tiers.tier_manager import TierManager
 from cachesvc.types import BlockHash
 
@@ -284,3 +284,15 @@ class TierMachine(RuleBasedStateMachine):
 
 TierMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 test_tier_machine = TierMachine.TestCase
+
+
+def test_blocks_pushed_down_keep_their_parent(tmp_path: Path) -> None:
+    device: set[BlockHash] = set()
+    m = manager(tmp_path, dram_slots=2, nvme_blocks=4, device=device)
+    chain = CHAINS[0][:4]
+    evict(m, device, chain)
+    assert where(m, chain) == ["dram", "dram", "nvme", "nvme"]  # 2 and 3 came down from DRAM
+    # Block 2 turns out corrupt: block 3, its child, is unreachable and must go with it.
+    m.settle(FetchResult(bad=[("nvme", chain[2])]))
+    assert where(m, chain) == ["dram", "dram", "-", "-"]
+    m.check_integrity()

@@ -1,14 +1,17 @@
-"""Fixtures for engine tests: a tiny random Llama saved as safetensors, and greedy references."""
+"""Fixtures for engine tests: a tiny random Llama saved as safetensors, greedy references, and
+engines of it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from cachesvc.config import EngineConfig, TierConfig
+from workers.engine.engine import Engine
 from workers.model.tiny import write_tiny_model
 
 
@@ -42,3 +45,40 @@ def tiny_hf_model(tiny_llama_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+# The two fixtures below take the block size and the sampling of the module that uses them (its
+# `BS` and `GREEDY`): its engines and its references must agree on both.
+
+
+@pytest.fixture(scope="module")
+def expected(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path
+) -> Callable[[list[int]], list[int]]:
+    """Greedy tokens of an engine with no prefix cache at all."""
+    engine = Engine(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            block_size=request.module.BS,
+            num_blocks=64,
+            enable_prefix_caching=False,
+        )
+    )
+    return lambda prompt: list(engine.generate([prompt], request.module.GREEDY)[0].token_ids)
+
+
+@pytest.fixture
+def new_engine(request: pytest.FixtureRequest) -> Callable[..., Engine]:
+    """`new_engine(path, tiers=None, num_blocks=64)`: an engine of the model at `path`, with the
+    prefix cache on and these tiers (none by default)."""
+
+    def make(path: Path, tiers: TierConfig | None = None, num_blocks: int = 64) -> Engine:
+        config = EngineConfig(
+            model=str(path),
+            block_size=request.module.BS,
+            num_blocks=num_blocks,
+            tiers=tiers or TierConfig(),
+        )
+        return Engine(config)
+
+    return make

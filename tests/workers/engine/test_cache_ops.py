@@ -38,25 +38,6 @@ A, B, C = (PREFIX + _tokens(6, s) for s in (1, 2, 3))
 OTHER = _tokens(30, 4)
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_llama_dir: Path) -> Callable[[list[int]], list[int]]:
-    """Greedy tokens of an engine with no prefix cache at all."""
-    engine = Engine(
-        EngineConfig(
-            model=str(tiny_llama_dir), block_size=BS, num_blocks=64, enable_prefix_caching=False
-        )
-    )
-    return lambda prompt: list(engine.generate([prompt], GREEDY)[0].token_ids)
-
-
-def _engine(path: Path, tiers: TierConfig | None = None, num_blocks: int = 64) -> Engine:
-    return Engine(
-        EngineConfig(
-            model=str(path), block_size=BS, num_blocks=num_blocks, tiers=tiers or TierConfig()
-        )
-    )
-
-
 def _run(engine: Engine, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
     [out] = engine.generate([prompt], GREEDY)
     usage = {} if engine.tiering is None else engine.tiering.usage(out.request_id)
@@ -74,9 +55,11 @@ def _check_idle(engine: Engine) -> None:
 
 
 def test_flush_drops_device_blocks_without_demoting_them(
-    tiny_llama_dir: Path, expected: Callable[[list[int]], list[int]]
+    tiny_llama_dir: Path,
+    expected: Callable[[list[int]], list[int]],
+    new_engine: Callable[..., Engine],
 ) -> None:
-    engine = _engine(tiny_llama_dir, TierConfig(dram_mb=1, plan="fetch"))
+    engine = new_engine(tiny_llama_dir, TierConfig(dram_mb=1, plan="fetch"))
     assert engine.tiering is not None
     assert _run(engine, A)[0] == expected(A)
     cached = engine.pool.num_cached
@@ -93,9 +76,11 @@ def test_flush_drops_device_blocks_without_demoting_them(
 
 
 def test_flush_drops_the_tiers_suffixes_of_flushed_device_blocks(
-    tiny_llama_dir: Path, expected: Callable[[list[int]], list[int]]
+    tiny_llama_dir: Path,
+    expected: Callable[[list[int]], list[int]],
+    new_engine: Callable[..., Engine],
 ) -> None:
-    engine = _engine(tiny_llama_dir, TierConfig(dram_mb=1, plan="fetch"))
+    engine = new_engine(tiny_llama_dir, TierConfig(dram_mb=1, plan="fetch"))
     assert engine.tiering is not None
     _run(engine, A)
     pool = engine.pool
@@ -125,6 +110,7 @@ def test_purge_drops_every_tier(
     tmp_path: Path,
     fresh_redis_url: str,
     expected: Callable[[list[int]], list[int]],
+    new_engine: Callable[..., Engine],
 ) -> None:
     nvme = tmp_path / "nvme"
     tiers = TierConfig(
@@ -135,7 +121,7 @@ def test_purge_drops_every_tier(
         redis_min_reuse=0,
         plan="fetch",
     )
-    engine = _engine(tiny_llama_dir, tiers)
+    engine = new_engine(tiny_llama_dir, tiers)
     assert engine.tiering is not None
     manager = engine.tiering.manager
     _run(engine, A)
@@ -172,12 +158,13 @@ def test_close_writes_the_device_cache_to_nvme_for_the_next_start(
     tmp_path: Path,
     expected: Callable[[list[int]], list[int]],
     dram_mb: float,
+    new_engine: Callable[..., Engine],
 ) -> None:
     tiers = TierConfig(dram_mb=dram_mb, nvme_path=str(tmp_path), nvme_mb=1, plan="fetch")
-    first = _engine(tiny_llama_dir, tiers)
+    first = new_engine(tiny_llama_dir, tiers)
     assert _run(first, A)[0] == expected(A)  # A's blocks stay on the device: nothing evicted
     first.close()
-    again = _engine(tiny_llama_dir, tiers)
+    again = new_engine(tiny_llama_dir, tiers)
     tokens, usage = _run(again, B)
     assert tokens == expected(B) and usage == {"nvme": len(PREFIX)}
     _check_idle(again)
@@ -187,8 +174,10 @@ def test_close_writes_the_device_cache_to_nvme_for_the_next_start(
 # ---- scoring -----------------------------------------------------------------------------------
 
 
-def test_score_without_enough_free_blocks_now_is_retryable(tiny_llama_dir: Path) -> None:
-    engine = _engine(tiny_llama_dir, num_blocks=16)
+def test_score_without_enough_free_blocks_now_is_retryable(
+    tiny_llama_dir: Path, new_engine: Callable[..., Engine]
+) -> None:
+    engine = new_engine(tiny_llama_dir, num_blocks=16)
     prefix, items = _tokens(8, 1), [_tokens(6, 2), _tokens(6, 3)]  # 6 blocks
     held = engine.pool.allocate(12)  # as running requests would
     with pytest.raises(NoFreeBlocksError, match="free"):
@@ -249,10 +238,12 @@ def test_actor_flush_purge_and_score(
 
 
 def test_root_hashes_are_kept_for_a_bounded_number_of_salts(
-    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    new_engine: Callable[..., Engine],
 ) -> None:
     monkeypatch.setattr(kv_manager, "MAX_ROOTS", 4)
-    engine = _engine(tiny_llama_dir)
+    engine = new_engine(tiny_llama_dir)
     fingerprint = engine.loaded.fingerprint
     for i in range(10):
         salt = f"tenant-{i}"

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from cachesvc.config import EngineConfig, TierConfig
+from cachesvc.config import TierConfig
 from cachesvc.events import BlockRemoved, BlockStored, Event
 from cachesvc.types import BlockHash, BlockId
 from workers.engine.async_engine import AsyncEngine, _measure
@@ -33,25 +33,6 @@ A, B, C = (PREFIX + _tokens(6, s) for s in (1, 2, 3))
 
 class InjectedError(RuntimeError):
     pass
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_llama_dir: Path) -> Callable[[list[int]], list[int]]:
-    """Greedy tokens of an engine with no prefix cache at all."""
-    engine = Engine(
-        EngineConfig(
-            model=str(tiny_llama_dir), block_size=BS, num_blocks=64, enable_prefix_caching=False
-        )
-    )
-    return lambda prompt: list(engine.generate([prompt], GREEDY)[0].token_ids)
-
-
-def _engine(path: Path, tiers: TierConfig | None = None, num_blocks: int = 64) -> Engine:
-    return Engine(
-        EngineConfig(
-            model=str(path), block_size=BS, num_blocks=num_blocks, tiers=tiers or TierConfig()
-        )
-    )
 
 
 def _fail_next_steps(engine: Engine, num: int = 1) -> None:
@@ -87,9 +68,11 @@ def _check_idle(engine: Engine) -> None:
 
 
 def test_failed_step_forgets_the_blocks_it_registered(
-    tiny_llama_dir: Path, expected: Callable[[list[int]], list[int]]
+    tiny_llama_dir: Path,
+    expected: Callable[[list[int]], list[int]],
+    new_engine: Callable[..., Engine],
 ) -> None:
-    engine = _engine(tiny_llama_dir)
+    engine = new_engine(tiny_llama_dir)
     _fail_next_steps(engine)
     [rid] = engine.add_request(A, GREEDY)
     with pytest.raises(InjectedError):
@@ -107,11 +90,13 @@ def test_failed_step_forgets_the_blocks_it_registered(
 
 
 def test_failed_step_requeues_its_requests(
-    tiny_llama_dir: Path, expected: Callable[[list[int]], list[int]]
+    tiny_llama_dir: Path,
+    expected: Callable[[list[int]], list[int]],
+    new_engine: Callable[..., Engine],
 ) -> None:
     # B shares A's prefix blocks inside the failed step; A then goes away. B must recompute
     # them, not trust KV the failed step never wrote.
-    engine = _engine(tiny_llama_dir)
+    engine = new_engine(tiny_llama_dir)
     _fail_next_steps(engine)
     rid_a, rid_b = engine.add_request(A, GREEDY)[0], engine.add_request(B, GREEDY)[0]
     with pytest.raises(InjectedError):
@@ -125,9 +110,11 @@ def test_failed_step_requeues_its_requests(
 
 
 def test_async_engine_serves_on_after_a_failed_step(
-    tiny_llama_dir: Path, expected: Callable[[list[int]], list[int]]
+    tiny_llama_dir: Path,
+    expected: Callable[[list[int]], list[int]],
+    new_engine: Callable[..., Engine],
 ) -> None:
-    engine = _engine(tiny_llama_dir)
+    engine = new_engine(tiny_llama_dir)
     _fail_next_steps(engine)
 
     async def main() -> list[int]:
@@ -152,9 +139,11 @@ def test_async_engine_serves_on_after_a_failed_step(
 
 
 def test_failed_step_blocks_never_reach_the_tiers(
-    tiny_llama_dir: Path, expected: Callable[[list[int]], list[int]]
+    tiny_llama_dir: Path,
+    expected: Callable[[list[int]], list[int]],
+    new_engine: Callable[..., Engine],
 ) -> None:
-    engine = _engine(tiny_llama_dir, TierConfig(dram_mb=1, plan="fetch"))
+    engine = new_engine(tiny_llama_dir, TierConfig(dram_mb=1, plan="fetch"))
     assert engine.tiering is not None
     _fail_next_steps(engine)
     [rid] = engine.add_request(A, GREEDY)
@@ -174,10 +163,13 @@ def test_failed_step_blocks_never_reach_the_tiers(
 
 
 def test_failing_demotion_is_a_counted_miss(
-    tiny_llama_dir: Path, expected: Callable[[list[int]], list[int]], monkeypatch: Any
+    tiny_llama_dir: Path,
+    expected: Callable[[list[int]], list[int]],
+    monkeypatch: Any,
+    new_engine: Callable[..., Engine],
 ) -> None:
     # 16 blocks hold one request at a time: every prompt evicts (and demotes) the last one's.
-    engine = _engine(tiny_llama_dir, TierConfig(dram_mb=1, plan="fetch"), num_blocks=16)
+    engine = new_engine(tiny_llama_dir, TierConfig(dram_mb=1, plan="fetch"), num_blocks=16)
     assert engine.tiering is not None
     manager = engine.tiering.manager
     demote = manager.demote
