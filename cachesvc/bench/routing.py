@@ -210,7 +210,6 @@ def build_workload(args: RoutingBenchArgs, workload: str, vocab_size: int) -> li
     """The sessions of `workload` at the sizes `args` asks for, arriving at a rate that fits
     the model (a tiny one, or SmolLM2 on two CPU cores)."""
     rate = args.rate if args.rate is not None else (20.0 if args.tiny else 1.5)
-    out_len = 4 if args.quick else 16
     if workload == "groups":
         size = {"num_groups": 6, "prompts_per_group": 4} if args.quick else {}
         out_len = 4 if args.quick else 8
@@ -221,13 +220,15 @@ def build_workload(args: RoutingBenchArgs, workload: str, vocab_size: int) -> li
     if workload == "hot-prefix":
         burst = args.rate if args.rate is not None else 8.0
         small = args.tiny or args.quick
+        # A context long enough that recomputing it costs more than a fork's own work, and
+        # forks with enough work of their own that one worker can not serve them all at once.
         return hot_prefix_workload(
             vocab_size,
-            prefix_len=256 if small else 1024,
+            prefix_len=256 if small else 2048,
             num_forks=8 if small else 16,
             suffix_len=32 if small else 256,
-            output_len=out_len,
-            fork_at_s=1.0 if small else 4.0,
+            output_len=4 if args.quick else 32,
+            fork_at_s=1.0 if small else 6.0,
             rate=burst,
         )
     assert workload == "trace" and args.trace is not None, "checked by run_routing_bench"

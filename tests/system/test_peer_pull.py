@@ -190,3 +190,5 @@ def test_router_passes_the_holder(pair: dict[str, Any], start_router: Any) -> No
     assert second.computed_tokens == len(prompt) - NUM_BLOCKS * 4
     now = _stats(pair["puller"])["pulled_blocks"] + _stats(pair["holder"])["pulled_blocks"]
     assert now == pulled + NUM_BLOCKS
+    assert second.cached_tokens == {"peer": NUM_BLOCKS * 4}
+    assert server.router.metrics.pull_hints._value.get() >= 1

@@ -1,4 +1,5 @@
-"""The engine's side of the KV tiers: demote evicted blocks, load planned ones, share hot ones.
+"""The engine's side of the KV tiers (`KVTiering`): demote evicted blocks, load planned ones,
+share hot ones.
 
 * Demote: the block pool calls `on_evict` just before a cached block is reused; its KV is copied
   out of `kv_caches` and handed to the `TierManager` (DRAM, then NVMe).
@@ -14,6 +15,9 @@
   keeps stepping; a fetch that waits on it computes nothing until it lands (`land_ready`).
 * Share: blocks reused `redis_min_reuse` times are written to Redis for the other workers.
 
+Beside it: `tier_setup` builds the tiers and the cost model's priors, `pending_loads` holds the
+loads under way, `tier_usage` counts each request's prompt tokens per tier.
+
 Only the engine's thread touches the device tensors and the manager's state; the background
 thread only reads tiers.
 """
@@ -21,59 +25,36 @@ thread only reads tiers.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
 
 from cachesvc.block_pool import BlockPool
-from cachesvc.calibration import CostTracker, default_tier_cost
-from cachesvc.codec import Codec, KVBlock, max_blob_size
-from cachesvc.config import AUTO_CODECS, TierConfig
-from cachesvc.events import TIER_HBM
-from cachesvc.planner import ComputeCost, FetchRange, LoadPlan, plan_load
+from cachesvc.codec import Codec, KVBlock
+from cachesvc.config import TierConfig
+from cachesvc.planner import FetchRange, LoadPlan, plan_load
 from cachesvc.tiers.base import Throttle
-from cachesvc.tiers.configured import build_tiers
 from cachesvc.tiers.results import FetchResult, TierHit
-from cachesvc.tiers.tier_manager import TierManager
 from cachesvc.types import BlockHash, BlockId, RequestId
 from workers.engine.kv_copy import layered, read_block, write_blocks
-from workers.engine.peer_pull import PeerLink, PeerPuller, PeerRead, is_peer
+from workers.engine.peer_pull import PeerLink, PeerPuller, is_peer
+from workers.engine.pending_loads import (
+    PendingLoad,
+    PendingLoads,
+    PendingPull,
+    Ranges,
+    local_ranges,
+)
 from workers.engine.plan_timing import PlanTimer
 from workers.engine.request import Request
 from workers.engine.scheduler import SchedulerOutput
+from workers.engine.tier_setup import build_manager, prior_costs
+from workers.engine.tier_usage import TierUsage
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_MAX_USAGE = 10_000  # per-request usage reports kept after the request ends
-_PRIOR_COMPUTE = ComputeCost(alpha_s=5e-3, beta_s=1e-3, gamma_s=1e-7)  # before calibration
-Ranges = list[tuple[str, list[BlockHash]]]
-
-
-@dataclass(frozen=True)
-class PendingPull:
-    """The peer's part of a pending load: its pull, how many blocks and how long predicted."""
-
-    future: Future[PeerRead]
-    num_blocks: int
-    predicted_s: float
-
-
-@dataclass
-class PendingLoad:
-    """A fetch running in the background while the request computes up to `split_token`."""
-
-    split_token: int
-    ranges: Ranges  # the local ones pinned until the fetch lands or is dropped
-    future: Future[FetchResult]
-    started: float  # perf_counter when the fetch was submitted
-    overlap_s: float  # predicted max(front compute, back read), without the overlap delay
-    pull: PendingPull | None = None  # a peer's run after the local ones
-
-    def done(self) -> bool:
-        return self.future.done() and (self.pull is None or self.pull.future.done())
 
 
 @dataclass(frozen=True)
@@ -92,27 +73,6 @@ class TieringStats:
     plans: dict[str, int] = field(default_factory=dict)  # plan kind -> requests
     loaded_blocks: int = 0
     failed_blocks: int = 0  # planned to fetch, computed instead (miss or corrupt)
-
-
-def _landed_by_tier(ranges: Ranges, num_landed: int, block_size: int) -> dict[str, int]:
-    """Tokens per tier among the first `num_landed` blocks of `ranges` (peers as "peer")."""
-    out: dict[str, int] = {}
-    for name, hashes in ranges:
-        n = min(len(hashes), num_landed)
-        num_landed -= n
-        if n:
-            key = _usage_name(name)
-            out[key] = out.get(key, 0) + n * block_size
-    return out
-
-
-def _usage_name(tier: str) -> str:
-    return "peer" if is_peer(tier) else tier
-
-
-def _local(ranges: Ranges) -> Ranges:
-    """The ranges read from this worker's own tiers (pinned while planned)."""
-    return [(name, hashes) for name, hashes in ranges if not is_peer(name)]
 
 
 class KVTiering:
@@ -135,49 +95,15 @@ class KVTiering:
         self.dtype = _DTYPE_NAMES[kv_caches[0].dtype]
         self.block_shape = (len(kv_caches), *kv_caches[0].shape[1:])
         key = config.read_key()  # before building tiers: a bad key file fails the start
-        # "auto" starts uncompressed; calibration keeps the fastest lossless mode of each tier.
-        modes = {n: AUTO_CODECS[0] if m == "auto" else m for n, m in config.codecs.items()}
-        local, shared = build_tiers(
-            config,
-            fingerprint,
-            # DRAM slots fit a block in its codec (a quantized one is ~1/4 of float32), with
-            # room for either tag.
-            max_blob_size(modes["dram"], self.dtype, self.block_shape, signed=True),
-            pin_memory=torch.cuda.is_available(),
-        )
-        # Blocks that leave the process are signed when a key is configured.
-        signed = {t.name for t in [*local, *([shared] if shared else [])] if t.outside_process}
-        codecs = {
-            name: Codec(fingerprint, mode, key if name in signed else None)
-            for name, mode in modes.items()
-        }
-        self.manager = TierManager(
-            local, shared, codecs, pool.events, config.redis_min_reuse, device_has=pool.contains
-        )
-        # Until calibrated, a tier's cost is a prior over the bytes of a block in its codec.
-        self.costs = CostTracker(
-            _PRIOR_COMPUTE,
-            {
-                t.name: default_tier_cost(
-                    t.name, codecs[t.name].max_blob_size(self.dtype, self.block_shape)
-                )
-                for t in self.manager.all_tiers
-            },
-        )
-        caps = {
-            "dram": config.dram_cap_mbps,
-            "nvme": config.nvme_cap_mbps,
-            "redis": config.redis_cap_mbps,
-        }
-        for t in self.manager.all_tiers:
-            self.costs.set_cap(t.name, caps[t.name])
+        self.manager = build_manager(config, pool, fingerprint, self.dtype, self.block_shape, key)
+        self.costs = prior_costs(config, self.manager, self.dtype, self.block_shape)
         self.mode = config.plan  # "auto", or forced (tests, benchmarks)
         self.stats = TieringStats()
         self.last_plan: LoadPlan | None = None
         self.last_load: LoadTiming | None = None
         self.timer = PlanTimer()
-        self._pending: dict[RequestId, PendingLoad] = {}
-        self._usage: OrderedDict[RequestId, dict[str, int]] = OrderedDict()
+        self._pending = PendingLoads()
+        self._usage = TierUsage(block_size)
         self._share_queue: list[tuple[BlockHash, BlockId, BlockHash | None]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
         self._key = key
@@ -218,7 +144,7 @@ class KVTiering:
     ) -> int:
         d = num_device_blocks
         self._note_reuse(list(hashes[:d]), request.block_ids, None)
-        self._set_usage(request.request_id, {TIER_HBM: d * self.block_size})
+        self._usage.start(request.request_id, d)
         room = self.pool.num_free - 1  # keep a block for the token that must be computed
         end = min(max_blocks, d + room)
         if end <= d:
@@ -238,7 +164,7 @@ class KVTiering:
         if plan.kind in ("none", "recompute"):
             return 0
         ranges: Ranges = [(f.tier, list(hashes[f.start : f.end])) for f in plan.fetch]
-        self.manager.pin(_local(ranges))
+        self.manager.pin(local_ranges(ranges))
         # Allocating may evict (and demote) device blocks: the pins keep the planned ones put.
         request.block_ids.extend(self.pool.allocate(plan.fetch_end - d))
         pulled = [f for f in plan.fetch if is_peer(f.tier)]
@@ -246,14 +172,7 @@ class KVTiering:
             return self._start_pull(request, plan, ranges, pulled[0])
         if plan.kind == "split":
             future = self._executor.submit(self.manager.read, ranges)
-            split_token = plan.split_block * self.block_size
-            self._pending[request.request_id] = PendingLoad(
-                split_token, ranges, future, time.perf_counter(), plan.overlap_s
-            )
-            self._usage[request.request_id].update(
-                _landed_by_tier(ranges, plan.num_fetch_blocks, self.block_size)
-            )
-            return plan.num_fetch_blocks * self.block_size
+            return self._pend(request, plan, ranges, future)
         with self._borrowed(ranges):  # they land at once: read into views, not fresh buffers
             result = self.manager.read(ranges)
             self.manager.unpin(ranges)
@@ -275,8 +194,7 @@ class KVTiering:
         background; the request computes up to the split (nothing, for a plain fetch) and
         waits there until both have arrived. Returns the tokens planned."""
         assert self.peers is not None and request.peer is not None
-        local = _local(ranges)
-        future = self._executor.submit(self.manager.read, local)
+        future = self._executor.submit(self.manager.read, local_ranges(ranges))
         hashes = dict(ranges)[pulled.tier]
         pull = self.peers.executor.submit(
             self.peers.read,
@@ -288,18 +206,22 @@ class KVTiering:
         )
         n = pulled.end - pulled.start
         predicted = self.costs.model().tiers[pulled.tier].fetch_s(n)
+        return self._pend(request, plan, ranges, future, PendingPull(pull, n, predicted))
+
+    def _pend(
+        self,
+        request: Request,
+        plan: LoadPlan,
+        ranges: Ranges,
+        future: Future[FetchResult],
+        pull: PendingPull | None = None,
+    ) -> int:
+        """Hold a load submitted in the background until the request computes up to the
+        split; returns the tokens planned."""
         split_token = plan.split_block * self.block_size
-        self._pending[request.request_id] = PendingLoad(
-            split_token,
-            ranges,
-            future,
-            time.perf_counter(),
-            plan.overlap_s,
-            PendingPull(pull, n, predicted),
-        )
-        self._usage[request.request_id].update(
-            _landed_by_tier(ranges, plan.num_fetch_blocks, self.block_size)
-        )
+        load = PendingLoad(split_token, ranges, future, time.perf_counter(), plan.overlap_s, pull)
+        self._pending.add(request.request_id, load)
+        self._usage.planned(request.request_id, ranges, plan.num_fetch_blocks)
         return plan.num_fetch_blocks * self.block_size
 
     def _borrowed(self, ranges: Ranges) -> ExitStack:
@@ -347,9 +269,7 @@ class KVTiering:
         planned = sum(len(hashes) for _, hashes in ranges)
         self.stats.loaded_blocks += n
         self.stats.failed_blocks += planned - n
-        self._usage.get(request.request_id, {}).update(
-            {_usage_name(name): 0 for name, _ in ranges} | _landed_by_tier(ranges, n, bs)
-        )
+        self._usage.landed(request.request_id, ranges, n)
         first_parent = request.block_hashes[first - 1] if first > 0 else None
         self._note_reuse([b.block_hash for b in result.blocks], ids, first_parent)
         return n
@@ -363,55 +283,50 @@ class KVTiering:
             del request.block_ids[keep:]
 
     def num_computable(self, request: Request, num_left: int) -> int:
-        pending = self._pending.get(request.request_id)
-        if pending is None:
-            return num_left
-        return min(num_left, pending.split_token - request.num_computed_tokens)
+        return self._pending.num_computable(request, num_left)
 
     @torch.inference_mode()
     def on_computed(self, request: Request) -> None:
         self.timer.on_computed(request)
-        pending = self._pending.get(request.request_id)
-        if pending is None or request.num_computed_tokens < pending.split_token:
+        pending = self._pending.due(request)
+        if pending is None:
             return
         if pending.pull is not None and not pending.done():
             return  # a pull is not waited for: it lands in `land_ready` once it arrived
-        self._complete(request, pending)
+        self._complete(request)
 
     @torch.inference_mode()
     def land_ready(self, request: Request) -> None:
         """Land the request's fetch if it is due and has arrived (a pull, which the engine
         does not wait for)."""
-        if self.awaits_load(request) and self._pending[request.request_id].done():
-            self._complete(request, self._pending[request.request_id])
+        pending = self._pending.due(request)
+        if pending is not None and pending.done():
+            self._complete(request)
 
     def awaits_load(self, request: Request) -> bool:
         """True while the request has nothing to compute before a planned fetch lands."""
-        pending = self._pending.get(request.request_id)
-        return pending is not None and request.num_computed_tokens >= pending.split_token
+        return self._pending.due(request) is not None
 
     def wait_for_loads(self, timeout_s: float) -> None:
         """Block until a pending pull arrives, at most `timeout_s` (a step with nothing else
         to compute waits here instead of spinning)."""
-        futures = [p.pull.future for p in self._pending.values() if p.pull is not None]
-        if futures:
-            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+        self._pending.wait(timeout_s)
 
-    def _complete(self, request: Request, pending: PendingLoad) -> None:
+    def _complete(self, request: Request) -> None:
         """Land a due fetch (waiting for its local reads, Cake); what missed is computed."""
-        del self._pending[request.request_id]
+        pending = self._pending.take(request.request_id)
         result = pending.future.result()  # the front is computed: wait for the back (Cake)
         waited = time.perf_counter() - pending.started
         if pending.pull is not None:
             read = pending.pull.future.result()
             assert self.peers is not None
             self.peers.settle(read, pending.pull.num_blocks, pending.pull.predicted_s)
-            local = sum(len(h) for _, h in _local(pending.ranges))
+            local = sum(len(h) for _, h in local_ranges(pending.ranges))
             if len(result.blocks) == local:  # the peer's run extends the local one
                 result.blocks.extend(read.blocks)
         elif request.num_preemptions == 0:  # a preempted request's front computed twice
             self.costs.observe_overlap(result.transfers, waited - pending.overlap_s)
-        self.manager.unpin(_local(pending.ranges))
+        self.manager.unpin(local_ranges(pending.ranges))
         first = pending.split_token // self.block_size
         landed = self._land(request, result, first, pending.ranges, background=True)
         missed = sum(len(h) for _, h in pending.ranges) - landed
@@ -420,12 +335,7 @@ class KVTiering:
 
     def release(self, request: Request) -> None:
         self.timer.drop(request.request_id)
-        pending = self._pending.pop(request.request_id, None)
-        if pending is not None:
-            pending.future.cancel()
-            if pending.pull is not None:
-                pending.pull.future.cancel()  # a pull already under way ends unused
-            self.manager.unpin(_local(pending.ranges))
+        self.manager.unpin(self._pending.drop(request.request_id))
 
     # ---- reuse, sharing and the step loop ---------------------------------------------------
 
@@ -487,20 +397,13 @@ class KVTiering:
 
     def usage(self, request_id: RequestId) -> dict[str, int]:
         """Prompt tokens served from each tier ("hbm" for the device) for a request."""
-        return dict(self._usage.get(request_id, {}))
-
-    def _set_usage(self, request_id: RequestId, usage: dict[str, int]) -> None:
-        self._usage[request_id] = usage
-        self._usage.move_to_end(request_id)
-        while len(self._usage) > _MAX_USAGE:
-            self._usage.popitem(last=False)
+        return self._usage.get(request_id)
 
     # ---- shutdown ---------------------------------------------------------------------------
 
     def close(self) -> None:
         """Finish background reads and writes, then close the tiers."""
-        for request_id in list(self._pending):
-            self._pending.pop(request_id).future.cancel()
+        self._pending.drop_all()
         if self.peers is not None:
             self.peers.close()
         self._executor.shutdown(wait=True)

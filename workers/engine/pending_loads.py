@@ -1,0 +1,100 @@
+"""The fetches that land later: a split's back part and a peer's pull, read in the background.
+
+`KVTiering` starts a `PendingLoad` when it plans one and lands it when it is due; `PendingLoads`
+holds them by request and answers what the scheduler asks meanwhile: how far a request may
+compute, whether it waits on its load, and when a pull has arrived. Only the engine's thread
+calls it; the futures are the background threads' side.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+
+from cachesvc.tiers.results import FetchResult
+from cachesvc.types import BlockHash, RequestId
+from workers.engine.peer_pull import PeerRead, is_peer
+from workers.engine.request import Request
+
+Ranges = list[tuple[str, list[BlockHash]]]  # (tier or peer, its run of hashes), in chain order
+
+
+@dataclass(frozen=True)
+class PendingPull:
+    """The peer's part of a pending load: its pull, how many blocks and how long predicted."""
+
+    future: Future[PeerRead]
+    num_blocks: int
+    predicted_s: float
+
+
+@dataclass
+class PendingLoad:
+    """A fetch running in the background while the request computes up to `split_token`."""
+
+    split_token: int
+    ranges: Ranges  # the local ones pinned until the fetch lands or is dropped
+    future: Future[FetchResult]
+    started: float  # perf_counter when the fetch was submitted
+    overlap_s: float  # predicted max(front compute, back read), without the overlap delay
+    pull: PendingPull | None = None  # a peer's run after the local ones
+
+    def done(self) -> bool:
+        return self.future.done() and (self.pull is None or self.pull.future.done())
+
+
+def local_ranges(ranges: Ranges) -> Ranges:
+    """The ranges read from this worker's own tiers (pinned while planned)."""
+    return [(name, hashes) for name, hashes in ranges if not is_peer(name)]
+
+
+class PendingLoads:
+    """The requests' pending loads, at most one each."""
+
+    def __init__(self) -> None:
+        self._loads: dict[RequestId, PendingLoad] = {}
+
+    def add(self, request_id: RequestId, load: PendingLoad) -> None:
+        self._loads[request_id] = load
+
+    def num_computable(self, request: Request, num_left: int) -> int:
+        """Tokens the request may compute before its load is due (at most `num_left`)."""
+        load = self._loads.get(request.request_id)
+        if load is None:
+            return num_left
+        return min(num_left, load.split_token - request.num_computed_tokens)
+
+    def due(self, request: Request) -> PendingLoad | None:
+        """The request's load once the request computed up to its split, and so has nothing
+        to compute until it lands; None while it has none or is not there yet."""
+        load = self._loads.get(request.request_id)
+        if load is None or request.num_computed_tokens < load.split_token:
+            return None
+        return load
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a pull in flight arrives, at most `timeout_s`; return at once without
+        one. Local reads are not waited on here: landing a due one waits for it."""
+        futures = [p.pull.future for p in self._loads.values() if p.pull is not None]
+        if futures:
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    def take(self, request_id: RequestId) -> PendingLoad:
+        """Remove the request's load to land it; its reads keep running to be waited on."""
+        return self._loads.pop(request_id)
+
+    def drop(self, request_id: RequestId) -> Ranges:
+        """Forget the request's load and cancel its reads (a pull already under way ends
+        unused). Returns its local ranges for the caller to unpin; [] when it had none."""
+        load = self._loads.pop(request_id, None)
+        if load is None:
+            return []
+        load.future.cancel()
+        if load.pull is not None:
+            load.pull.future.cancel()
+        return local_ranges(load.ranges)
+
+    def drop_all(self) -> None:
+        """Drop every load, at close: the tiers are closing, so nothing is unpinned."""
+        for request_id in list(self._loads):
+            self.drop(request_id)
