@@ -1,10 +1,13 @@
-"""`cachesvc simulate`: replay a Mooncake trace at full size through the router's own policies,
-prefix index and block pools, without a model; time comes from a cost profile.
+"""`cachesvc simulate`: replay a Mooncake trace at full size (or the hot-prefix workload) through
+the router's own policies, prefix index and block pools, without a model; time comes from a
+cost profile.
 
-Pieces, one file each: `simulate_trace` (the trace and the oracle), `simulate_profile` (the
-clock), `simulate_tier` and `simulate_worker` (one worker's tiers and scheduler), `simulate_loop`
-(the event loop and the router), `simulate_report` (what is printed), `simulate_calibrate` (a
-profile measured here). This module runs policies over one cluster, or a sweep of clusters.
+Pieces, one file each: `simulate_trace` (the requests and the oracle), `simulate_profile` (the
+clock), `simulate_tier`, `simulate_seq`, `simulate_load` and `simulate_worker` (one worker's
+tiers, requests, loads and scheduler), `simulate_loop` (the event loop and the router),
+`simulate_report` (what is printed), `simulate_calibrate` (a profile measured here). This module
+runs policies (each with or without pulls between workers: "least_loaded+pull") over one
+cluster, or a sweep of clusters.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cachesvc.bench.routing import Variant, variants_for
 from cachesvc.bench.simulate_loop import ClusterSpec, replay
-from cachesvc.bench.simulate_profile import load_profile
+from cachesvc.bench.simulate_profile import CostProfile, TierReadCost, load_profile
 from cachesvc.bench.simulate_report import (
     SimSummary,
     format_summaries,
@@ -26,14 +30,18 @@ from cachesvc.bench.simulate_report import (
     to_json,
 )
 from cachesvc.bench.simulate_trace import (
+    HotPrefix,
     SimRequest,
     bench_routing_requests,
+    hot_prefix_requests,
     load_trace,
     num_unique_blocks,
 )
 from cachesvc.bench.table import write_json
 
 SWEEPABLE = ("workers", "device-blocks", "dram-blocks", "nvme-blocks")
+WORKLOADS = ("trace", "hot-prefix")
+PULL = "+pull"  # a policy's suffix: the same policy, with pulls between workers
 
 
 @dataclass(frozen=True)
@@ -70,15 +78,26 @@ class Size:
         return f"{self.blocks}" if self.blocks is not None else f"{(self.fraction or 0) * 100:g}%"
 
 
+# Device blocks per worker unless told: a small share of a trace's blocks makes the cache
+# matter; the hot-prefix workload is about compute, so its cache always has room (64k tokens).
+DEFAULT_DEVICE_BLOCKS = {"trace": Size(fraction=0.05), "hot-prefix": Size(blocks=4096)}
+
+
 @dataclass(frozen=True)
 class SimulateArgs:
-    trace: str
+    trace: str | None = None
+    workload: str = "trace"  # one of WORKLOADS
+    hot_prefix: HotPrefix = HotPrefix()
     profile: str = "h100-llama3-8b"
+    peer_gbps: float | None = None  # a pull's bandwidth, instead of the profile's
     workers: int = 8
-    device_blocks: Size = Size(fraction=0.05)
+    device_blocks: Size | None = None  # None: the workload's DEFAULT_DEVICE_BLOCKS
     dram_blocks: Size = Size(blocks=0)
     nvme_blocks: Size = Size(blocks=0)
-    policies: tuple[str, ...] = ()  # empty: every registered policy
+    # "name" or "name+pull"; empty: every registered policy for a trace, affinity only, load
+    # only and load-aware with pulls for hot-prefix (`routing.variants_for`).
+    policies: tuple[str, ...] = ()
+    peer_pull: bool = False  # run every policy with pulls as well
     policy_options: Mapping[str, Any] = field(default_factory=dict)  # for prefix_aware
     time_scale: float = 1.0
     max_requests: int | None = None
@@ -115,10 +134,49 @@ def clusters(args: SimulateArgs) -> list[tuple[str, SimulateArgs]]:
     return out
 
 
+def parse_variant(text: str) -> Variant:
+    """A policy as `--policy` names it ("least_loaded", "least_loaded+pull"); a ValueError
+    lists the policies."""
+    from router.policy import policy_names
+
+    name = text.removesuffix(PULL)
+    if name not in policy_names():
+        raise ValueError(
+            f"--policy takes a policy, optionally with {PULL!r}: one of {policy_names()}, "
+            f"got {text!r}"
+        )
+    return Variant(text, name, text.endswith(PULL))
+
+
+def variants(args: SimulateArgs) -> list[Variant]:
+    """The policies `args` asks for, each with pulls or not, each once."""
+    if args.policies:
+        chosen = [parse_variant(text) for text in args.policies]
+    else:
+        chosen = variants_for(args.workload)
+    if args.peer_pull:
+        chosen = [w for v in chosen for w in (v, Variant(v.policy + PULL, v.policy, True))]
+    return list(dict.fromkeys(chosen))
+
+
+def profile_for(args: SimulateArgs) -> CostProfile:
+    """The cost profile of `args`, with its pull bandwidth replaced if asked."""
+    profile = load_profile(args.profile)
+    if args.peer_gbps is None:
+        return profile
+    if args.peer_gbps <= 0:
+        raise ValueError(f"--peer-gbps must be positive, got {args.peer_gbps}")
+    peer = TierReadCost(profile.peer.latency_s, 1 / (args.peer_gbps * 1e9))
+    return dataclasses.replace(profile, peer=peer)
+
+
 def spec_for(args: SimulateArgs, unique_blocks: int, block_size: int) -> ClusterSpec:
+    device = args.device_blocks
+    if device is None:
+        device = DEFAULT_DEVICE_BLOCKS[args.workload]
     return ClusterSpec(
         num_workers=args.workers,
-        device_blocks=args.device_blocks.resolve(unique_blocks),
+        device_blocks=device.resolve(unique_blocks),
         dram_blocks=args.dram_blocks.resolve(unique_blocks),
         nvme_blocks=args.nvme_blocks.resolve(unique_blocks),
         block_size=block_size,
@@ -126,6 +184,12 @@ def spec_for(args: SimulateArgs, unique_blocks: int, block_size: int) -> Cluster
 
 
 def load_requests(args: SimulateArgs) -> list[SimRequest]:
+    if args.workload not in WORKLOADS:
+        raise ValueError(f"--workload must be one of {WORKLOADS}, got {args.workload!r}")
+    if args.workload == "hot-prefix":
+        return hot_prefix_requests(args.hot_prefix)
+    if args.trace is None:
+        raise ValueError("a trace workload needs --trace FILE (a Mooncake JSONL trace)")
     if args.like_bench_routing:
         requests = bench_routing_requests(args.trace, args.max_requests)
         return [dataclasses.replace(r, arrival_s=r.arrival_s * args.time_scale) for r in requests]
@@ -134,20 +198,17 @@ def load_requests(args: SimulateArgs) -> list[SimRequest]:
 
 def simulate(args: SimulateArgs, requests: Sequence[SimRequest]) -> list[SimSummary]:
     """Every policy of `args` on every cluster of `args`, over `requests`."""
-    from router.policy import policy_names
-
-    profile = load_profile(args.profile)
+    profile = profile_for(args)
     unique = num_unique_blocks(requests)
     oracle = oracle_ratio(requests)
-    policies = args.policies or tuple(policy_names())
     summaries = []
     for label, run_args in clusters(args):
         spec = spec_for(run_args, unique, requests[0].block_size)
-        for policy in policies:
-            options = args.policy_options if policy == "prefix_aware" else {}
-            run = replay(requests, profile, spec, policy, options)
+        for v in variants(args):
+            options = args.policy_options if v.policy == "prefix_aware" else {}
+            run = replay(requests, profile, spec, v.policy, options, v.peer_pull)
             summaries.append(summarize(run, requests, label, oracle))
-            print(f"  {label or 'run'} {policy}: {run.wall_s:.1f} s", file=sys.stderr, flush=True)
+            print(f"  {label or 'run'} {v.label}: {run.wall_s:.1f} s", file=sys.stderr, flush=True)
     return summaries
 
 
@@ -156,11 +217,18 @@ def run_simulate(args: SimulateArgs) -> int:
     requests = load_requests(args)
     unique = num_unique_blocks(requests)
     spec = spec_for(args, unique, requests[0].block_size)
+    peer = profile_for(args).peer
+    pulls = any(v.peer_pull for v in variants(args))
     print(
-        f"{len(requests)} requests over {requests[-1].arrival_s:.0f} s, {unique} unique blocks "
-        f"of {spec.block_size} tokens; "
+        f"{args.workload}: {len(requests)} requests over {requests[-1].arrival_s:.1f} s, "
+        f"{unique} unique blocks of {spec.block_size} tokens; "
         f"{args.workers} workers x {spec.device_blocks} device blocks "
-        f"(dram {spec.dram_blocks}, nvme {spec.nvme_blocks}); profile {args.profile}",
+        f"(dram {spec.dram_blocks}, nvme {spec.nvme_blocks}); profile {args.profile}"
+        + (
+            f"; pulls {peer.latency_s * 1e3:g} ms + {peer.bytes_per_s / 1e9:g} GB/s"
+            if pulls
+            else ""
+        ),
         file=sys.stderr,
     )
     summaries = simulate(args, requests)

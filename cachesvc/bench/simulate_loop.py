@@ -2,9 +2,15 @@
 
 Two kinds of events, in time order: a request arrives (the policy chooses among the workers,
 from their load and the prefix index, exactly as `router.core` builds its candidates), or a
-worker's step ends (its requests advance, the next step starts at once if it has work). After
-every change a worker's KV events are applied to the shared `MemoryPrefixIndex`, so routing
-sees each block as soon as the worker registered it (the live router sees it a poll later).
+worker's step ends (its requests advance, the next step starts at once if it has work). A
+worker with nothing to compute but a pull under way is woken when the pull arrives (or by an
+arrival before that). After every change a worker's KV events are applied to the shared
+`MemoryPrefixIndex`, so routing sees each block as soon as the worker registered it (the live
+router sees it a poll later).
+
+With `peer_pull` (the router's and the workers' option together), each candidate sees the
+longest prefix another worker holds, and the chosen worker is told the holder (the worker with
+the longest match, when longer than its own), as `router.core` does.
 """
 
 from __future__ import annotations
@@ -17,12 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachesvc.bench.simulate_profile import CostProfile
+from cachesvc.bench.simulate_seq import SimPeer, SimSeq
 from cachesvc.bench.simulate_trace import BLOCK_SIZE, SimRequest
-from cachesvc.bench.simulate_worker import SimSeq, SimWorker
+from cachesvc.bench.simulate_worker import SimWorker
 from cachesvc.events import TIER_HBM
-from cachesvc.index import IndexSnapshot, MemoryPrefixIndex
+from cachesvc.index import IndexSnapshot, MemoryPrefixIndex, PrefixMatch
 from cachesvc.types import WorkerId
-from router.policy import Candidate, Policy, RouteRequest, make_policy
+from router.policy import Candidate, Policy, RouteDecision, RouteRequest, make_policy
 
 _INCARNATION = "simulated"
 
@@ -49,6 +56,7 @@ class SimRun:
     """What one replay produced: every request's counters and the workers' totals."""
 
     policy: str
+    peer_pull: bool
     seqs: list[SimSeq]
     workers: list[SimWorker]
     index: MemoryPrefixIndex
@@ -57,9 +65,16 @@ class SimRun:
     num_rejected: int = 0  # requests no worker's pool could ever hold
     wall_s: float = 0.0
 
+    @property
+    def label(self) -> str:
+        """The policy, marked "+pull" with pulls between workers."""
+        return f"{self.policy}+pull" if self.peer_pull else self.policy
+
 
 class _Cluster:
-    def __init__(self, spec: ClusterSpec, profile: CostProfile, policy: Policy) -> None:
+    def __init__(
+        self, spec: ClusterSpec, profile: CostProfile, policy: Policy, peer_pull: bool
+    ) -> None:
         self.workers = [
             SimWorker(
                 WorkerId(f"w{i}"),
@@ -68,6 +83,7 @@ class _Cluster:
                 spec.dram_blocks,
                 spec.nvme_blocks,
                 spec.block_size,
+                peer_pull,
             )
             for i in range(spec.num_workers)
         ]
@@ -75,7 +91,11 @@ class _Cluster:
         for w in self.workers:
             self.index.resync(w.worker_id, IndexSnapshot(_INCARNATION, 0, {}))
         self.policy = policy
-        self.steps: list[tuple[float, int]] = []  # (end of the running step, worker number)
+        self.peer_pull = peer_pull
+        self.events: list[tuple[float, int]] = []  # (a step's end or a wake-up, worker number)
+        # Per worker: the time of its one live event (older ones in the heap are stale), and
+        # whether that is the end of a step (else a wake-up for a pull, or nothing at all).
+        self.due: list[float | None] = [None] * len(self.workers)
         self.stepping = [False] * len(self.workers)
 
     def sync(self, worker: SimWorker) -> None:
@@ -86,19 +106,27 @@ class _Cluster:
             assert applied, "the simulated event stream has no gaps"
 
     def start(self, number: int, now: float) -> None:
+        """Start the worker's next step, or wait for its first pull, or go idle."""
         worker = self.workers[number]
         duration = worker.start_step(now)
         self.sync(worker)
         self.stepping[number] = duration is not None
         if duration is not None:
-            heapq.heappush(self.steps, (now + duration, number))
+            due: float | None = now + duration
+        else:
+            wake = worker.next_pull_s
+            due = None if wake is None else max(wake, now)
+        self.due[number] = due
+        if due is not None:
+            heapq.heappush(self.events, (due, number))
 
-    def route(self, req: SimRequest, run: SimRun) -> tuple[SimWorker, int] | None:
-        """The worker the policy chooses, and the device blocks of the request it holds."""
+    def route(self, req: SimRequest, run: SimRun) -> tuple[SimWorker, SimSeq] | None:
+        """The worker the policy chooses, and the request as it joins that worker."""
         live = [w for w in self.workers if w.fits(req)]
         if not live:
             return None
         matches = self.index.longest_prefix(req.hashes[: req.num_full_blocks])
+        held = {w: m.num_blocks for w, m in matches.items()} if self.peer_pull else {}
         candidates = [
             Candidate(
                 w.worker_id,
@@ -106,6 +134,7 @@ class _Cluster:
                 w.num_queued_tokens,
                 matches.get(w.worker_id),
                 w.block_costs(),
+                max((n for h, n in held.items() if h != w.worker_id), default=0),
             )
             for w in live
         ]
@@ -115,7 +144,23 @@ class _Cluster:
         run.assigned[req.index] = decision.worker
         worker = next(w for w in live if w.worker_id == decision.worker)
         match = matches.get(worker.worker_id)
-        return worker, 0 if match is None else match.blocks_by_tier.get(TIER_HBM, 0)
+        device = 0 if match is None else match.blocks_by_tier.get(TIER_HBM, 0)
+        return worker, SimSeq(req, device, self.holder(decision, matches))
+
+    def holder(
+        self, decision: RouteDecision, matches: Mapping[WorkerId, PrefixMatch]
+    ) -> SimPeer | None:
+        """The worker holding the longest prefix, other than the chosen one, when it holds
+        more than the chosen one (`Router._holder_hint`); None with pulls off. Every simulated
+        worker is healthy, so any may be the holder."""
+        if not self.peer_pull:
+            return None
+        others = [m for w, m in matches.items() if w != decision.worker]
+        best = max(others, key=lambda m: m.num_blocks, default=None)
+        if best is None or best.num_blocks <= decision.matched_blocks:
+            return None
+        holder = next(w for w in self.workers if w.worker_id == best.worker)
+        return SimPeer(holder, best.num_blocks)
 
 
 def replay(
@@ -124,20 +169,24 @@ def replay(
     spec: ClusterSpec,
     policy: str,
     policy_options: Mapping[str, Any] | None = None,
+    peer_pull: bool = False,
 ) -> SimRun:
-    """Replay `requests` (in arrival order) through a fresh cluster routed by `policy`."""
+    """Replay `requests` (in arrival order) through a fresh cluster routed by `policy`; with
+    `peer_pull`, workers pull prefixes from the holders the router names."""
     began = time.perf_counter()
     if any(r.block_size != spec.block_size for r in requests):
         raise ValueError(f"every request must have blocks of {spec.block_size} tokens")
-    cluster = _Cluster(spec, profile, make_policy(policy, **(policy_options or {})))
-    run = SimRun(policy, [], cluster.workers, cluster.index)
-    steps = cluster.steps
+    cluster = _Cluster(spec, profile, make_policy(policy, **(policy_options or {})), peer_pull)
+    run = SimRun(policy, peer_pull, [], cluster.workers, cluster.index)
+    events = cluster.events
     i = 0
-    while i < len(requests) or steps:
-        if steps and (i == len(requests) or steps[0][0] <= requests[i].arrival_s):
-            now, number = heapq.heappop(steps)
-            worker = cluster.workers[number]
-            worker.finish_step(now)
+    while i < len(requests) or events:
+        if events and (i == len(requests) or events[0][0] <= requests[i].arrival_s):
+            now, number = heapq.heappop(events)
+            if cluster.due[number] != now:
+                continue  # superseded: an arrival started a step while the worker waited
+            # A wake-up ends no step: finishing one with nothing scheduled changes nothing.
+            cluster.workers[number].finish_step(now)
             cluster.start(number, now)
             continue
         req = requests[i]
@@ -146,8 +195,7 @@ def replay(
         if routed is None:
             run.num_rejected += 1
             continue
-        target, device_blocks = routed
-        seq = SimSeq(req, routed_blocks=device_blocks)
+        target, seq = routed
         run.seqs.append(seq)
         target.add(seq)
         number = cluster.workers.index(target)

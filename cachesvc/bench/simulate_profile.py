@@ -7,10 +7,13 @@ from a lower tier takes from what it reads:
                     + per_seq * num_decodes + per_context_token * sum(decode ctx) (decode tokens)
     fixed         = alpha with prefill chunks in the step, else the decode step's base
     read(tier, n) = latency + n * bytes_per_block * seconds_per_byte
+    pull(n)       = peer.latency + n * bytes_per_block * peer.seconds_per_byte     (from a holder)
     land(n)       = n * bytes_per_block * land_s_per_byte                          (into the device)
 
 The prefill terms are the planner's own `ComputeCost`, and the tier terms its `TierCost`: the
-simulated workers plan fetches with the same cost model their time comes from. Profiles live in
+simulated workers plan fetches with the same cost model their time comes from. A pull from
+another worker moves raw blocks (`bytes_per_block` of the device's layout); its cost defaults to
+the live worker's prior (`PEER_PRIOR`) where a profile does not say. Profiles live in
 `cachesvc/bench/profiles/` (`list_profiles`); `cachesvc simulate calibrate` writes one measured
 on this machine.
 """
@@ -24,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from cachesvc.planner import ComputeCost, CostModel, TierCost
+from router.policy import PEER
+from workers.engine.peer_pull import PEER_PRIOR
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -45,6 +50,10 @@ class TierReadCost:
     latency_s: float
     seconds_per_byte: float
 
+    @property
+    def bytes_per_s(self) -> float:
+        return 1 / self.seconds_per_byte if self.seconds_per_byte > 0 else float("inf")
+
 
 @dataclass(frozen=True)
 class CostProfile:
@@ -57,6 +66,7 @@ class CostProfile:
     decode: DecodeCost
     tiers: Mapping[str, TierReadCost] = field(default_factory=dict)
     land_s_per_byte: float = 0.0
+    peer: TierReadCost = TierReadCost(*PEER_PRIOR)  # a pull of a run of blocks from a holder
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     source: str = ""  # where the numbers come from: a measurement, or published figures
@@ -83,12 +93,14 @@ class CostProfile:
             + d.per_context_token_s * sum(decode_contexts)
         )
 
-    def cost_model(self, block_size: int) -> CostModel:
-        """The planner's cost model for blocks of `block_size` tokens."""
+    def cost_model(self, block_size: int, peer_pull: bool = False) -> CostModel:
+        """The planner's cost model for blocks of `block_size` tokens; with `peer_pull`, pulls
+        from a holder are one more tier (`PEER`)."""
         block_bytes = self.kv_bytes_per_token * block_size
+        reads = {**self.tiers, PEER: self.peer} if peer_pull else self.tiers
         tiers = {
             name: TierCost(t.latency_s, t.seconds_per_byte, block_bytes)
-            for name, t in self.tiers.items()
+            for name, t in reads.items()
         }
         return CostModel(self.prefill, tiers, self.land_s_per_byte * block_bytes)
 
@@ -110,6 +122,9 @@ class CostProfile:
                     for name, t in data.get("tiers", {}).items()
                 },
                 land_s_per_byte=float(data.get("land_s_per_byte", 0.0)),
+                peer=TierReadCost(**{k: float(v) for k, v in data["peer"].items()})
+                if "peer" in data
+                else TierReadCost(*PEER_PRIOR),
                 max_num_batched_tokens=int(data.get("max_num_batched_tokens", 8192)),
                 max_num_seqs=int(data.get("max_num_seqs", 256)),
                 source=str(data.get("source", "")),

@@ -1,5 +1,6 @@
 """What `cachesvc simulate` reports per policy: hit ratio by tier against the oracle, TTFT,
-busy-time imbalance and the policy's decisions by reason; as a table, JSON and a plot."""
+throughput, busy-time imbalance, what workers pulled from each other and the policy's decisions
+by reason; as a table, JSON and a plot."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from cachesvc.bench.routing_report import _percentile
 from cachesvc.bench.simulate_loop import SimRun
 from cachesvc.bench.simulate_trace import SimRequest, oracle_hit_blocks
 from cachesvc.bench.table import format_table
+from router.policy import PEER
 
 
 @dataclass(frozen=True)
 class SimSummary:
     """One policy's replay of one trace on one cluster, summed up."""
 
-    policy: str
+    policy: str  # "+pull" when workers pulled from each other
     label: str  # what varies in a sweep ("workers=8", "capacity=0.05"), else ""
     num_requests: int
     num_rejected: int
@@ -30,6 +32,9 @@ class SimSummary:
     ratio_to_oracle: float
     ttft_p50_ms: float
     ttft_p99_ms: float
+    throughput_tok_s: float  # output tokens per second of the makespan
+    pulled_tokens: int  # prompt tokens pulled from a holder (the "peer" part of the hits)
+    pulled_mib: float  # KV the workers pulled from each other (requests preempted later too)
     busy_imbalance: float  # max / mean busy seconds per worker; 1.0 is even
     num_preemptions: int
     makespan_s: float  # from the first arrival to the last request's end
@@ -63,12 +68,14 @@ def summarize(
     ttfts = [(s.first_token_s - s.req.arrival_s) * 1e3 for s in done if s.first_token_s]
     busy = [w.busy_s for w in run.workers]
     mean_busy = statistics.fmean(busy)
+    makespan = max((s.finish_s or 0.0) for s in done) if done else 0.0
+    output = sum(s.req.output_len for s in done)
     plans: dict[str, int] = {}
     for w in run.workers:
         for kind, n in w.plans.items():
             plans[kind] = plans.get(kind, 0) + n
     return SimSummary(
-        policy=run.policy,
+        policy=run.label,
         label=label,
         num_requests=len(done),
         num_rejected=run.num_rejected,
@@ -78,9 +85,12 @@ def summarize(
         ratio_to_oracle=hit / oracle if oracle else 0.0,
         ttft_p50_ms=_percentile(ttfts, 0.50),
         ttft_p99_ms=_percentile(ttfts, 0.99),
+        throughput_tok_s=output / makespan if makespan > 0 else 0.0,
+        pulled_tokens=sum(s.cached.get(PEER, 0) for s in done),
+        pulled_mib=sum(w.loads.pulled_bytes for w in run.workers) / 2**20,
         busy_imbalance=max(busy) / mean_busy if mean_busy else 0.0,
         num_preemptions=sum(s.num_preemptions for s in done),
-        makespan_s=max((s.finish_s or 0.0) for s in done) if done else 0.0,
+        makespan_s=makespan,
         decisions=dict(run.reasons.most_common()),
         plans=plans,
         wall_s=run.wall_s,
@@ -99,7 +109,11 @@ def format_summaries(summaries: Sequence[SimSummary]) -> str:
     """The main table, then each policy's decisions by reason."""
     tiers = sorted({t for s in summaries for t in s.hit_by_tier})
     headers = ["run", "policy", "hit", *[f"hit {t}" for t in tiers], "oracle", "/oracle"]
-    headers += ["TTFT p50 ms", "TTFT p99 ms", "busy imb", "preempt", "sim s"]
+    headers += ["TTFT p50 ms", "TTFT p99 ms", "tok/s"]
+    pulls = any(s.pulled_mib for s in summaries)
+    if pulls:
+        headers += ["pulled tok", "pulled MiB"]
+    headers += ["busy imb", "preempt", "sim s"]
     rows = [
         [
             s.label or "-",
@@ -110,6 +124,8 @@ def format_summaries(summaries: Sequence[SimSummary]) -> str:
             s.ratio_to_oracle,
             s.ttft_p50_ms,
             s.ttft_p99_ms,
+            s.throughput_tok_s,
+            *([s.pulled_tokens, s.pulled_mib] if pulls else []),
             s.busy_imbalance,
             s.num_preemptions,
             s.wall_s,

@@ -1,10 +1,12 @@
-"""A Mooncake trace as the simulator replays it: requests at full size, and the oracle.
+"""The requests the simulator replays: a Mooncake trace at full size, the sample `cachesvc bench
+routing` sends, or the hot-prefix workload; and the oracle.
 
 Each trace hash id stands for one block of `MOONCAKE_BLOCK_TOKENS` tokens, and equal ids mean an
 equal prefix, so an id is already what our rolling block hash is: the simulator uses it as the
 block's hash directly (16 bytes), with blocks of the trace's size. As in the engine, only full
 blocks of a prompt are registered, and a match stops before the block of the prompt's last
-token (its logits are needed).
+token (its logits are needed). The other two are token-id sessions (`workloads`), hashed as the
+workers hash them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pathlib import Path
 
 from cachesvc.bench.workloads import (
     MOONCAKE_BLOCK_TOKENS,
+    Session,
     TraceScale,
+    hot_prefix_workload,
     load_mooncake,
     trace_workload,
 )
@@ -82,12 +86,56 @@ def bench_routing_requests(
     """The requests `cachesvc bench routing --workload trace` sends for this trace (its default
     `TraceScale`, with at most `max_requests`: 24 is its `--quick`), their tokens hashed as the
     workers hash them, in blocks of `block_size`."""
-    root = root_hash("simulated", block_size)
-    out = []
     scale = TraceScale()
     if max_requests is not None:
         scale = dataclasses.replace(scale, max_requests=max_requests)
     sessions = trace_workload(load_mooncake(path), BENCH_VOCAB_SIZE, scale)
+    return _session_requests(sessions, block_size)
+
+
+@dataclass(frozen=True)
+class HotPrefix:
+    """One long context forked into many sub-agents (`workloads.hot_prefix_workload`): a parent
+    request computes the `prefix_len`-token context at 0; from `fork_at_s` on, `num_forks`
+    requests of that context plus `suffix_len` tokens of their own, each `output_len` tokens
+    long, arrive as a Poisson burst of `rate` per second."""
+
+    prefix_len: int = 2048
+    num_forks: int = 64
+    suffix_len: int = 64
+    output_len: int = 16
+    fork_at_s: float = 1.0
+    rate: float = 200.0
+    block_size: int = 16  # the workers' default
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.prefix_len, self.num_forks, self.suffix_len, self.output_len) < 1:
+            raise ValueError("hot-prefix lengths and the number of forks must be positive")
+        if self.fork_at_s < 0 or self.rate < 0 or self.block_size < 1:
+            raise ValueError("hot-prefix --fork-at and --rate must be >= 0")
+
+
+def hot_prefix_requests(shape: HotPrefix) -> list[SimRequest]:
+    """The hot-prefix workload as requests, in arrival order (the parent first)."""
+    sessions = hot_prefix_workload(
+        BENCH_VOCAB_SIZE,
+        prefix_len=shape.prefix_len,
+        num_forks=shape.num_forks,
+        suffix_len=shape.suffix_len,
+        output_len=shape.output_len,
+        fork_at_s=shape.fork_at_s,
+        rate=shape.rate,
+        seed=shape.seed,
+    )
+    return _session_requests(sessions, shape.block_size)
+
+
+def _session_requests(sessions: Sequence[Session], block_size: int) -> list[SimRequest]:
+    """One request per one-turn session: prefix and question, hashed in blocks of
+    `block_size` as the workers hash them."""
+    root = root_hash("simulated", block_size)
+    out = []
     for i, session in enumerate(sessions):
         [turn] = session.turns
         ids = [*session.prefix_ids, *turn.question_ids]

@@ -5,10 +5,10 @@ pass: each step schedules running requests first (decodes and prefill chunks), t
 waiting ones in arrival order within the token budget; blocks are allocated per chunk and a
 request's full prompt blocks are registered when scheduled (so a request admitted in the same
 step shares them); when blocks run out the newest running request is preempted and recomputed
-later. A waiting request's match walks the pool, then, with lower tiers, the real `TierManager`
-and planner decide what to fetch: a fetch is read on the engine's thread (the step takes that
-much longer), a split reads the back while the front is computed and lands when the front is
-done (the engine waits for a read still running).
+later. A waiting request's match walks the pool, then, with lower tiers or pulls from other
+workers, the real `TierManager` and planner decide what to load (`simulate_load`). A request
+whose pull has not arrived computes nothing but holds its place among the running ones, as in
+the engine; the event loop wakes an idle worker when its first pull arrives (`next_pull_s`).
 
 Every change of what the worker holds is an event in its `EventLog`, which the event loop feeds
 to the router's prefix index.
@@ -18,48 +18,16 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
+from cachesvc.bench.simulate_load import SimLoads
 from cachesvc.bench.simulate_profile import CostProfile
+from cachesvc.bench.simulate_seq import SimSeq
 from cachesvc.bench.simulate_tier import build_manager, stand_in_block
 from cachesvc.bench.simulate_trace import BLOCK_SIZE, SimRequest
 from cachesvc.block_pool import BlockPool
 from cachesvc.events import TIER_HBM, EventLog
-from cachesvc.planner import plan_load
-from cachesvc.tiers.results import FetchResult, TierHit
 from cachesvc.types import BlockHash, BlockId, WorkerId
 from workers.protocol import BlockCosts
-
-Ranges = list[tuple[str, list[BlockHash]]]
-
-
-@dataclass
-class _Split:
-    """A fetch of the back of a prefix, read while the front is computed."""
-
-    split_token: int
-    ranges: Ranges  # pinned until it lands or is dropped
-    ready_s: float  # when the background read is done
-
-
-@dataclass(eq=False)
-class SimSeq:
-    """A request on a worker: its counters, as the engine's `Request` keeps them."""
-
-    req: SimRequest
-    routed_blocks: int = 0  # device blocks the router saw it hit (the load estimate's)
-    block_ids: list[BlockId] = field(default_factory=list)
-    computed: int = 0
-    generated: int = 0
-    cached: dict[str, int] = field(default_factory=dict)  # prompt tokens served per tier
-    first_token_s: float | None = None
-    finish_s: float | None = None
-    num_preemptions: int = 0
-    split: _Split | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return self.req.prompt_len + self.generated
 
 
 class SimWorker:
@@ -74,6 +42,7 @@ class SimWorker:
         dram_blocks: int = 0,
         nvme_blocks: int = 0,
         block_size: int = BLOCK_SIZE,
+        peer_pull: bool = False,
     ) -> None:
         self.worker_id = worker_id
         self.block_size = block_size
@@ -83,14 +52,16 @@ class SimWorker:
         self.tiers = build_manager(dram_blocks, nvme_blocks, self.events, self.pool.contains)
         if self.tiers is not None:
             self.pool.on_evict = self._demote
-        self.cost = profile.cost_model(self.block_size)
+        self.peer_pull = peer_pull  # plan pulls from the holders the router names
+        self.cost = profile.cost_model(self.block_size, peer_pull)
+        self.loads = SimLoads(self.pool, self.tiers, self.cost, block_size, peer_pull)
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
         self.busy_s = 0.0
         self.num_steps = 0
-        self.plans: Counter[str] = Counter()
         self._step: list[tuple[SimSeq, int]] = []
-        self._carry_s = 0.0  # the engine waited for a split's read: the next step starts late
+        # Landing a load after a step (and waiting for a split's read) delays the next one.
+        self._carry_s = 0.0
 
     # ---- what the router sees ---------------------------------------------------------------
 
@@ -112,10 +83,15 @@ class SimWorker:
         )
         return waiting + sum(s.num_tokens - s.computed for s in self.running)
 
+    @property
+    def plans(self) -> Counter[str]:
+        """The planner's choices so far, by kind."""
+        return self.loads.plans
+
     def block_costs(self) -> BlockCosts | None:
-        """Per-block costs from the cost model, as a real worker with tiers reports them in
-        its poll (`WorkerActor._load`); None without tiers."""
-        if self.tiers is None:
+        """Per-block costs from the cost model, as a real worker with tiers or pulls reports
+        them in its poll (`WorkerActor._load`: a pull under "peer"); None with neither."""
+        if self.tiers is None and not self.peer_pull:
             return None
         c, bs = self.cost.compute, self.block_size
         return BlockCosts(
@@ -126,8 +102,23 @@ class SimWorker:
             },
         )
 
+    def num_held(self, hashes: Sequence[BlockHash]) -> int:
+        """Leading `hashes` held on the device or in a local tier: what a pull gets here."""
+        n, tiers = 0, self.tiers
+        for h in hashes:
+            if not self.pool.contains(h) and (tiers is None or not tiers.held_locally(h)):
+                break
+            n += 1
+        return n
+
     def add(self, seq: SimSeq) -> None:
         self.waiting.append(seq)
+
+    @property
+    def next_pull_s(self) -> float | None:
+        """When the first pull a running request waits for arrives (None without one): the
+        time to wake the worker if it has nothing else to compute."""
+        return self.loads.next_pull_s(self.running)
 
     @property
     def has_work(self) -> bool:
@@ -141,6 +132,7 @@ class SimWorker:
         budget = self.profile.max_num_batched_tokens
         self._step = []
         extra_s, self._carry_s = self._carry_s, 0.0
+        extra_s += self._land_arrived(now)
         preempted = False
         scheduled: set[int] = set()
         for seq in list(self.running):
@@ -169,8 +161,8 @@ class SimWorker:
         finished = []
         for seq, k in self._step:
             seq.computed += k
-            if seq.split is not None and seq.computed >= seq.split.split_token:
-                self._carry_s += self._land_split(seq, now)
+            if seq.awaits_load() and self.loads.arrived(seq, now):
+                self._carry_s += self.loads.land(seq, now)
             if seq.computed < seq.num_tokens:
                 continue
             seq.generated += 1
@@ -205,7 +197,16 @@ class SimWorker:
 
     def _computable(self, seq: SimSeq) -> int:
         left = seq.num_tokens - seq.computed
-        return left if seq.split is None else min(left, seq.split.split_token - seq.computed)
+        return left if seq.load is None else min(left, seq.load.split_token - seq.computed)
+
+    def _land_arrived(self, now: float) -> float:
+        """Land the pulls that arrived for running requests waiting on them (the engine's
+        `land_ready` before scheduling); returns the seconds the copies take."""
+        seconds = 0.0
+        for seq in self.running:
+            if seq.awaits_load() and self.loads.arrived(seq, now):
+                seconds += self.loads.land(seq, now)
+        return seconds
 
     def _admit(self, budget: int, now: float) -> float:
         """Admit waiting requests in order; returns the seconds their fetches take."""
@@ -214,6 +215,9 @@ class SimWorker:
             seq = self.waiting[0]
             seconds = self._match(seq, now)
             k = min(self._computable(seq), budget)
+            if k == 0 and seq.awaits_load():  # a pull under way: it runs once that landed
+                self.running.append(self.waiting.popleft())
+                continue
             if k == 0 or not self._allocate(seq, k):
                 self._free(seq)  # give the hits back; retry next step
                 break
@@ -252,9 +256,7 @@ class SimWorker:
 
     def _free(self, seq: SimSeq) -> None:
         """Give back every block of `seq`, tail first (a prefix's head is evicted last)."""
-        if seq.split is not None and self.tiers is not None:
-            self.tiers.unpin(seq.split.ranges)
-            seq.split = None
+        self.loads.drop(seq)
         self.pool.free(list(reversed(seq.block_ids)))
         seq.block_ids = []
         seq.computed = 0
@@ -272,8 +274,8 @@ class SimWorker:
     # ---- cache hits -------------------------------------------------------------------------
 
     def _match(self, seq: SimSeq, now: float) -> float:
-        """Reuse the device's longest prefix of a request holding no blocks, then plan a fetch
-        from the tiers; returns the seconds the engine's thread spends fetching."""
+        """Reuse the device's longest prefix of a request holding no blocks, then plan what the
+        tiers and a holder add; returns the seconds the engine's thread spends fetching."""
         hits: list[BlockId] = []
         for block_hash in seq.req.hashes[: seq.req.max_match_blocks]:
             block_id = self.pool.lookup(block_hash, ())
@@ -285,69 +287,4 @@ class SimWorker:
         seq.computed = len(hits) * self.block_size
         if seq.num_preemptions == 0:
             seq.cached = {TIER_HBM: seq.computed}
-        return 0.0 if self.tiers is None else self._plan_fetch(seq, len(hits), now)
-
-    def _plan_fetch(self, seq: SimSeq, first: int, now: float) -> float:
-        assert self.tiers is not None
-        hashes = seq.req.hashes
-        end = min(seq.req.max_match_blocks, first + self.pool.num_free - 1)
-        if end <= first:
-            return 0.0
-        runs = self.tiers.lookup(hashes[first:end])
-        if not runs:
-            return 0.0
-        hits = [TierHit(h.tier, h.start + first, h.end + first) for h in runs]
-        plan = plan_load(hits, first, seq.num_tokens, self.block_size, self.cost)
-        self.plans[plan.kind] += 1
-        if plan.kind in ("none", "recompute"):
-            return 0.0
-        ranges: Ranges = [(f.tier, list(hashes[f.start : f.end])) for f in plan.fetch]
-        self.tiers.pin(ranges)
-        seq.block_ids.extend(self.pool.allocate(plan.fetch_end - first))
-        if plan.kind == "split":
-            ready = now + self._read_s([(name, len(h)) for name, h in ranges])
-            seq.split = _Split(plan.split_block * self.block_size, ranges, ready)
-            return 0.0
-        result = self.tiers.read(ranges)
-        self.tiers.unpin(ranges)
-        landed = self._land(seq, result, first, ranges)
-        keep = -(-seq.computed // self.block_size)
-        self.pool.free(list(reversed(seq.block_ids[keep:])))
-        del seq.block_ids[keep:]
-        return self._read_s(_read_runs(result)) + self.cost.land_s(landed)
-
-    def _land_split(self, seq: SimSeq, now: float) -> float:
-        """The front of a split is computed: land the back; returns how long the engine
-        waits (for a read still running, then for the copy)."""
-        assert seq.split is not None and self.tiers is not None
-        split, seq.split = seq.split, None
-        result = self.tiers.read(split.ranges)
-        self.tiers.unpin(split.ranges)
-        landed = self._land(seq, result, split.split_token // self.block_size, split.ranges)
-        return max(0.0, split.ready_s - now) + self.cost.land_s(landed)
-
-    def _land(self, seq: SimSeq, result: FetchResult, first: int, ranges: Ranges) -> int:
-        """Register fetched blocks from block `first` on and move the request past them."""
-        assert self.tiers is not None
-        self.tiers.settle(result)
-        hashes = seq.req.hashes
-        n = len(result.blocks)
-        for i, block in enumerate(result.blocks):
-            idx = first + i
-            parent = hashes[idx - 1] if idx > 0 else None
-            self.pool.register(seq.block_ids[idx], block.block_hash, (), parent)
-        seq.computed = (first + n) * self.block_size
-        if seq.num_preemptions == 0:
-            left = n
-            for name, run in ranges:
-                taken = min(len(run), left)
-                left -= taken
-                seq.cached[name] = seq.cached.get(name, 0) + taken * self.block_size
-        return n
-
-    def _read_s(self, runs: Sequence[tuple[str, int]]) -> float:
-        return sum(self.cost.tiers[name].fetch_s(n) for name, n in runs)
-
-
-def _read_runs(result: FetchResult) -> list[tuple[str, int]]:
-    return [(t.tier, t.num_blocks) for t in result.transfers]
+        return self.loads.plan(seq, len(hits), now)

@@ -1,5 +1,6 @@
-"""`cachesvc simulate`: replay a Mooncake trace through the router's policies without a model;
-`cachesvc simulate calibrate` measures a cost profile of this machine for it."""
+"""`cachesvc simulate`: replay a Mooncake trace (or the hot-prefix workload) through the router's
+policies without a model; `cachesvc simulate calibrate` measures a cost profile of this machine
+for it."""
 
 from __future__ import annotations
 
@@ -24,14 +25,16 @@ _POLICY_FIELDS = (
 
 def add_simulate_parser(sub: Any) -> None:
     """Register `simulate` (and `simulate calibrate`) on the CLI's subparsers."""
+    from cachesvc.bench.simulate_trace import HotPrefix
     from router.config import RouterConfig
 
     sim = sub.add_parser(
         "simulate",
-        help="replay a Mooncake trace through the routing policies, without a model",
-        description="Replay a Mooncake JSONL trace at full size through the router's policies, "
-        "prefix index and block pools; time comes from a cost profile. Sizes are blocks of "
-        "the trace (512 tokens) or a percentage of the trace's unique blocks (e.g. 5%).",
+        help="replay a Mooncake trace (or hot-prefix) through the routing policies, no model",
+        description="Replay a Mooncake JSONL trace at full size (or the hot-prefix workload) "
+        "through the router's policies, prefix index and block pools; time comes from a cost "
+        "profile. Sizes are blocks of the workload (512 tokens in a trace, 16 in hot-prefix) "
+        "or a percentage of its unique blocks (e.g. 5%).",
     )
     actions = sim.add_subparsers(dest="action")
     cal = actions.add_parser("calibrate", help="measure a cost profile on this machine")
@@ -41,14 +44,38 @@ def add_simulate_parser(sub: Any) -> None:
     )
     cal.add_argument("--out", default=None, help="profile file (default: profiles/cpu-calibrated)")
 
+    sim.add_argument(
+        "--workload",
+        default="trace",
+        choices=("trace", "hot-prefix"),
+        help="trace (default): replay --trace; hot-prefix: one long context forked into many "
+        "sub-agent requests, compared by default over affinity only, load only and with pulls",
+    )
     sim.add_argument("--trace", help="a Mooncake JSONL trace (timestamp, lengths, hash_ids)")
     sim.add_argument("--profile", default="h100-llama3-8b", help="stored profile name or a file")
     sim.add_argument("--workers", type=int, default=8)
-    sim.add_argument("--device-blocks", default="5%", help="device KV blocks per worker")
+    sim.add_argument(
+        "--device-blocks",
+        default=None,
+        help="device KV blocks per worker (default 5%% for a trace, 4096 for hot-prefix)",
+    )
     sim.add_argument("--dram-blocks", default="0", help="DRAM tier blocks per worker")
     sim.add_argument("--nvme-blocks", default="0", help="NVMe tier blocks per worker")
     sim.add_argument(
-        "--policy", action="append", default=None, help="a policy to run (repeat; default: all)"
+        "--policy",
+        action="append",
+        default=None,
+        help="a policy to run, NAME or NAME+pull for workers that pull prefixes from each other "
+        "(repeat; default: all for a trace, longest_prefix, least_loaded, least_loaded+pull "
+        "and prefix_aware+pull for hot-prefix)",
+    )
+    sim.add_argument("--peer-pull", action="store_true", help="run every policy with pulls as well")
+    sim.add_argument(
+        "--peer-gbps",
+        type=float,
+        default=None,
+        help="bandwidth of a pull between workers in GB/s (default: the profile's, else the "
+        "workers' prior of 1 GB/s after 5 ms)",
     )
     sim.add_argument(
         "--time-scale",
@@ -70,6 +97,16 @@ def add_simulate_parser(sub: Any) -> None:
     )
     sim.add_argument("--json", dest="json_path", help="also write the results to this file")
     sim.add_argument("--plot", dest="plot_path", help="also draw the results into this PNG")
+    hot = HotPrefix()
+    shape = sim.add_argument_group("hot-prefix workload")
+    shape.add_argument("--prefix-len", type=int, default=hot.prefix_len, help="shared tokens")
+    shape.add_argument("--num-forks", type=int, default=hot.num_forks, help="sub-agent requests")
+    shape.add_argument("--suffix-len", type=int, default=hot.suffix_len, help="a fork's own tokens")
+    shape.add_argument("--output-len", type=int, default=hot.output_len, help="tokens per answer")
+    shape.add_argument(
+        "--fork-at", type=float, default=hot.fork_at_s, help="seconds from the parent to the burst"
+    )
+    shape.add_argument("--rate", type=float, default=hot.rate, help="forks per second in the burst")
     defaults = RouterConfig()
     bounds = sim.add_argument_group("prefix_aware thresholds (RouterConfig fields)")
     for name in _POLICY_FIELDS:
@@ -82,10 +119,13 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         return _calibrate(args)
     from cachesvc.bench.simulate import SimulateArgs, Size, run_simulate
+    from cachesvc.bench.simulate_trace import HotPrefix
     from router.config import RouterConfig
 
-    if not args.trace:
-        raise CliError("simulate needs --trace FILE (a Mooncake JSONL trace)")
+    if args.workload == "trace" and not args.trace:
+        raise CliError(
+            "simulate needs --trace FILE (a Mooncake JSONL trace) or --workload hot-prefix"
+        )
     if args.workers < 1:
         raise CliError(f"--workers must be positive, got {args.workers}")
     # The thresholds are validated as the router validates them.
@@ -93,12 +133,23 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     return run_simulate(
         SimulateArgs(
             trace=args.trace,
+            workload=args.workload,
+            hot_prefix=HotPrefix(
+                prefix_len=args.prefix_len,
+                num_forks=args.num_forks,
+                suffix_len=args.suffix_len,
+                output_len=args.output_len,
+                fork_at_s=args.fork_at,
+                rate=args.rate,
+            ),
             profile=args.profile,
+            peer_gbps=args.peer_gbps,
             workers=args.workers,
-            device_blocks=Size.parse(args.device_blocks),
+            device_blocks=Size.parse(args.device_blocks) if args.device_blocks else None,
             dram_blocks=Size.parse(args.dram_blocks),
             nvme_blocks=Size.parse(args.nvme_blocks),
             policies=tuple(args.policy or ()),
+            peer_pull=args.peer_pull,
             policy_options=config.policy_options(),
             time_scale=args.time_scale,
             max_requests=args.max_requests,
