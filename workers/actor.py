@@ -62,6 +62,7 @@ class WorkerActor:
         max_queued_requests: int,
         event_stream: EventStreamConfig | None = None,
         actor_name: str | None = None,
+        namespace: str | None = None,
     ) -> None:
         from workers.engine.async_engine import AsyncEngine
         from workers.engine.engine import Engine
@@ -72,7 +73,9 @@ class WorkerActor:
 
             from workers.peer_link import RayPeerLink
 
-            engine.attach_peers(RayPeerLink(ray.get_runtime_context().namespace))
+            # Peers are named in this actor's namespace, which is not its job's when the actor
+            # was given one (`spawn_worker`): the runtime context only knows the job's.
+            engine.attach_peers(RayPeerLink(namespace or ray.get_runtime_context().namespace))
         self._engine: AsyncEngine = AsyncEngine(engine)
         self._max_queued = max_queued_requests
         # Events are kept (not drained away) so that several routers can follow one worker.
@@ -380,4 +383,4 @@ def spawn_worker(
         max_task_retries=0,
         # Streams are long-lived coroutines, not threads: allow many at once.
         max_concurrency=1000,
-    ).remote(worker_id, config, max_queued_requests, event_stream, name)
+    ).remote(worker_id, config, max_queued_requests, event_stream, name, namespace)

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.system
 
 PARAMS = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 NUM_BLOCKS = 10  # full blocks of every prompt below (block size 4)
+NS = "peer-pull-test"  # the workers' Ray namespace
 
 
 def _prompt(seed: int) -> list[int]:
@@ -57,8 +58,9 @@ def pair(ray_cluster: None, engine_config: EngineConfig) -> Iterator[dict[str, A
         engine_config, peer_pull=True, peer_pull_timeout_s=2.0, tiers=tiers
     )
     names = {role: f"peer-{role}-{uuid.uuid4().hex[:6]}" for role in ("holder", "puller")}
+    # In a namespace of their own, as `cachesvc serve` starts them: not the driver's.
     actors = {
-        role: spawn_worker(role, config, name=name, num_cpus=0.5, max_restarts=0)
+        role: spawn_worker(role, config, name=name, namespace=NS, num_cpus=0.5, max_restarts=0)
         for role, name in names.items()
     }
     yield {**actors, "names": names}
@@ -117,7 +119,8 @@ def _fake_holder(kind: str) -> tuple[Any, str]:
 
     name = f"{kind}-{uuid.uuid4().hex[:6]}"
     cls = SendsGarbage if kind == "garbage" else Stalls
-    actor = ray.remote(cls).options(name=name, num_cpus=0).remote()  # type: ignore[attr-defined]
+    options = {"name": name, "namespace": NS, "num_cpus": 0}
+    actor = ray.remote(cls).options(**options).remote()  # type: ignore[attr-defined]
     ray.get(actor.ready.remote())
     return actor, name
 

@@ -91,6 +91,12 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
         help="mutual TLS: require client certificates signed by this PEM CA",
     )
     serve.add_argument(
+        "--peer-pull",
+        action="store_true",
+        help="let workers pull a prefix another worker holds (a Ray call) when their planner "
+        "finds it cheaper than computing it; the router then counts and names the holder",
+    )
+    serve.add_argument(
         "--ray-namespace",
         default="cachesvc",
         help="Ray namespace of the workers (named cachesvc-worker-<i>); --attach looks there",
@@ -134,8 +140,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     from cachesvc.app.serve import ServeConfig
     from router.config import RouterConfig
 
+    engine = engine_config(args)
     return ServeConfig(
-        engine=engine_config(args),
+        engine=dataclasses.replace(engine, peer_pull=True) if args.peer_pull else engine,
         router=RouterConfig(
             host=args.host,
             port=args.port,

@@ -188,3 +188,16 @@ def test_serve_with_a_bad_config_exits_2_with_one_line(
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
     assert "unknown key 'engine.blok_size'" in err and "did you mean 'block_size'" in err
+
+
+def test_serve_peer_pull_from_the_flag_or_the_file(tmp_path: Path) -> None:
+    assert not serve_config(build_parser().parse_args(["serve"])).engine.peer_pull
+    assert serve_config(build_parser().parse_args(["serve", "--peer-pull"])).engine.peer_pull
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        "engine: {peer_pull: true, peer_pull_timeout_s: 2.5}\nrouter: {peer_pull: true}\n"
+    )
+    args = build_parser().parse_args(["serve", "--config", str(path)])
+    config = serve_config_file(args.config, serve_config(args))
+    assert config.engine.peer_pull and config.engine.peer_pull_timeout_s == 2.5
+    assert config.router.peer_pull
