@@ -30,7 +30,7 @@ from router.domain import (
     WorkerStatus,
 )
 from router.metrics import RequestOutcome, RouterMetrics
-from router.policy import Candidate, Policy, RouteDecision, RouteRequest
+from router.policy import PEER, Candidate, Policy, RouteDecision, RouteRequest
 from router.pool import Health, WorkerDied, WorkerPool, raise_stream_error
 from router.prompts import Prompts
 from router.response_cache import (
@@ -242,7 +242,11 @@ class Router:
     ) -> AsyncGenerator[StreamDelta, None]:
         state = self.pool.state(decision.worker)
         ids = part.prompt_ids
-        uncached = max(0, len(ids) - decision.matched_blocks * self.pool.model.block_size)
+        covered = decision.matched_blocks
+        costs = state.load.block_costs
+        if holder is not None and costs is not None and PEER in costs.fetch_s:
+            covered = max(covered, holder.num_blocks)  # pulled, not computed: not its work
+        uncached = max(0, len(ids) - covered * self.pool.model.block_size)
         state.num_inflight += 1
         state.num_inflight_tokens += uncached
         prefilled = False

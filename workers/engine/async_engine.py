@@ -33,8 +33,9 @@ class EngineLoad:
 
     `num_queued_tokens` counts tokens that still need a forward pass (prompt tokens not yet
     computed, plus one per decoding request): the work ahead of a newly arrived request. A
-    waiting request's prefix already in the device pool is not work: it is left out, so a worker
-    queueing cache hits does not look busier than it is.
+    waiting request's prefix already in the device pool is not work, nor what a planned fetch (from
+    a tier, a peer) is to bring: both are left out, so a worker queueing cache hits does not look
+    busier than it is.
     """
 
     num_running: int = 0
@@ -56,7 +57,10 @@ def _measure(engine: Engine) -> EngineLoad:
         num_running=len(engine.scheduler.running),
         num_waiting=len(engine.scheduler.waiting),
         num_queued_tokens=sum(
-            r.num_tokens - r.num_computed_tokens - engine.kv.num_cached_prefix_tokens(r)
+            r.num_tokens
+            - r.num_computed_tokens
+            - engine.kv.num_cached_prefix_tokens(r)
+            - engine.kv.num_planned_tokens(r)
             for r in requests
         ),
         num_blocks=engine.pool.num_blocks,

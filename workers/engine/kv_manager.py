@@ -62,6 +62,10 @@ class TieringHooks(Protocol):
         """True while the request can compute nothing before its planned fetch lands."""
         ...
 
+    def num_planned_tokens(self, request: Request) -> int:
+        """Prompt tokens the request's planned fetch is to bring (0 without one)."""
+        ...
+
 
 class KVCacheManager:
     """Gives each request the blocks its tokens need, reuses cached prefixes, takes blocks back.
@@ -133,6 +137,11 @@ class KVCacheManager:
                 break
             num_hits += 1
         return min(num_hits * self.block_size, request.num_tokens - 1)
+
+    def num_planned_tokens(self, request: Request) -> int:
+        """Prompt tokens a planned fetch (tiers, a peer) is to bring to the request: like a
+        cached prefix, not work for the load report."""
+        return 0 if self.tiering is None else self.tiering.num_planned_tokens(request)
 
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Reuse the longest cached prefix of a request that holds no blocks yet.

@@ -64,6 +64,11 @@ class PendingLoads:
             return num_left
         return min(num_left, load.split_token - request.num_computed_tokens)
 
+    def num_planned_blocks(self, request_id: RequestId) -> int:
+        """Blocks the request's load is to bring (0 without one)."""
+        load = self._loads.get(request_id)
+        return 0 if load is None else sum(len(hashes) for _, hashes in load.ranges)
+
     def due(self, request: Request) -> PendingLoad | None:
         """The request's load once the request computed up to its split, and so has nothing
         to compute until it lands; None while it has none or is not there yet."""

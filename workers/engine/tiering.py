@@ -303,6 +303,10 @@ class KVTiering:
         if pending is not None and pending.done():
             self._complete(request)
 
+    def num_planned_tokens(self, request: Request) -> int:
+        """Prompt tokens a planned fetch of the request is to bring: not work to compute."""
+        return self._pending.num_planned_blocks(request.request_id) * self.block_size
+
     def awaits_load(self, request: Request) -> bool:
         """True while the request has nothing to compute before a planned fetch lands."""
         return self._pending.due(request) is not None

@@ -251,6 +251,9 @@ def test_engine_keeps_stepping_while_a_pull_waits(
         if busy in done:
             break
     assert busy in done and waiting not in done  # the other request ran to its end meanwhile
+    # What the pull is to bring is not work the engine reports as queued.
+    [request] = [r for r in puller.scheduler.running if r.request_id == waiting]
+    assert puller.kv.num_planned_tokens(request) == NUM_FULL * BS
     link.gate.set()
     while puller.has_unfinished():
         for out in puller.step():
