@@ -30,6 +30,7 @@ class PrefixMatch:
 
     num_cached_tokens: int
     stopped_at_in_flight: bool  # the match stopped at a block being computed in this step
+    joins_pull: bool = False  # the next blocks are being pulled for another request: wait
 
 
 class TieringHooks(Protocol):
@@ -56,6 +57,12 @@ class TieringHooks(Protocol):
 
     def land_ready(self, request: Request) -> None:
         """Land the request's planned fetch if it is due and has arrived (not waiting)."""
+        ...
+
+    def joins_pull(
+        self, request: Request, hashes: Sequence[BlockHash], num_device_blocks: int
+    ) -> bool:
+        """True when a pull in flight for another request brings the request's next block."""
         ...
 
     def awaits_load(self, request: Request) -> bool:
@@ -175,6 +182,8 @@ class KVCacheManager:
         if self.tiering is not None and not stopped:
             max_blocks = (len(tokens) - 1) // self.block_size
             hashes = self.block_hashes(request)
+            if self.tiering.joins_pull(request, hashes, num_device):
+                return PrefixMatch(num_device * self.block_size, False, joins_pull=True)
             extra = self.tiering.extend_match(request, hashes, num_device, max_blocks)
         return PrefixMatch(num_device * self.block_size + extra, stopped)
 

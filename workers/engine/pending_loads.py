@@ -69,6 +69,16 @@ class PendingLoads:
         load = self._loads.get(request_id)
         return 0 if load is None else sum(len(hashes) for _, hashes in load.ranges)
 
+    def pulling(self, block_hash: BlockHash) -> bool:
+        """True when a pull in flight is to bring the block `block_hash`."""
+        return any(
+            block_hash in hashes
+            for load in self._loads.values()
+            if load.pull is not None
+            for name, hashes in load.ranges
+            if is_peer(name)
+        )
+
     def due(self, request: Request) -> PendingLoad | None:
         """The request's load once the request computed up to its split, and so has nothing
         to compute until it lands; None while it has none or is not there yet."""

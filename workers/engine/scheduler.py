@@ -138,8 +138,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
             match = self.kv.match_prefix(request)
-            if match.stopped_at_in_flight and self.kv.in_batch == "defer":
-                # Batch split + cache: wait for the blocks this step computes, then hit them.
+            if match.joins_pull or (match.stopped_at_in_flight and self.kv.in_batch == "defer"):
+                # Batch split + cache: wait for the blocks this step computes (or another
+                # request's pull brings), then hit them.
                 self._release(request)
                 deferred.append(request)
                 continue

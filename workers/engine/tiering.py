@@ -180,6 +180,14 @@ class KVTiering:
         self._trim_blocks(request)
         return num_loaded * self.block_size
 
+    def joins_pull(
+        self, request: Request, hashes: Sequence[BlockHash], num_device_blocks: int
+    ) -> bool:
+        """True when a pull in flight for another request brings the next block this one
+        lacks: it waits for that pull to land rather than pull the same blocks again."""
+        d = num_device_blocks
+        return request.peer is not None and d < len(hashes) and self._pending.pulling(hashes[d])
+
     def _peer_hit(self, request: Request, start: int, end: int) -> TierHit | None:
         """The run of the request's peer after block `start` (below `end`), when it has one."""
         source = request.peer

@@ -290,3 +290,26 @@ def test_pulls_teach_the_peers_cost(loaded: LoadedModel) -> None:
 def test_peer_pull_config_is_validated() -> None:
     with pytest.raises(ConfigError, match="peer_pull_timeout_s"):
         EngineConfig(peer_pull=True, peer_pull_timeout_s=0.0)
+
+
+def test_requests_of_one_prefix_share_one_pull(loaded: LoadedModel, reference: list[int]) -> None:
+    holder = _engine(loaded)
+    _run(holder, PROMPT)
+    other = PROMPT[:40] + [5, 6, 7]  # the same 10 full blocks, another tail
+    expected_other, _, _ = _run(_engine(loaded, enable_prefix_caching=False), other)
+    puller, link = _puller(loaded, holder)
+    link.gate = threading.Event()
+    [first] = puller.add_request(PROMPT, GREEDY, peer=HOLDER)
+    [second] = puller.add_request(other, GREEDY, peer=HOLDER)
+    puller.step()  # the first plans the pull; the second waits for it instead of its own
+    link.gate.set()
+    done = {}
+    while puller.has_unfinished():
+        for out in puller.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert link.calls == 1
+    assert list(done[first].token_ids) == reference
+    assert list(done[second].token_ids) == expected_other
+    assert done[second].cached_tokens_by_tier.get("hbm") == NUM_FULL * BS  # the landed blocks
+    _check_pool(puller)
