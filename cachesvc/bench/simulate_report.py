@@ -65,7 +65,9 @@ def summarize(
             by_tier[tier] = by_tier.get(tier, 0.0) + tokens
     by_tier = {t: v / prompt for t, v in sorted(by_tier.items())} if prompt else {}
     hit = sum(by_tier.values())
-    ttfts = [(s.first_token_s - s.req.arrival_s) * 1e3 for s in done if s.first_token_s]
+    ttfts = [
+        (s.first_token_s - s.req.arrival_s) * 1e3 for s in done if s.first_token_s and s.req.timed
+    ]
     busy = [w.busy_s for w in run.workers]
     mean_busy = statistics.fmean(busy)
     makespan = max((s.finish_s or 0.0) for s in done) if done else 0.0

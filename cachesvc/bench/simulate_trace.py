@@ -46,6 +46,7 @@ class SimRequest:
     output_len: int
     hashes: tuple[BlockHash, ...]  # one per block; the last may be partial
     block_size: int = BLOCK_SIZE
+    timed: bool = True  # False: served but left out of the TTFT figures (hot-prefix's parent)
 
     @property
     def num_full_blocks(self) -> int:
@@ -128,7 +129,10 @@ def hot_prefix_requests(shape: HotPrefix) -> list[SimRequest]:
         rate=shape.rate,
         seed=shape.seed,
     )
-    return _session_requests(sessions, shape.block_size)
+    parent, *forks = _session_requests(sessions, shape.block_size)
+    # The parent computes the context the forks share; the live bench serves it before timing
+    # the forks, and so is it left out here.
+    return [dataclasses.replace(parent, timed=False), *forks]
 
 
 def _session_requests(sessions: Sequence[Session], block_size: int) -> list[SimRequest]:

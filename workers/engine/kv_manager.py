@@ -65,6 +65,12 @@ class TieringHooks(Protocol):
         """True when a pull in flight for another request brings the request's next block."""
         ...
 
+    def num_joined_blocks(
+        self, request: Request, hashes: Sequence[BlockHash], num_device_blocks: int
+    ) -> int:
+        """Blocks after the device prefix that pulls in flight for other requests bring."""
+        ...
+
     def awaits_load(self, request: Request) -> bool:
         """True while the request can compute nothing before its planned fetch lands."""
         ...
@@ -146,9 +152,16 @@ class KVCacheManager:
         return min(num_hits * self.block_size, request.num_tokens - 1)
 
     def num_planned_tokens(self, request: Request) -> int:
-        """Prompt tokens a planned fetch (tiers, a peer) is to bring to the request: like a
-        cached prefix, not work for the load report."""
-        return 0 if self.tiering is None else self.tiering.num_planned_tokens(request)
+        """Prompt tokens a planned fetch (tiers, a peer) is to bring to the request, or, for a
+        request waiting to join another's pull, that pull: like a cached prefix, not work for
+        the load report."""
+        if self.tiering is None:
+            return 0
+        if request.block_ids or request.peer is None:
+            return self.tiering.num_planned_tokens(request)
+        hashes = self.block_hashes(request)
+        num_device = self.num_cached_prefix_tokens(request) // self.block_size
+        return self.tiering.num_joined_blocks(request, hashes, num_device) * self.block_size
 
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Reuse the longest cached prefix of a request that holds no blocks yet.

@@ -185,8 +185,19 @@ class KVTiering:
     ) -> bool:
         """True when a pull in flight for another request brings the next block this one
         lacks: it waits for that pull to land rather than pull the same blocks again."""
-        d = num_device_blocks
-        return request.peer is not None and d < len(hashes) and self._pending.pulling(hashes[d])
+        return self.num_joined_blocks(request, hashes, num_device_blocks) > 0
+
+    def num_joined_blocks(
+        self, request: Request, hashes: Sequence[BlockHash], num_device_blocks: int
+    ) -> int:
+        """How many blocks after the request's device prefix pulls in flight for other
+        requests bring (0 for a request without a peer: it never waits on a pull)."""
+        if request.peer is None:
+            return 0
+        n = num_device_blocks
+        while n < len(hashes) and self._pending.pulling(hashes[n]):
+            n += 1
+        return n - num_device_blocks
 
     def _peer_hit(self, request: Request, start: int, end: int) -> TierHit | None:
         """The run of the request's peer after block `start` (below `end`), when it has one."""

@@ -302,6 +302,9 @@ def test_requests_of_one_prefix_share_one_pull(loaded: LoadedModel, reference: l
     [first] = puller.add_request(PROMPT, GREEDY, peer=HOLDER)
     [second] = puller.add_request(other, GREEDY, peer=HOLDER)
     puller.step()  # the first plans the pull; the second waits for it instead of its own
+    # Neither reports the pulled run as work queued.
+    for request in [*puller.scheduler.running, *puller.scheduler.waiting]:
+        assert puller.kv.num_planned_tokens(request) == NUM_FULL * BS
     link.gate.set()
     done = {}
     while puller.has_unfinished():
