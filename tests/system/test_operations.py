@@ -15,7 +15,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachesvc.bench.routing import run_policy
+from cachesvc.bench.routing import Variant, run_policy
 from cachesvc.bench.workloads import groups_workload
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
@@ -135,7 +135,8 @@ def test_many_hot_groups_stay_balanced(worker_pair: Any, tiny_model_dir: Path) -
     )
 
     def run(policy: str) -> Any:
-        return asyncio.run(run_policy(worker_pair, str(tiny_model_dir), policy, sessions))
+        variant = Variant(policy, policy)
+        return asyncio.run(run_policy(worker_pair, str(tiny_model_dir), variant, sessions))
 
     result = run("prefix_aware")
     assert result.num_errors == 0 and result.num_requests == 64
