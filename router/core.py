@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import asdict, fields
 
-from cachesvc.types import BlockHash, WorkerId
+from cachesvc.types import WorkerId
 from router.config import RouterConfig
 from router.domain import (
     Exhausted,
@@ -30,7 +30,8 @@ from router.domain import (
     WorkerStatus,
 )
 from router.metrics import RequestOutcome, RouterMetrics
-from router.policy import PEER, Candidate, Policy, RouteDecision, RouteRequest
+from router.placement import Placement
+from router.policy import Policy, RouteDecision
 from router.pool import Health, WorkerDied, WorkerPool, raise_stream_error
 from router.prompts import Prompts
 from router.response_cache import (
@@ -73,6 +74,7 @@ class Router:
         if self.responses is not None:
             self.metrics.watch_response_cache(self.responses.stats)
         self.supervisor = Supervisor(pool, config, replace)
+        self.placement = Placement(pool, policy, config, self.metrics)
 
     async def start(self) -> None:
         """Wait for the workers, index what they hold and start supervising them."""
@@ -170,10 +172,10 @@ class Router:
             # Every part continues the same prompt: the first one's blocks stand for all.
             prompt = parts[0].prompt_ids
             hashes = self.prompts.block_hashes(prompt, req.cache_salt)
-            decision = self._route(len(prompt), hashes, excluded)
+            decision = self.placement.route(len(prompt), hashes, excluded)
             self.metrics.decisions.labels(decision.policy, decision.worker).inc()
             outcome.route_reason = decision.reason
-            holder = self._holder_hint(decision, hashes, excluded)
+            holder = self.placement.holder_hint(decision, hashes, excluded)
             try:
                 attempt_deltas = self._attempt(decision, parts, call_id, req, progress, holder)
                 async with contextlib.aclosing(attempt_deltas) as deltas:
@@ -200,7 +202,7 @@ class Router:
             except Exhausted as exc:
                 last_error = exc
             excluded.add(decision.worker)
-            if not self._candidates_left(excluded):
+            if not self.placement.candidates_left(excluded):
                 break
             if attempt < self.config.max_retries:
                 self._stats.num_retries += 1
@@ -242,10 +244,7 @@ class Router:
     ) -> AsyncGenerator[StreamDelta, None]:
         state = self.pool.state(decision.worker)
         ids = part.prompt_ids
-        covered = decision.matched_blocks
-        costs = state.load.block_costs
-        if holder is not None and costs is not None and PEER in costs.fetch_s:
-            covered = max(covered, holder.num_blocks)  # pulled, not computed: not its work
+        covered = self.placement.covered_blocks(decision, holder)
         uncached = max(0, len(ids) - covered * self.pool.model.block_size)
         state.num_inflight += 1
         state.num_inflight_tokens += uncached
@@ -286,64 +285,6 @@ class Router:
         self.metrics.record_usage(usage)
         outcome.usage(usage)
 
-    def _candidates_left(self, excluded: set[WorkerId]) -> bool:
-        return any(s.worker_id not in excluded for s in self.pool.routable())
-
-    def _route(
-        self, num_tokens: int, hashes: list[BlockHash], excluded: set[WorkerId]
-    ) -> RouteDecision:
-        live = [s for s in self.pool.routable() if s.worker_id not in excluded]
-        if not live:
-            raise Unavailable("no live worker to serve the request")
-        limit = self.config.max_queued_per_worker
-        if limit is not None:
-            live = [s for s in live if s.num_requests < limit]
-            if not live:
-                raise Exhausted(f"every worker's queue is full ({limit} requests each)")
-        matches = self.pool.index.longest_prefix(hashes)
-        holders = self._holders(excluded) if self.config.peer_pull else set()
-        held = {w: m.num_blocks for w, m in matches.items() if w in holders}
-        candidates = [
-            Candidate(
-                s.worker_id,
-                s.num_requests,
-                s.num_queued_tokens,
-                matches.get(s.worker_id),
-                s.load.block_costs,
-                max((n for w, n in held.items() if w != s.worker_id), default=0),
-            )
-            for s in live
-        ]
-        request = RouteRequest(num_tokens, self.pool.model.block_size)
-        return self.policy.choose(request, candidates)
-
-    def _holders(self, excluded: set[WorkerId]) -> dict[WorkerId, str]:
-        """The healthy workers a peer may pull from, by their Ray actor names."""
-        return {
-            s.worker_id: s.info.actor_name
-            for s in self.pool.healthy()
-            if s.worker_id not in excluded and s.info is not None and s.info.actor_name
-        }
-
-    def _holder_hint(
-        self, decision: RouteDecision, hashes: list[BlockHash], excluded: set[WorkerId]
-    ) -> HolderHint | None:
-        """The healthy worker holding the longest prefix, when it holds more than the chosen
-        one: the chosen worker's load planner may pull the difference from it
-        (`EngineConfig.peer_pull`). None with `RouterConfig.peer_pull` off."""
-        if not self.config.peer_pull:
-            return None
-        named = self._holders(excluded)
-        named.pop(decision.worker, None)
-        if not named:
-            return None
-        matches = [m for m in self.pool.index.longest_prefix(hashes).values() if m.worker in named]
-        best = max(matches, key=lambda m: m.num_blocks, default=None)
-        if best is None or best.num_blocks <= decision.matched_blocks:
-            return None
-        self.metrics.pull_hints.inc()
-        return HolderHint(named[best.worker], best.num_blocks)
-
     # ---- score ------------------------------------------------------------------------------
 
     async def score(self, req: ScoreInput) -> ScoreResult:
@@ -363,7 +304,7 @@ class Router:
                 raise InvalidInput(f"prefix + items[{i}] exceed the model's context of {limit}")
         excluded: set[WorkerId] = set()
         for _ in range(self.config.max_retries + 1):
-            decision = self._route(
+            decision = self.placement.route(
                 len(prefix), self.prompts.block_hashes(prefix, req.cache_salt), excluded
             )
             try:

@@ -5,9 +5,10 @@ longer prefix of its prompt. `KVTiering` then offers the planner, after the runs
 hold, one more run: the blocks the peer holds beyond them, under the tier name `peer:<name>`, at
 that peer's calibrated cost (latency + seconds per byte, learned from every pull like any
 tier's). The planner picks fetch, split or recompute as for any tier; a planned pull runs on a
-background thread (`PeerPuller.read`) while the engine keeps stepping, and what arrives is
-verified against the hashes this worker computed under the request's own salt. A peer that is
-gone, fails or does not answer within the timeout costs the recompute of what did not arrive.
+background thread (`PeerPuller.read`, in chunks of blocks) while the engine keeps stepping,
+and what arrives is verified against the hashes this worker computed under the request's own
+salt. A peer that is gone, fails or does not answer within the timeout costs the recompute of
+what did not arrive.
 
 The transport (`PeerLink`) is the actor's (Ray); the engine only sees this interface.
 """
@@ -30,6 +31,9 @@ PEER_PREFIX = "peer:"
 # Prior of a pull before any was measured: an actor call's round trip, then ~1 GB/s (Ray's
 # object transfer between processes of one node is faster, between nodes about this).
 PEER_PRIOR = (5e-3, 1 / 1e9)
+# Blocks per call of a pull: when a peer dies mid-run the chunks that arrived still land, and
+# the peer encodes a chunk between two of its own steps rather than the whole run in one go.
+PULL_CHUNK_BLOCKS = 32
 
 
 def peer_tier(name: str) -> str:
@@ -111,6 +115,7 @@ class PeerPuller:
         self.costs = costs
         self.block_bytes = block_bytes  # a raw block's encoded size, for the cost prior
         self.timeout_s = timeout_s
+        self.chunk_blocks = PULL_CHUNK_BLOCKS
         self.stats = PeerStats()
         # Pulls wait on the network, not the cores: a few at once, apart from the tiers' reads.
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-peer")
@@ -145,42 +150,63 @@ class PeerPuller:
         hashes: Sequence[BlockHash],
         start_block: int,
     ) -> PeerRead:
-        """Pull blocks `start_block .. start_block + len(hashes)` of the prompt from the peer
-        and verify each against `hashes` (this worker's, under the request's salt); the run
-        stops at the first that does not check out. Blocking; thread-safe."""
-        end = start_block + len(hashes)
-        began = time.perf_counter()
-        try:
-            sent = self.link.fetch(
-                source.name, token_ids, cache_salt, start_block, end, self.timeout_s
-            )
-        except Exception:  # any failure of the peer is a recompute, never the request's error
-            return PeerRead(failed=True)
-        seconds = time.perf_counter() - began
+        """Pull blocks `start_block .. start_block + len(hashes)` of the prompt from the peer,
+        `chunk_blocks` per call, and verify each against `hashes` (this worker's, under the
+        request's salt); the run stops at the first block that does not check out, or at a
+        call that fails, with what arrived before kept. All calls share `timeout_s`. Blocking;
+        thread-safe."""
+        deadline = time.perf_counter() + self.timeout_s
         out = PeerRead()
-        if not isinstance(sent, PeerBlocks) or sent.start_block != start_block:
-            return out
-        for i, blob in enumerate(sent.blobs[: len(hashes)]):
-            block = self.codec.decode(blob, hashes[i])
-            parent = hashes[i - 1] if i > 0 else None
-            if block is None or (i > 0 and block.parent != parent):
+        seconds, num_bytes = 0.0, 0
+        for lo in range(0, len(hashes), self.chunk_blocks):
+            chunk = hashes[lo : lo + self.chunk_blocks]
+            first = start_block + lo
+            began = time.perf_counter()
+            try:
+                if began >= deadline:
+                    raise TimeoutError("the pull ran out of time")
+                sent = self.link.fetch(
+                    source.name, token_ids, cache_salt, first, first + len(chunk), deadline - began
+                )
+            except Exception:  # any failure of the peer is a recompute, never the request's error
+                out.failed = True
                 break
-            out.blocks.append(block)
-        num_bytes = sum(len(b) for b in sent.blobs[: len(out.blocks)])
+            seconds += time.perf_counter() - began
+            verified = self._verify(sent, first, chunk)
+            out.blocks.extend(verified)
+            num_bytes += sum(len(b) for b in sent.blobs[: len(verified)])
+            if len(verified) < len(chunk):
+                break
         out.transfer = Transfer(peer_tier(source.name), num_bytes, seconds, len(out.blocks))
         return out
 
+    def _verify(
+        self, sent: PeerBlocks, start_block: int, hashes: Sequence[BlockHash]
+    ) -> list[KVBlock]:
+        """The leading blobs of `sent` that decode to `hashes` (each hash names its whole
+        chain, so a block in its place is the right one)."""
+        if not isinstance(sent, PeerBlocks) or sent.start_block != start_block:
+            return []
+        out: list[KVBlock] = []
+        for blob, block_hash in zip(sent.blobs, hashes, strict=False):
+            block = self.codec.decode(blob, block_hash)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
     def settle(self, read: PeerRead, planned: int, predicted_s: float) -> None:
-        """Count a finished pull and learn the peer's cost from it (on the engine's thread)."""
+        """Count a finished pull and learn the peer's cost from it (on the engine's thread);
+        a pull cut short by a failure teaches nothing of the peer's speed."""
         self.stats.planned += 1
         self.stats.pulled_blocks += len(read.blocks)
         self.stats.missed_blocks += planned - len(read.blocks)
-        if read.failed:
-            self.stats.failures += 1
-            return
         t = read.transfer
         if t is not None:
             self.stats.pulled_bytes += t.num_bytes
+        if read.failed:
+            self.stats.failures += 1
+        elif t is not None:
             self.stats.predicted_s += predicted_s
             self.stats.measured_s += t.seconds
             self.costs.observe_transfer(t)

@@ -39,6 +39,7 @@ class LocalLink:
         self.peers = peers
         self.tamper = tamper
         self.gate: threading.Event | None = None
+        self.fail_from: int | None = None  # a call for this block or later fails (peer died)
         self.calls = 0
 
     def fetch(
@@ -53,6 +54,8 @@ class LocalLink:
         self.calls += 1
         if self.gate is not None and not self.gate.wait(timeout_s):
             raise TimeoutError("peer did not answer")
+        if self.fail_from is not None and start_block >= self.fail_from:
+            raise ConnectionError("peer died")
         sent = export_blocks(self.peers[peer], token_ids, cache_salt, start_block, end_block)
         return sent if self.tamper is None else self.tamper(sent)
 
@@ -315,4 +318,21 @@ def test_requests_of_one_prefix_share_one_pull(loaded: LoadedModel, reference: l
     assert list(done[first].token_ids) == reference
     assert list(done[second].token_ids) == expected_other
     assert done[second].cached_tokens_by_tier.get("hbm") == NUM_FULL * BS  # the landed blocks
+    _check_pool(puller)
+
+
+def test_peer_dying_mid_pull_costs_only_what_did_not_arrive(
+    loaded: LoadedModel, reference: list[int]
+) -> None:
+    holder = _engine(loaded)
+    _run(holder, PROMPT)
+    puller, link = _puller(loaded, holder)
+    assert puller.tiering is not None and puller.tiering.peers is not None
+    puller.tiering.peers.chunk_blocks = 4  # three calls: blocks 0-3, 4-7, 8-9
+    link.fail_from = 8
+    tokens, cached, by_tier = _run(puller, PROMPT, None, HOLDER)
+    assert tokens == reference
+    assert link.calls == 3 and cached == by_tier["peer"] == 8 * BS
+    stats = _stats(puller)
+    assert stats["peer_failures"] == 1 and stats["peer_missed_blocks"] == NUM_FULL - 8
     _check_pool(puller)
