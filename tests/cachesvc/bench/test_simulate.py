@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,13 +38,8 @@ UNIT = CostProfile(
 )
 
 
-def _write(path: Path, rows: list[tuple[float, int, int, list[int]]]) -> Path:
-    lines = [
-        json.dumps({"timestamp": t, "input_length": n, "output_length": o, "hash_ids": ids})
-        for t, n, o, ids in rows
-    ]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+TraceRows = list[tuple[float, int, int, list[int]]]
+WriteTrace = Callable[[TraceRows], Path]  # conftest's write_trace
 
 
 def _prompt(num_blocks: int) -> int:
@@ -62,8 +58,8 @@ def _check_integrity(run: SimRun) -> None:
             w.tiers.check_integrity()
 
 
-def test_trace_rows_become_requests(tmp_path: Path) -> None:
-    path = _write(tmp_path / "t.jsonl", [(2000, 1500, 7, [5, 6, 7]), (1000, 1024, 0, [5, 6])])
+def test_trace_rows_become_requests(write_trace: WriteTrace) -> None:
+    path = write_trace([(2000, 1500, 7, [5, 6, 7]), (1000, 1024, 0, [5, 6])])
     first, second = load_trace(path, time_scale=0.5)
     assert (first.arrival_s, second.arrival_s) == (0.0, 0.5), "sorted, scaled, from the first"
     assert first.hashes == (block_hash(5), block_hash(6))
@@ -73,20 +69,20 @@ def test_trace_rows_become_requests(tmp_path: Path) -> None:
     assert num_unique_blocks([first, second]) == 3
 
 
-def test_the_oracle_has_seen_every_earlier_request(tmp_path: Path) -> None:
+def test_the_oracle_has_seen_every_earlier_request(write_trace: WriteTrace) -> None:
     rows = [
         (0, _prompt(3), 1, [1, 2, 3]),
         (1, _prompt(4), 1, [1, 2, 3, 4]),
         (2, _prompt(2), 1, [1, 9]),
         (3, 3 * BLOCK_SIZE, 1, [1, 2, 3]),  # the last block holds the last token: 2 at most
     ]
-    requests = load_trace(_write(tmp_path / "t.jsonl", rows))
+    requests = load_trace(write_trace(rows))
     assert oracle_hit_blocks(requests) == [0, 3, 1, 2]
     prompt = sum(r.prompt_len for r in requests)
     assert oracle_ratio(requests) == pytest.approx(6 * BLOCK_SIZE / prompt)
 
 
-def test_small_capacity_hits_by_hand(tmp_path: Path) -> None:
+def test_small_capacity_hits_by_hand(write_trace: WriteTrace) -> None:
     # One worker of 4 blocks, requests one after another (1 ms per token, so 2 s apart is idle):
     # r0 registers blocks 1, 2 (its third holds the last token); r1 hits them and adds 3;
     # r2 needs all 4 blocks and evicts everything; r3 finds nothing left.
@@ -96,7 +92,7 @@ def test_small_capacity_hits_by_hand(tmp_path: Path) -> None:
         (4000, _prompt(3), 1, [4, 5, 6, 7]),
         (6000, _prompt(2), 1, [1, 2, 8]),
     ]
-    requests = load_trace(_write(tmp_path / "t.jsonl", rows))
+    requests = load_trace(write_trace(rows))
     run = replay(requests, UNIT, ClusterSpec(1, device_blocks=4), "round_robin")
     assert _cached(run) == [{"hbm": 0}, {"hbm": 1024}, {"hbm": 0}, {"hbm": 0}]
     assert oracle_hit_blocks(requests) == [0, 2, 0, 2]
@@ -109,34 +105,34 @@ def test_small_capacity_hits_by_hand(tmp_path: Path) -> None:
     _check_integrity(run)
 
 
-def test_evicted_blocks_come_back_from_dram(tmp_path: Path) -> None:
+def test_evicted_blocks_come_back_from_dram(write_trace: WriteTrace) -> None:
     rows = [
         (0, _prompt(2), 1, [1, 2, 3]),
         (2000, _prompt(3), 1, [1, 2, 3, 4]),
         (4000, _prompt(3), 1, [4, 5, 6, 7]),
         (6000, _prompt(2), 1, [1, 2, 8]),
     ]
-    requests = load_trace(_write(tmp_path / "t.jsonl", rows))
+    requests = load_trace(write_trace(rows))
     run = replay(requests, UNIT, ClusterSpec(1, device_blocks=4, dram_blocks=8), "round_robin")
     assert _cached(run)[3] == {"hbm": 0, "dram": 1024}, "r2 demoted 1, 2; r3 fetched them"
     assert run.workers[0].plans == {"fetch": 1}
     _check_integrity(run)
 
 
-def test_a_slow_tier_is_recomputed_not_fetched(tmp_path: Path) -> None:
+def test_a_slow_tier_is_recomputed_not_fetched(write_trace: WriteTrace) -> None:
     slow = dataclasses.replace(UNIT, tiers={"dram": TierReadCost(1.0, 1e-3)})  # > 1 s a read
     rows = [
         (0, _prompt(2), 1, [1, 2, 3]),
         (4000, _prompt(3), 1, [4, 5, 6, 7]),
         (8000, _prompt(2), 1, [1, 2, 8]),
     ]
-    requests = load_trace(_write(tmp_path / "t.jsonl", rows))
+    requests = load_trace(write_trace(rows))
     run = replay(requests, slow, ClusterSpec(1, device_blocks=4, dram_blocks=8), "round_robin")
     assert _cached(run)[2] == {"hbm": 0}
     assert run.workers[0].plans == {"recompute": 1}
 
 
-def _family_trace(path: Path, num_requests: int = 40, every_ms: int = 150) -> Path:
+def _family_rows(num_requests: int = 40, every_ms: int = 150) -> TraceRows:
     """Requests of a few families that extend each other (a multi-turn shape), `every_ms`
     apart (by default they overlap: each computes for a second or more)."""
     rows = []
@@ -145,11 +141,11 @@ def _family_trace(path: Path, num_requests: int = 40, every_ms: int = 150) -> Pa
         depth = 1 + i // 4 % 5
         ids = [100 * family + k for k in range(depth + 2)]
         rows.append((i * every_ms, _prompt(depth + 1) + 100, 3 + i % 5, ids))
-    return _write(path, rows)
+    return rows
 
 
-def test_one_unlimited_worker_is_the_oracle(tmp_path: Path) -> None:
-    requests = load_trace(_family_trace(tmp_path / "t.jsonl"))
+def test_one_unlimited_worker_is_the_oracle(write_trace: WriteTrace) -> None:
+    requests = load_trace(write_trace(_family_rows()))
     run = replay(requests, UNIT, ClusterSpec(1, device_blocks=10_000), "prefix_aware")
     hits = [sum(c.values()) // BLOCK_SIZE for c in _cached(run)]
     assert hits == oracle_hit_blocks(requests)
@@ -164,8 +160,8 @@ def test_one_unlimited_worker_is_the_oracle_on_the_sample_trace() -> None:
     assert hits == oracle_hit_blocks(requests)
 
 
-def test_the_index_follows_the_workers_events(tmp_path: Path) -> None:
-    requests = load_trace(_family_trace(tmp_path / "t.jsonl", 60))
+def test_the_index_follows_the_workers_events(write_trace: WriteTrace) -> None:
+    requests = load_trace(write_trace(_family_rows(60)))
     spec = ClusterSpec(3, device_blocks=8, dram_blocks=4, nvme_blocks=4)
     run = replay(requests, UNIT, spec, "prefix_aware")
     assert len(run.seqs) == len(requests) and run.num_rejected == 0
@@ -181,8 +177,8 @@ def test_the_index_follows_the_workers_events(tmp_path: Path) -> None:
     assert set(run.assigned.values()) <= {w.worker_id for w in run.workers}
 
 
-def test_affinity_keeps_families_together(tmp_path: Path) -> None:
-    requests = load_trace(_family_trace(tmp_path / "t.jsonl", every_ms=4000))  # no queues
+def test_affinity_keeps_families_together(write_trace: WriteTrace) -> None:
+    requests = load_trace(write_trace(_family_rows(every_ms=4000)))  # no queues
     spec = ClusterSpec(3, device_blocks=64)  # round robin does not line up with 4 families
     aware = summarize(replay(requests, UNIT, spec, "prefix_aware"), requests)
     blind = summarize(replay(requests, UNIT, spec, "round_robin"), requests)
@@ -191,16 +187,16 @@ def test_affinity_keeps_families_together(tmp_path: Path) -> None:
     assert "no cached prefix" in " ".join(aware.decisions)
 
 
-def test_a_request_no_pool_can_hold_is_rejected(tmp_path: Path) -> None:
-    requests = load_trace(_write(tmp_path / "t.jsonl", [(0, _prompt(8), 1, list(range(9)))]))
+def test_a_request_no_pool_can_hold_is_rejected(write_trace: WriteTrace) -> None:
+    requests = load_trace(write_trace([(0, _prompt(8), 1, list(range(9)))]))
     run = replay(requests, UNIT, ClusterSpec(2, device_blocks=4), "least_loaded")
     assert run.num_rejected == 1 and not run.seqs
 
 
-def test_preempted_requests_still_finish(tmp_path: Path) -> None:
+def test_preempted_requests_still_finish(write_trace: WriteTrace) -> None:
     # Two long decodes on 5 blocks: the second outgrows the pool and is preempted.
     rows = [(0, _prompt(1), 2 * BLOCK_SIZE, [1, 2]), (0, _prompt(1), 2 * BLOCK_SIZE, [3, 4])]
-    requests = load_trace(_write(tmp_path / "t.jsonl", rows))
+    requests = load_trace(write_trace(rows))
     run = replay(requests, UNIT, ClusterSpec(1, device_blocks=5), "round_robin")
     summary = summarize(run, requests)
     assert summary.num_requests == 2 and summary.num_preemptions >= 1
@@ -231,10 +227,10 @@ def test_step_time_formula() -> None:
     assert p.step_s([], [3, 5]) == pytest.approx(0.5 + 10 + 56)
 
 
-def test_the_command_line_writes_json(tmp_path: Path) -> None:
+def test_the_command_line_writes_json(tmp_path: Path, write_trace: WriteTrace) -> None:
     from cachesvc.app.cli.main import main
 
-    trace = _family_trace(tmp_path / "t.jsonl")
+    trace = write_trace(_family_rows())
     out = tmp_path / "out.json"
     args = ["simulate", "--trace", str(trace), "--workers", "2", "--device-blocks", "50%"]
     args += ["--policy", "prefix_aware", "--policy", "least_loaded", "--json", str(out)]
@@ -271,11 +267,11 @@ def _decode_step(d: DecodeCost, batch: int, context: int) -> float:
     return d.base_s + d.per_seq_s * batch + d.per_context_token_s * context
 
 
-def test_the_bench_routing_sample_hashes_its_tokens(tmp_path: Path) -> None:
+def test_the_bench_routing_sample_hashes_its_tokens(write_trace: WriteTrace) -> None:
     from cachesvc.bench.simulate_trace import bench_routing_requests
 
     rows = [(0, 1500, 50, [1, 2, 3]), (1000, 700, 2, [9, 8]), (3000, 1024, 5, [1, 2])]
-    first, _, third = bench_routing_requests(_write(tmp_path / "t.jsonl", rows))
+    first, _, third = bench_routing_requests(write_trace(rows))
     assert (first.block_size, first.prompt_len, len(first.hashes)) == (16, 24, 1)
     assert third.hashes == first.hashes[:1], "equal hash ids, equal tokens, equal blocks"
     assert third.output_len == 5 and third.arrival_s == pytest.approx(20.0)

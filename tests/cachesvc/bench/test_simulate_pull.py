@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,13 +36,7 @@ SMALL = HotPrefix(prefix_len=512, num_forks=64, suffix_len=16, output_len=4, rat
 SPEC = ClusterSpec(2, device_blocks=1024, block_size=SMALL.block_size)
 
 
-def _write(path: Path, rows: list[tuple[float, int, int, list[int]]]) -> Path:
-    lines = [
-        json.dumps({"timestamp": t, "input_length": n, "output_length": o, "hash_ids": ids})
-        for t, n, o, ids in rows
-    ]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+WriteTrace = Callable[[list[tuple[float, int, int, list[int]]]], Path]  # conftest's write_trace
 
 
 def _hints_name_other_workers(run: SimRun) -> int:
@@ -55,14 +50,14 @@ def _hints_name_other_workers(run: SimRun) -> int:
 
 
 def test_a_pull_lands_after_its_transfer_and_the_puller_then_holds_the_blocks(
-    tmp_path: Path,
+    write_trace: WriteTrace,
 ) -> None:
     # r0 computes blocks 1, 2 on w0; r1 shares them and goes to w1 (least loaded, w0 was
     # chosen last): it pulls both in 1 ms + 1024 bytes at 1 ns, computes nothing meanwhile,
     # then its last token in 1 ms. Without pulls it recomputes 1025 tokens (1.025 s).
     prompt = 2 * BLOCK_SIZE + 1
     rows = [(0, prompt, 1, [1, 2, 3]), (2000, prompt, 1, [1, 2, 4])]
-    requests = load_trace(_write(tmp_path / "t.jsonl", rows))
+    requests = load_trace(write_trace(rows))
     spec = ClusterSpec(2, device_blocks=8)
     run = replay(requests, UNIT, spec, "least_loaded", peer_pull=True)
     r1 = next(s for s in run.seqs if s.req.index == 1)
