@@ -159,6 +159,19 @@ def variants(args: SimulateArgs) -> list[Variant]:
     return list(dict.fromkeys(chosen))
 
 
+def served_alone_s(profile: CostProfile, prompt_len: int, output_len: int) -> float:
+    """Seconds one request takes on an idle worker of `profile`: its prompt in chunks of the
+    step budget, then one step per further output token."""
+    total, done = 0.0, 0
+    while done < prompt_len:
+        k = min(profile.max_num_batched_tokens, prompt_len - done)
+        total += profile.step_s([(k, done)], [])
+        done += k
+    for i in range(1, output_len):
+        total += profile.step_s([], [prompt_len + i])
+    return total
+
+
 def profile_for(args: SimulateArgs) -> CostProfile:
     """The cost profile of `args`, with its pull bandwidth replaced if asked."""
     profile = load_profile(args.profile)
@@ -187,7 +200,13 @@ def load_requests(args: SimulateArgs) -> list[SimRequest]:
     if args.workload not in WORKLOADS:
         raise ValueError(f"--workload must be one of {WORKLOADS}, got {args.workload!r}")
     if args.workload == "hot-prefix":
-        return hot_prefix_requests(args.hot_prefix)
+        # The forks come `fork_at_s` after the parent is served (alone, as the profile predicts
+        # it), as the live bench times them: the context is held somewhere when they arrive.
+        shape = args.hot_prefix
+        parent_s = served_alone_s(
+            profile_for(args), shape.prefix_len + shape.suffix_len, shape.output_len
+        )
+        return hot_prefix_requests(dataclasses.replace(shape, fork_at_s=shape.fork_at_s + parent_s))
     if args.trace is None:
         raise ValueError("a trace workload needs --trace FILE (a Mooncake JSONL trace)")
     if args.like_bench_routing:

@@ -104,7 +104,10 @@ def add_simulate_parser(sub: Any) -> None:
     shape.add_argument("--suffix-len", type=int, default=hot.suffix_len, help="a fork's own tokens")
     shape.add_argument("--output-len", type=int, default=hot.output_len, help="tokens per answer")
     shape.add_argument(
-        "--fork-at", type=float, default=hot.fork_at_s, help="seconds from the parent to the burst"
+        "--fork-at",
+        type=float,
+        default=hot.fork_at_s,
+        help="seconds from the parent's end (as the profile predicts it) to the burst",
     )
     shape.add_argument("--rate", type=float, default=hot.rate, help="forks per second in the burst")
     defaults = RouterConfig()
