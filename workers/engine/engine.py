@@ -1,4 +1,10 @@
-"""The step loop: schedule, run, sample, check stops, report."""
+"""The engine (`Engine`): one model over one paged KV pool, and its step loop: schedule, run,
+sample, check stops, fork samples and beams, report.
+
+Requests come in through `add_request` (or `generate`, `score`). The cache operations run
+between steps (`flush`, `purge`, `close`, `attach_peers`), the pool's sizing and the tiers'
+start-up live in `cache_admin`; the engine's methods delegate to it.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +18,10 @@ import torch
 
 from cachesvc.block_pool import BlockPool
 from cachesvc.config import EngineConfig
-from cachesvc.events import TIER_HBM
 from cachesvc.types import RequestId
 from workers.attention.schemes import make_scheme_backend
 from workers.engine.beam_search import BeamSearch
+from workers.engine.cache_admin import CacheAdmin, blocks_for_budget, start_tiers
 from workers.engine.forking import Forker
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.outputs import RequestOutput
@@ -34,7 +40,6 @@ from workers.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from workers.engine.peer_pull import PeerLink, PeerSource
-    from workers.engine.tiering import KVTiering
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LOAD_WAIT_S = 0.01  # a step with only pulls in flight waits this long for one to land
@@ -69,7 +74,9 @@ class Engine:
         self.tokenizer = tokenizer or _load_tokenizer(self.loaded.path)
         context_len = self.loaded.config.max_context_len  # a sliding window caps it
         self.max_model_len = min(config.max_model_len or context_len, context_len)
-        num_blocks = config.num_blocks or self._blocks_for_budget(config)
+        num_blocks = config.num_blocks or blocks_for_budget(
+            config, self.loaded.config, _DTYPES[config.dtype].itemsize
+        )
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(
             self.pool,
@@ -99,31 +106,16 @@ class Engine:
         self._requests: dict[RequestId, Request] = {}  # every live request, beams included
         self._fork_plans: dict[RequestId, list[tuple[RequestId, SamplingParams]]] = {}
         self._ids = itertools.count()
-        self._demote_failures_seen = 0  # of pool.num_evict_hook_failures, see _after_evictions
-        self.tiering = self._start_tiers(config, kv_caches)
+        self.tiering = start_tiers(
+            config, self.pool, self.kv, self.runner, kv_caches, self.loaded.fingerprint
+        )
+        self.cache_admin = CacheAdmin(config, self.pool, self.tiering)
         self.forker = Forker(self.scheduler, self.kv, self.runner)
         self.beams = BeamSearch(self.forker, self._requests, self._drop, self.max_model_len)
 
-    def _start_tiers(self, config: EngineConfig, kv_caches: list[torch.Tensor]) -> KVTiering | None:
-        """DRAM / NVMe / Redis below the device pool, when configured (config.tiers), and the
-        load planner they share with pulls from peers (`peer_pull`)."""
-        if not config.tiers.enabled and not config.peer_pull:
-            return None
-        from workers.engine.tier_calibration import calibrate
-        from workers.engine.tiering import KVTiering
-
-        tiering = KVTiering(
-            config.tiers, self.pool, kv_caches, config.block_size, self.loaded.fingerprint
-        )
-        self.kv.tiering = tiering
-        if config.tiers.calibrate:
-            calibrate(tiering, self.runner, config.max_num_batched_tokens)
-        return tiering
-
     def attach_peers(self, link: PeerLink) -> None:
         """Pull blocks from the peers requests name through `link` (with `peer_pull` on)."""
-        if self.config.peer_pull and self.tiering is not None:
-            self.tiering.attach_peers(link, self.config.peer_pull_timeout_s)
+        self.cache_admin.attach_peers(link)
 
     def close(self) -> None:
         """Flush the tiers' background writes and close them (an NVMe folder is then complete).
@@ -131,23 +123,13 @@ class Engine:
         With an NVMe tier, the device pool's cached blocks (those no request holds) are demoted
         first, and whatever DRAM holds moves on to NVMe, so that a restart finds them there.
         """
-        if self.tiering is None:
-            return
-        manager = self.tiering.manager
-        if any(tier.name == "nvme" for tier in manager.local):
-            self.pool.reset_cache(demote=True)
-            self._after_evictions()
-            manager.spill()
-        self.tiering.close()
+        self.cache_admin.close()
 
     def flush(self) -> int:
         """Drop every cached device block that no request holds, without demoting it to the
         tiers (BlockRemoved events); returns how many were dropped. Tier blocks whose prefix was
         only on the device go too (nothing could reach them). Run it between steps."""
-        dropped = self.pool.reset_cache(demote=False)
-        if self.tiering is not None:
-            self.tiering.manager.drop_orphans()
-        return dropped
+        return self.cache_admin.flush()
 
     def purge(self) -> dict[str, int]:
         """Drop everything this worker holds, in every tier: the device pool's cached blocks
@@ -155,22 +137,7 @@ class Engine:
         Redis tier (every worker's: it is one store). Returns how many blocks each tier dropped,
         by tier name ("hbm" for the device); emits BlockRemoved / Cleared. Run it between steps.
         """
-        counts = {TIER_HBM: self.pool.reset_cache(demote=False)}
-        if self.tiering is not None:
-            counts.update(self.tiering.manager.clear())
-        return counts
-
-    def _blocks_for_budget(self, config: EngineConfig) -> int:
-        c = self.loaded.config
-        bytes_per_block = (
-            c.num_layers
-            * 2
-            * config.block_size
-            * c.num_kv_heads
-            * c.head_dim
-            * _DTYPES[config.dtype].itemsize
-        )
-        return max(1, config.kv_cache_mb * 2**20 // bytes_per_block)
+        return self.cache_admin.purge()
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -278,7 +245,7 @@ class Engine:
         batch's requests go back to the queue to be recomputed, as if preempted.
         """
         output = self.scheduler.schedule()
-        self._after_evictions()
+        self.cache_admin.after_evictions()
         if output.is_empty:
             if self.tiering is not None:
                 self.tiering.wait_for_loads(_LOAD_WAIT_S)  # nothing to do until a pull lands
@@ -316,15 +283,6 @@ class Engine:
             if finished is not None:
                 outputs.append(self._beam_output(finished))
         return outputs
-
-    def _after_evictions(self) -> None:
-        """When a demotion failed (a counted miss in the pool), its block left the device
-        without reaching a tier: drop the blocks demoted below it earlier, which nothing can
-        reach any more (the tiers keep no orphans)."""
-        failures = self.pool.num_evict_hook_failures
-        if self.tiering is not None and failures != self._demote_failures_seen:
-            self._demote_failures_seen = failures
-            self.tiering.manager.drop_orphans()
 
     def _fork_samples(
         self, parent_id: RequestId, logits: torch.Tensor, now: float
@@ -391,7 +349,7 @@ class Engine:
         try:
             return run_score(self.runner, self.pool, self.config.block_size, inp)
         finally:
-            self._after_evictions()
+            self.cache_admin.after_evictions()
 
     def _score_ids(
         self, text_or_ids: str | Sequence[int], field: str, special: bool = False

@@ -1,8 +1,6 @@
-"""The engine's side of the KV tiers (`KVTiering`): demote evicted blocks, load planned ones,
-share hot ones.
+"""The engine's side of the KV tiers (`KVTiering`): plan loads from the tiers and peers, land
+them, and answer the KV manager's and the step loop's hooks (it sets the pool's too).
 
-* Demote: the block pool calls `on_evict` just before a cached block is reused; its KV is copied
-  out of `kv_caches` and handed to the `TierManager` (DRAM, then NVMe).
 * Load: when a waiting request's device prefix match ends, the following hashes are looked up in
   the tiers and the planner decides. A fetch is read at once (from DRAM, straight out of its
   slots) into freshly allocated device blocks, registered, and counted as cached. A split
@@ -13,10 +11,11 @@ share hot ones.
   A peer worker holding more of the prompt (`peer_pull.PeerSource`, from the router's hint) is
   one more source after the local tiers: its pull always runs in the background, so the engine
   keeps stepping; a fetch that waits on it computes nothing until it lands (`land_ready`).
-* Share: blocks reused `redis_min_reuse` times are written to Redis for the other workers.
 
 Beside it: `tier_setup` builds the tiers and the cost model's priors, `pending_loads` holds the
-loads under way, `tier_usage` counts each request's prompt tokens per tier.
+loads under way, `tier_landing` writes fetched blocks into the device, `tier_writes` copies
+blocks down (demoted on eviction, shared once popular), `tier_usage` counts each request's
+prompt tokens per tier, `tier_metrics` keeps the counters and flattens them for an endpoint.
 
 Only the engine's thread touches the device tensors and the manager's state; the background
 thread only reads tiers.
@@ -27,19 +26,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from cachesvc.block_pool import BlockPool
-from cachesvc.codec import Codec, KVBlock
+from cachesvc.codec import Codec
 from cachesvc.config import TierConfig
 from cachesvc.planner import FetchRange, LoadPlan, plan_load
 from cachesvc.tiers.base import Throttle
 from cachesvc.tiers.results import FetchResult, TierHit
-from cachesvc.types import BlockHash, BlockId, RequestId
-from workers.engine.kv_copy import layered, read_block, write_blocks
+from cachesvc.types import BlockHash, RequestId
 from workers.engine.peer_pull import PeerLink, PeerPuller, is_peer
 from workers.engine.pending_loads import (
     PendingLoad,
@@ -51,8 +48,11 @@ from workers.engine.pending_loads import (
 from workers.engine.plan_timing import PlanTimer
 from workers.engine.request import Request
 from workers.engine.scheduler import SchedulerOutput
+from workers.engine.tier_landing import borrowed, land_blocks, trim_blocks
+from workers.engine.tier_metrics import TieringStats, tiering_metrics
 from workers.engine.tier_setup import build_manager, prior_costs
 from workers.engine.tier_usage import TierUsage
+from workers.engine.tier_writes import TierWriter
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -68,15 +68,8 @@ class LoadTiming:
     land_s: float
 
 
-@dataclass
-class TieringStats:
-    plans: dict[str, int] = field(default_factory=dict)  # plan kind -> requests
-    loaded_blocks: int = 0
-    failed_blocks: int = 0  # planned to fetch, computed instead (miss or corrupt)
-
-
 class KVTiering:
-    """Implements the KV manager's `TieringHooks` and the pool's eviction hook."""
+    """Implements the KV manager's `TieringHooks`; sets the pool's eviction hook (`TierWriter`)."""
 
     def __init__(
         self,
@@ -89,7 +82,6 @@ class KVTiering:
         self.config = config
         self.pool = pool
         self.kv_caches = kv_caches
-        self._whole = layered(kv_caches)  # for demotions: one strided copy per block
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.dtype = _DTYPE_NAMES[kv_caches[0].dtype]
@@ -104,11 +96,11 @@ class KVTiering:
         self.timer = PlanTimer()
         self._pending = PendingLoads()
         self._usage = TierUsage(block_size)
-        self._share_queue: list[tuple[BlockHash, BlockId, BlockHash | None]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
         self._key = key
         self.peers: PeerPuller | None = None  # see `attach_peers`
-        pool.on_evict = self.on_evict
+        self._writer = TierWriter(self.manager, pool, kv_caches, self.dtype)
+        pool.on_evict = self._writer.on_evict
 
     def attach_peers(self, link: PeerLink, timeout_s: float) -> None:
         """Plan pulls from the peers that requests name (`Request.peer`) through `link`."""
@@ -116,34 +108,13 @@ class KVTiering:
         size = codec.max_blob_size(self.dtype, self.block_shape)
         self.peers = PeerPuller(link, codec, self.costs, size, timeout_s)
 
-    # ---- device <-> numpy -------------------------------------------------------------------
-
-    def _kv_block(
-        self, block_id: BlockId, block_hash: BlockHash, parent: BlockHash | None
-    ) -> KVBlock:
-        array = read_block(self.kv_caches, block_id, self._whole)
-        return KVBlock(block_hash, parent, self.dtype, array)
-
-    # ---- demotion ---------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def on_evict(
-        self,
-        block_id: BlockId,
-        block_hash: BlockHash,
-        token_ids: tuple[int, ...],
-        parent: BlockHash | None,
-    ) -> None:
-        """The pool is about to reuse a cached block: copy its KV down a tier first."""
-        self.manager.demote(self._kv_block(block_id, block_hash, parent))
-
     # ---- loading ----------------------------------------------------------------------------
 
     def extend_match(
         self, request: Request, hashes: Sequence[BlockHash], num_device_blocks: int, max_blocks: int
     ) -> int:
         d = num_device_blocks
-        self._note_reuse(list(hashes[:d]), request.block_ids, None)
+        self._writer.note_reuse(list(hashes[:d]), request.block_ids, None)
         self._usage.start(request.request_id, d)
         room = self.pool.num_free - 1  # keep a block for the token that must be computed
         end = min(max_blocks, d + room)
@@ -173,11 +144,12 @@ class KVTiering:
         if plan.kind == "split":
             future = self._executor.submit(self.manager.read, ranges)
             return self._pend(request, plan, ranges, future)
-        with self._borrowed(ranges):  # they land at once: read into views, not fresh buffers
+        # They land at once: read into the tiers' views, not fresh buffers.
+        with borrowed(self.manager, ranges):
             result = self.manager.read(ranges)
             self.manager.unpin(ranges)
             num_loaded = self._land(request, result, d, ranges)
-        self._trim_blocks(request)
+        trim_blocks(self.pool, request, self.block_size)
         return num_loaded * self.block_size
 
     def joins_pull(
@@ -243,16 +215,6 @@ class KVTiering:
         self._usage.planned(request.request_id, ranges, plan.num_fetch_blocks)
         return plan.num_fetch_blocks * self.block_size
 
-    def _borrowed(self, ranges: Ranges) -> ExitStack:
-        """Borrow the tiers of `ranges` that lend views of their memory (DRAM's slots, NVMe's
-        read arena) until exit."""
-        stack = ExitStack()
-        for name in sorted({name for name, _ in ranges}):
-            borrow = getattr(self.manager.tier(name), "borrow", None)
-            if borrow is not None:
-                stack.enter_context(borrow())
-        return stack
-
     def _land(
         self,
         request: Request,
@@ -269,37 +231,20 @@ class KVTiering:
             if not is_peer(transfer.tier):  # a pull is learned by `PeerPuller.settle`
                 self.costs.observe_transfer(transfer, background)
         n = len(result.blocks)
-        ids = request.block_ids[first : first + n]
-        start = time.perf_counter()
-        write_blocks(self.kv_caches, ids, [b.array for b in result.blocks], self.dtype)
-        land_s = time.perf_counter() - start
+        land_s = land_blocks(
+            self.kv_caches, self.pool, request, result.blocks, first, self.block_size, self.dtype
+        )
         self.costs.observe_land(n, land_s)
         read_s = sum(t.seconds for t in result.transfers)
         self.last_load = LoadTiming(n, sum(b.array.nbytes for b in result.blocks), read_s, land_s)
-        tokens = request.all_token_ids
-        bs = self.block_size
-        for i, (block_id, block) in enumerate(zip(ids, result.blocks, strict=True)):
-            idx = first + i
-            parent = request.block_hashes[idx - 1] if idx > 0 else None
-            self.pool.register(
-                block_id, block.block_hash, tokens[idx * bs : (idx + 1) * bs], parent
-            )
-        request.num_computed_tokens = (first + n) * bs
         planned = sum(len(hashes) for _, hashes in ranges)
         self.stats.loaded_blocks += n
         self.stats.failed_blocks += planned - n
         self._usage.landed(request.request_id, ranges, n)
+        ids = request.block_ids[first : first + n]
         first_parent = request.block_hashes[first - 1] if first > 0 else None
-        self._note_reuse([b.block_hash for b in result.blocks], ids, first_parent)
+        self._writer.note_reuse([b.block_hash for b in result.blocks], ids, first_parent)
         return n
-
-    def _trim_blocks(self, request: Request) -> None:
-        """Give back blocks allocated for a fetch that did not land (computed tokens decide)."""
-        keep = -(-request.num_computed_tokens // self.block_size)
-        extra = request.block_ids[keep:]
-        if extra:
-            self.pool.free(list(reversed(extra)))
-            del request.block_ids[keep:]
 
     def num_computable(self, request: Request, num_left: int) -> int:
         return self._pending.num_computable(request, num_left)
@@ -360,22 +305,7 @@ class KVTiering:
         self.timer.drop(request.request_id)
         self.manager.unpin(self._pending.drop(request.request_id))
 
-    # ---- reuse, sharing and the step loop ---------------------------------------------------
-
-    def _note_reuse(
-        self, hashes: list[BlockHash], block_ids: Sequence[BlockId], parent: BlockHash | None
-    ) -> None:
-        """Count reuses; blocks that became popular are shared after this step's compute.
-
-        `hashes` is a run of a chain held in `block_ids`; `parent` is the hash before it.
-        """
-        where = {h: i for i, h in enumerate(hashes)}
-        for h in self.manager.note_reuse(hashes):
-            if self.manager.held_locally(h):
-                self.manager.share_held(h)
-                continue
-            i = where[h]
-            self._share_queue.append((h, block_ids[i], hashes[i - 1] if i else parent))
+    # ---- the step hook, counters ------------------------------------------------------------
 
     @torch.inference_mode()
     def after_step(self, output: SchedulerOutput, seconds: float) -> None:
@@ -383,10 +313,7 @@ class KVTiering:
         chunks = [(len(c.token_ids), c.start_pos) for c in output.chunks]
         if chunks:
             self.costs.observe_compute(chunks, seconds)
-        queue, self._share_queue = self._share_queue, []
-        for block_hash, block_id, parent in queue:
-            if self.pool.block_hash(block_id) == block_hash:  # not evicted since
-                self.manager.share(self._kv_block(block_id, block_hash, parent))
+        self._writer.share_queued()
         self.manager.poll()
 
     def set_cap(self, tier_name: str, mb_per_s: float | None) -> None:
@@ -396,27 +323,8 @@ class KVTiering:
         self.costs.set_cap(tier_name, mb_per_s)
 
     def metrics(self) -> dict[str, float]:
-        """Flat counters for a metrics endpoint: per tier (its counters, and levels such as
-        the Redis write queue's depth and breaker), per plan kind (with the predicted and
-        measured seconds of timed plans), and block moves."""
-        out: dict[str, float] = {
-            f"{t.name}_{k}": v
-            for t in self.manager.all_tiers
-            for k, v in (t.stats.as_dict() | t.gauges()).items()
-        }
-        out.update({f"plan_{kind}": n for kind, n in self.stats.plans.items()})
-        m = self.manager.stats
-        out.update(
-            demoted=m.demoted,
-            dropped=m.dropped,
-            shared=m.shared,
-            loaded_blocks=self.stats.loaded_blocks,
-            failed_blocks=self.stats.failed_blocks,
-        )
-        out.update(self.timer.metrics())
-        if self.peers is not None:
-            out.update(self.peers.stats.as_dict())
-        return out
+        """Flat counters for a metrics endpoint (`tier_metrics.tiering_metrics`)."""
+        return tiering_metrics(self.manager, self.stats, self.timer, self.peers)
 
     def usage(self, request_id: RequestId) -> dict[str, int]:
         """Prompt tokens served from each tier ("hbm" for the device) for a request."""

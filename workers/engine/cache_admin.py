@@ -1,0 +1,109 @@
+"""Administering the engine's KV cache outside the step loop: sizing the device pool,
+starting the lower tiers, attaching peers, the operations run between steps (flush, purge,
+close), and dropping the tier blocks a failed demotion left unreachable.
+
+`blocks_for_budget` and `start_tiers` run once, at the engine's start; `CacheAdmin` holds the
+device pool and the tiers (None when off), and `Engine`'s cache operations delegate to it. Only
+the engine's thread calls it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from cachesvc.block_pool import BlockPool
+from cachesvc.config import EngineConfig
+from cachesvc.events import TIER_HBM
+from workers.engine.kv_manager import KVCacheManager
+from workers.engine.runner import ModelRunner
+from workers.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from workers.engine.peer_pull import PeerLink
+    from workers.engine.tiering import KVTiering
+
+
+def blocks_for_budget(config: EngineConfig, model: ModelConfig, itemsize: int) -> int:
+    """Device blocks whose keys and values, over every layer, fit `config.kv_cache_mb` (at
+    least one), at `itemsize` bytes an element."""
+    bytes_per_block = (
+        model.num_layers * 2 * config.block_size * model.num_kv_heads * model.head_dim * itemsize
+    )
+    return max(1, config.kv_cache_mb * 2**20 // bytes_per_block)
+
+
+def start_tiers(
+    config: EngineConfig,
+    pool: BlockPool,
+    kv: KVCacheManager,
+    runner: ModelRunner,
+    kv_caches: list[torch.Tensor],
+    fingerprint: str,
+) -> KVTiering | None:
+    """DRAM / NVMe / Redis below the device pool, when configured (config.tiers), and the
+    load planner they share with pulls from peers (`peer_pull`); hooked into `pool` and `kv`
+    and calibrated when asked. None when neither is on."""
+    if not config.tiers.enabled and not config.peer_pull:
+        return None
+    from workers.engine.tier_calibration import calibrate
+    from workers.engine.tiering import KVTiering
+
+    tiering = KVTiering(config.tiers, pool, kv_caches, config.block_size, fingerprint)
+    kv.tiering = tiering
+    if config.tiers.calibrate:
+        calibrate(tiering, runner, config.max_num_batched_tokens)
+    return tiering
+
+
+class CacheAdmin:
+    """The device pool and the tiers below it, for the operations that span both."""
+
+    def __init__(self, config: EngineConfig, pool: BlockPool, tiering: KVTiering | None) -> None:
+        self.config = config
+        self.pool = pool
+        self.tiering = tiering
+        self._demote_failures_seen = 0  # of pool.num_evict_hook_failures, see after_evictions
+
+    def attach_peers(self, link: PeerLink) -> None:
+        """Pull blocks from peers through `link`; does nothing unless `peer_pull` is on."""
+        if self.config.peer_pull and self.tiering is not None:
+            self.tiering.attach_peers(link, self.config.peer_pull_timeout_s)
+
+    def close(self) -> None:
+        """Demote what the device and DRAM cache to NVMe when there is an NVMe tier, then
+        close the tiers (blocks until their background writes are done)."""
+        if self.tiering is None:
+            return
+        manager = self.tiering.manager
+        if any(tier.name == "nvme" for tier in manager.local):
+            self.pool.reset_cache(demote=True)
+            self.after_evictions()
+            manager.spill()
+        self.tiering.close()
+
+    def flush(self) -> int:
+        """Drop the device's unheld cached blocks (not demoted) and the tier blocks they
+        orphan; returns how many device blocks were dropped."""
+        dropped = self.pool.reset_cache(demote=False)
+        if self.tiering is not None:
+            self.tiering.manager.drop_orphans()
+        return dropped
+
+    def purge(self) -> dict[str, int]:
+        """Drop the device's unheld cached blocks and everything in every tier; returns the
+        blocks dropped per tier name ("hbm" for the device)."""
+        counts = {TIER_HBM: self.pool.reset_cache(demote=False)}
+        if self.tiering is not None:
+            counts.update(self.tiering.manager.clear())
+        return counts
+
+    def after_evictions(self) -> None:
+        """When a demotion failed (a counted miss in the pool), its block left the device
+        without reaching a tier: drop the blocks demoted below it earlier, which nothing can
+        reach any more (the tiers keep no orphans). Call it after anything that may evict."""
+        failures = self.pool.num_evict_hook_failures
+        if self.tiering is not None and failures != self._demote_failures_seen:
+            self._demote_failures_seen = failures
+            self.tiering.manager.drop_orphans()

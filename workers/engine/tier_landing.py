@@ -1,0 +1,69 @@
+"""Putting fetched blocks on the device: written into a request's blocks and registered in the
+pool (`land_blocks`), the blocks allocated for what did not arrive given back (`trim_blocks`),
+and the tiers' memory lent for a read that lands at once (`borrowed`).
+
+`KVTiering` decides what lands where and keeps the counts; these only touch the device caches,
+the pool and the request's block table, on the engine's thread.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+
+import torch
+
+from cachesvc.block_pool import BlockPool
+from cachesvc.codec import KVBlock
+from cachesvc.tiers.tier_manager import TierManager
+from workers.engine.kv_copy import write_blocks
+from workers.engine.pending_loads import Ranges
+from workers.engine.request import Request
+
+
+def land_blocks(
+    kv_caches: list[torch.Tensor],
+    pool: BlockPool,
+    request: Request,
+    blocks: list[KVBlock],
+    first: int,
+    block_size: int,
+    dtype: str,
+) -> float:
+    """Write `blocks` into the request's blocks from index `first`, register them under their
+    hashes and move the request's computed tokens past them. Returns the seconds the copy into
+    the device caches took (what the cost model learns; registering is not counted)."""
+    n = len(blocks)
+    ids = request.block_ids[first : first + n]
+    start = time.perf_counter()
+    write_blocks(kv_caches, ids, [b.array for b in blocks], dtype)
+    land_s = time.perf_counter() - start
+    tokens = request.all_token_ids
+    for i, (block_id, block) in enumerate(zip(ids, blocks, strict=True)):
+        idx = first + i
+        parent = request.block_hashes[idx - 1] if idx > 0 else None
+        pool.register(
+            block_id, block.block_hash, tokens[idx * block_size : (idx + 1) * block_size], parent
+        )
+    request.num_computed_tokens = (first + n) * block_size
+    return land_s
+
+
+def trim_blocks(pool: BlockPool, request: Request, block_size: int) -> None:
+    """Give back blocks allocated for a fetch that did not land (computed tokens decide)."""
+    keep = -(-request.num_computed_tokens // block_size)
+    extra = request.block_ids[keep:]
+    if extra:
+        pool.free(list(reversed(extra)))
+        del request.block_ids[keep:]
+
+
+def borrowed(manager: TierManager, ranges: Ranges) -> ExitStack:
+    """Borrow the tiers of `ranges` that lend views of their memory (DRAM's slots, NVMe's read
+    arena) until exit: a read inside lands without copying into fresh buffers first."""
+    stack = ExitStack()
+    for name in sorted({name for name, _ in ranges}):
+        borrow = getattr(manager.tier(name), "borrow", None)
+        if borrow is not None:
+            stack.enter_context(borrow())
+    return stack
