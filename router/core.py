@@ -174,8 +174,10 @@ class Router:
             hashes = self.prompts.block_hashes(prompt, req.cache_salt)
             decision = self.placement.route(len(prompt), hashes, excluded)
             self.metrics.decisions.labels(decision.policy, decision.worker).inc()
-            outcome.route_reason = decision.reason
             holder = self.placement.holder_hint(decision, hashes, excluded)
+            outcome.route_reason = decision.reason
+            if holder is not None and not decision.pull_blocks:  # the policy did not say it
+                outcome.route_reason += f"; may pull {holder.num_blocks} blocks from a holder"
             try:
                 attempt_deltas = self._attempt(decision, parts, call_id, req, progress, holder)
                 async with contextlib.aclosing(attempt_deltas) as deltas:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -165,7 +166,9 @@ def test_holder_killed_while_serving_costs_a_recompute(pair: dict[str, Any]) -> 
     assert _stats(pair["puller"])["pull_failures"] == failures + 1
 
 
-def test_router_passes_the_holder(pair: dict[str, Any], start_router: Any) -> None:
+def test_router_passes_the_holder(
+    pair: dict[str, Any], start_router: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     from cachesvc.types import WorkerId
     from router.domain import GenerateInput, PromptInput
     from workers.sampling_params import SamplingParams
@@ -187,7 +190,8 @@ def test_router_passes_the_holder(pair: dict[str, Any], start_router: Any) -> No
         return tokens, usage
 
     first_tokens, first = server.run(ask())
-    second_tokens, second = server.run(ask())
+    with caplog.at_level(logging.INFO, logger="router.requests"):
+        second_tokens, second = server.run(ask())
     assert second.worker_id != first.worker_id  # round robin: the other worker
     assert second_tokens == first_tokens
     assert second.computed_tokens == len(prompt) - NUM_BLOCKS * 4
@@ -195,3 +199,6 @@ def test_router_passes_the_holder(pair: dict[str, Any], start_router: Any) -> No
     assert now == pulled + NUM_BLOCKS
     assert second.cached_tokens == {"peer": NUM_BLOCKS * 4}
     assert server.router.metrics.pull_hints._value.get() >= 1
+    [logged] = [r for r in caplog.records if r.name == "router.requests"]
+    assert "may pull 10 blocks" in logged.route_reason  # type: ignore[attr-defined]
+    assert logged.pulled_tokens == NUM_BLOCKS * 4  # type: ignore[attr-defined]
