@@ -82,6 +82,14 @@ class _Recency:
     def chosen(self, worker: WorkerId) -> None:
         self._last[worker] = next(self._clock)
 
+    def pick(
+        self, candidates: Sequence[Candidate], key: Callable[[Candidate], tuple[int, ...]]
+    ) -> Candidate:
+        """The candidate with the least `key`, ties to the one chosen longest ago; noted."""
+        best = min(candidates, key=lambda c: (*key(c), self.age_key(c.worker), c.worker))
+        self.chosen(best.worker)
+        return best
+
 
 class RoundRobin:
     """Each worker in turn, whatever it holds."""
@@ -106,16 +114,7 @@ class LeastLoaded:
         self._recency = _Recency()
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
-        pick = min(
-            candidates,
-            key=lambda c: (
-                c.num_queued_tokens,
-                c.num_requests,
-                self._recency.age_key(c.worker),
-                c.worker,
-            ),
-        )
-        self._recency.chosen(pick.worker)
+        pick = self._recency.pick(candidates, lambda c: (c.num_queued_tokens, c.num_requests))
         return RouteDecision(pick.worker, self.name, _matched(pick), reason="least queued work")
 
 
@@ -129,16 +128,7 @@ class LongestPrefix:
         self._recency = _Recency()
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
-        pick = min(
-            candidates,
-            key=lambda c: (
-                -_matched(c),
-                c.num_queued_tokens,
-                self._recency.age_key(c.worker),
-                c.worker,
-            ),
-        )
-        self._recency.chosen(pick.worker)
+        pick = self._recency.pick(candidates, lambda c: (-_matched(c), c.num_queued_tokens))
         reason = "longest cached prefix" if _matched(pick) else "no cached prefix: least queued"
         return RouteDecision(pick.worker, self.name, _matched(pick), reason=reason)
 
