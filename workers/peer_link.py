@@ -8,7 +8,8 @@ actor's event loop, so the blocking `ray.get` stalls nothing else.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from workers.engine.peer_pull import PeerBlocks
@@ -26,22 +27,25 @@ class RayPeerLink:
         peer: str,
         token_ids: Sequence[int],
         cache_salt: str | None,
-        start_block: int,
-        end_block: int,
+        chunks: Sequence[tuple[int, int]],
         timeout_s: float,
-    ) -> PeerBlocks:
+    ) -> Iterator[PeerBlocks]:
         import ray
 
+        deadline = time.monotonic() + timeout_s
         handle = self._handles.get(peer)
         if handle is None:
             handle = ray.get_actor(peer, namespace=self.namespace)  # ValueError: no such actor
             self._handles[peer] = handle
+        ids = list(token_ids)
         try:
-            ref = handle.export_blocks.remote(list(token_ids), cache_salt, start_block, end_block)
-            sent = ray.get(ref, timeout=timeout_s)
+            # All at once: the peer answers them one after the other at its next step boundary.
+            refs = [handle.export_blocks.remote(ids, cache_salt, lo, hi) for lo, hi in chunks]
+            for ref in refs:
+                sent = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+                if not isinstance(sent, PeerBlocks):
+                    raise TypeError(f"peer {peer} answered {type(sent).__name__}, not PeerBlocks")
+                yield sent
         except Exception:
             self._handles.pop(peer, None)
             raise
-        if not isinstance(sent, PeerBlocks):
-            raise TypeError(f"peer {peer} answered {type(sent).__name__}, not PeerBlocks")
-        return sent

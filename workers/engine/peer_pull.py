@@ -16,7 +16,7 @@ The transport (`PeerLink`) is the actor's (Ray); the engine only sees this inter
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -31,8 +31,9 @@ PEER_PREFIX = "peer:"
 # Prior of a pull before any was measured: an actor call's round trip, then ~1 GB/s (Ray's
 # object transfer between processes of one node is faster, between nodes about this).
 PEER_PRIOR = (5e-3, 1 / 1e9)
-# Blocks per call of a pull: when a peer dies mid-run the chunks that arrived still land, and
-# the peer encodes a chunk between two of its own steps rather than the whole run in one go.
+# Blocks per call of a pull: when a peer dies mid-run the chunks that arrived still land. The
+# calls are made at once, so a long run waits for one of the peer's step boundaries, not one per
+# chunk (a step can take seconds on a CPU).
 PULL_CHUNK_BLOCKS = 32
 
 
@@ -69,13 +70,13 @@ class PeerLink(Protocol):
         peer: str,
         token_ids: Sequence[int],
         cache_salt: str | None,
-        start_block: int,
-        end_block: int,
+        chunks: Sequence[tuple[int, int]],
         timeout_s: float,
-    ) -> PeerBlocks:
-        """The peer's encoded blocks `start_block ..` (below `end_block`) of the prompt, up to
-        the first it lacks; raises on any failure (gone, timed out, refused). Blocking: called
-        from a background thread."""
+    ) -> Iterator[PeerBlocks]:
+        """The peer's encoded blocks of each `(start_block, end_block)` chunk of the prompt (up
+        to the first it lacks), in order, all asked for at once; raises, at the chunk that
+        did not come, on any failure (gone, timed out, refused). Blocking: called from a
+        background thread."""
         ...
 
 
@@ -151,32 +152,32 @@ class PeerPuller:
         start_block: int,
     ) -> PeerRead:
         """Pull blocks `start_block .. start_block + len(hashes)` of the prompt from the peer,
-        `chunk_blocks` per call, and verify each against `hashes` (this worker's, under the
-        request's salt); the run stops at the first block that does not check out, or at a
-        call that fails, with what arrived before kept. All calls share `timeout_s`. Blocking;
+        in calls of `chunk_blocks` made at once (the peer answers them all at its next step
+        boundary), and verify each block against `hashes` (this worker's, under the request's
+        salt); the run stops at the first block that does not check out, or at a call that
+        fails, with what arrived before kept. All calls share `timeout_s`. Blocking;
         thread-safe."""
-        deadline = time.perf_counter() + self.timeout_s
+        began = time.perf_counter()
+        chunks = [
+            (start_block + lo, start_block + min(lo + self.chunk_blocks, len(hashes)))
+            for lo in range(0, len(hashes), self.chunk_blocks)
+        ]
         out = PeerRead()
-        seconds, num_bytes = 0.0, 0
-        for lo in range(0, len(hashes), self.chunk_blocks):
-            chunk = hashes[lo : lo + self.chunk_blocks]
-            first = start_block + lo
-            began = time.perf_counter()
-            try:
-                if began >= deadline:
-                    raise TimeoutError("the pull ran out of time")
-                sent = self.link.fetch(
-                    source.name, token_ids, cache_salt, first, first + len(chunk), deadline - began
-                )
-            except Exception:  # any failure of the peer is a recompute, never the request's error
-                out.failed = True
-                break
-            seconds += time.perf_counter() - began
-            verified = self._verify(sent, first, chunk)
-            out.blocks.extend(verified)
-            num_bytes += sum(len(b) for b in sent.blobs[: len(verified)])
-            if len(verified) < len(chunk):
-                break
+        num_bytes = 0
+        try:
+            sent_chunks = self.link.fetch(
+                source.name, token_ids, cache_salt, chunks, self.timeout_s
+            )
+            for (first, end), sent in zip(chunks, sent_chunks, strict=False):
+                expected = hashes[first - start_block : end - start_block]
+                verified = self._verify(sent, first, expected)
+                out.blocks.extend(verified)
+                num_bytes += sum(len(b) for b in sent.blobs[: len(verified)])
+                if len(verified) < len(expected):
+                    break
+        except Exception:  # any failure of the peer is a recompute, never the request's error
+            out.failed = True
+        seconds = time.perf_counter() - began
         out.transfer = Transfer(peer_tier(source.name), num_bytes, seconds, len(out.blocks))
         return out
 

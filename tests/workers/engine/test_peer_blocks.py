@@ -7,7 +7,7 @@ stepping while a pull is in flight; the peer's cost is learned from pulls."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,17 +47,17 @@ class LocalLink:
         peer: str,
         token_ids: Sequence[int],
         cache_salt: str | None,
-        start_block: int,
-        end_block: int,
+        chunks: Sequence[tuple[int, int]],
         timeout_s: float,
-    ) -> PeerBlocks:
-        self.calls += 1
-        if self.gate is not None and not self.gate.wait(timeout_s):
-            raise TimeoutError("peer did not answer")
-        if self.fail_from is not None and start_block >= self.fail_from:
-            raise ConnectionError("peer died")
-        sent = export_blocks(self.peers[peer], token_ids, cache_salt, start_block, end_block)
-        return sent if self.tamper is None else self.tamper(sent)
+    ) -> Iterator[PeerBlocks]:
+        for start_block, end_block in chunks:
+            self.calls += 1
+            if self.gate is not None and not self.gate.wait(timeout_s):
+                raise TimeoutError("peer did not answer")
+            if self.fail_from is not None and start_block >= self.fail_from:
+                raise ConnectionError("peer died")
+            sent = export_blocks(self.peers[peer], token_ids, cache_salt, start_block, end_block)
+            yield sent if self.tamper is None else self.tamper(sent)
 
 
 @pytest.fixture(scope="module")
