@@ -3,7 +3,7 @@
 A peer is named by its Ray actor name (the router's holder hint) and looked up in the worker's
 own namespace; handles are kept, and dropped when a call through one fails (the peer may have
 been replaced under the same name). Called from the engine's pull threads, never from the
-actor's event loop, so the blocking `ray.get` stalls nothing else.
+actor's event loop, so the blocking wait stalls nothing else.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ class RayPeerLink:
             # All at once: the peer answers them one after the other at its next step boundary.
             refs = [handle.export_blocks.remote(ids, cache_salt, lo, hi) for lo, hi in chunks]
             for ref in refs:
-                sent = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+                # A future, not `ray.get`: this thread is not the actor's event loop, and the
+                # wait is the same (Ray warns about any `ray.get` inside an async actor).
+                sent = ref.future().result(timeout=max(deadline - time.monotonic(), 0.0))
                 if not isinstance(sent, PeerBlocks):
                     raise TypeError(f"peer {peer} answered {type(sent).__name__}, not PeerBlocks")
                 yield sent
