@@ -36,6 +36,9 @@ DEFAULT_TIER_COSTS: Mapping[str, tuple[float, float]] = {
     "dram": (20e-6, 1 / 5e9),
     "nvme": (200e-6, 1 / 1e9),
     "redis": (500e-6, 1 / 0.5e9),
+    # A pull from another worker: an actor call's round trip, then ~1 GB/s (Ray's transfer
+    # between processes of one node is faster, between nodes about this).
+    "peer": (5e-3, 1 / 1e9),
 }
 _CLAMP = (0.25, 4.0)  # one measurement moves a coefficient by at most this factor
 _OUTLIER_RUN = 3  # ... unless this many in a row fall outside it on the same side

@@ -74,7 +74,7 @@ class Router:
         if self.responses is not None:
             self.metrics.watch_response_cache(self.responses.stats)
         self.supervisor = Supervisor(pool, config, replace)
-        self.placement = Placement(pool, policy, config, self.metrics)
+        self.placement = Placement(pool, policy, config)
 
     async def start(self) -> None:
         """Wait for the workers, index what they hold and start supervising them."""
@@ -172,12 +172,14 @@ class Router:
             # Every part continues the same prompt: the first one's blocks stand for all.
             prompt = parts[0].prompt_ids
             hashes = self.prompts.block_hashes(prompt, req.cache_salt)
-            decision = self.placement.route(len(prompt), hashes, excluded)
+            placed = self.placement.route(len(prompt), hashes, excluded)
+            decision, holder = placed.decision, placed.holder
             self.metrics.decisions.labels(decision.policy, decision.worker).inc()
-            holder = self.placement.holder_hint(decision, hashes, excluded)
             outcome.route_reason = decision.reason
-            if holder is not None and not decision.pull_blocks:  # the policy did not say it
-                outcome.route_reason += f"; may pull {holder.num_blocks} blocks from a holder"
+            if holder is not None:
+                self.metrics.pull_hints.inc()
+                if not decision.pull_blocks:  # the policy did not say it
+                    outcome.route_reason += f"; may pull {holder.num_blocks} blocks from a holder"
             try:
                 attempt_deltas = self._attempt(decision, parts, call_id, req, progress, holder)
                 async with contextlib.aclosing(attempt_deltas) as deltas:
@@ -306,9 +308,8 @@ class Router:
                 raise InvalidInput(f"prefix + items[{i}] exceed the model's context of {limit}")
         excluded: set[WorkerId] = set()
         for _ in range(self.config.max_retries + 1):
-            decision = self.placement.route(
-                len(prefix), self.prompts.block_hashes(prefix, req.cache_salt), excluded
-            )
+            hashes = self.prompts.block_hashes(prefix, req.cache_salt)
+            decision = self.placement.route(len(prefix), hashes, excluded).decision
             try:
                 result = await self.pool.call(
                     decision.worker, "score", prefix, items, list(req.label_token_ids)

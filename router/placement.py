@@ -3,37 +3,43 @@ a chosen worker may pull the prefix from.
 
 `Placement` turns the pool's state and the prefix index's matches into `Candidate`s (with, when
 pulls are on, the longest prefix another healthy worker holds), asks the policy, and names that
-holder to the chosen worker (`HolderHint`). Pure reads of the pool; the metrics count hints.
+holder to the chosen worker (`HolderHint`). Pure reads of the pool.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from cachesvc.types import BlockHash, WorkerId
 from router.config import RouterConfig
 from router.domain import Exhausted, Unavailable
-from router.metrics import RouterMetrics
 from router.policy import PEER, Candidate, Policy, RouteDecision, RouteRequest
 from router.pool import WorkerPool
 from workers.protocol import HolderHint
 
 
+@dataclass(frozen=True)
+class Placed:
+    """Where a request goes, and the holder named to that worker (None: no pull to offer)."""
+
+    decision: RouteDecision
+    holder: HolderHint | None = None
+
+
 class Placement:
     """Chooses a worker for a request, and the holder it may pull the prefix from."""
 
-    def __init__(
-        self, pool: WorkerPool, policy: Policy, config: RouterConfig, metrics: RouterMetrics
-    ) -> None:
+    def __init__(self, pool: WorkerPool, policy: Policy, config: RouterConfig) -> None:
         self.pool = pool
         self.policy = policy
         self.config = config
-        self.metrics = metrics
 
     def candidates_left(self, excluded: set[WorkerId]) -> bool:
         return any(s.worker_id not in excluded for s in self.pool.routable())
 
-    def route(
-        self, num_tokens: int, hashes: list[BlockHash], excluded: set[WorkerId]
-    ) -> RouteDecision:
+    def route(self, num_tokens: int, hashes: list[BlockHash], excluded: set[WorkerId]) -> Placed:
+        """The policy's choice among the live workers not `excluded`, and the holder it may
+        pull from (one index lookup for both)."""
         live = [s for s in self.pool.routable() if s.worker_id not in excluded]
         if not live:
             raise Unavailable("no live worker to serve the request")
@@ -57,7 +63,8 @@ class Placement:
             for s in live
         ]
         request = RouteRequest(num_tokens, self.pool.model.block_size)
-        return self.policy.choose(request, candidates)
+        decision = self.policy.choose(request, candidates)
+        return Placed(decision, _holder_hint(decision, held, holders))
 
     def _holders(self, excluded: set[WorkerId]) -> dict[WorkerId, str]:
         """The healthy workers a peer may pull from, by their Ray actor names."""
@@ -67,25 +74,6 @@ class Placement:
             if s.worker_id not in excluded and s.info is not None and s.info.actor_name
         }
 
-    def holder_hint(
-        self, decision: RouteDecision, hashes: list[BlockHash], excluded: set[WorkerId]
-    ) -> HolderHint | None:
-        """The healthy worker holding the longest prefix, when it holds more than the chosen
-        one: the chosen worker's load planner may pull the difference from it
-        (`EngineConfig.peer_pull`). None with `RouterConfig.peer_pull` off."""
-        if not self.config.peer_pull:
-            return None
-        named = self._holders(excluded)
-        named.pop(decision.worker, None)
-        if not named:
-            return None
-        matches = [m for m in self.pool.index.longest_prefix(hashes).values() if m.worker in named]
-        best = max(matches, key=lambda m: m.num_blocks, default=None)
-        if best is None or best.num_blocks <= decision.matched_blocks:
-            return None
-        self.metrics.pull_hints.inc()
-        return HolderHint(named[best.worker], best.num_blocks)
-
     def covered_blocks(self, decision: RouteDecision, holder: HolderHint | None) -> int:
         """Leading blocks of the request the chosen worker will not compute: those it holds,
         or those it may pull from `holder` when it pulls at all (reports a pull cost)."""
@@ -94,3 +82,16 @@ class Placement:
         if holder is not None and costs is not None and PEER in costs.fetch_s:
             covered = max(covered, holder.num_blocks)
         return covered
+
+
+def _holder_hint(
+    decision: RouteDecision, held: dict[WorkerId, int], holders: dict[WorkerId, str]
+) -> HolderHint | None:
+    """The holder (other than the chosen worker) with the longest prefix, when it holds more
+    than the chosen one: the chosen worker's load planner may pull the difference from it
+    (`EngineConfig.peer_pull`). `held`: blocks each holder holds; empty with pulls off."""
+    others = {w: n for w, n in held.items() if w != decision.worker}
+    best = max(others, key=lambda w: (others[w], w), default=None)
+    if best is None or others[best] <= decision.matched_blocks:
+        return None
+    return HolderHint(holders[best], others[best])

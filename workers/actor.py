@@ -25,10 +25,9 @@ from cachesvc.events import TIER_HBM, Event
 from cachesvc.events_redis import EventStreamConfig
 from cachesvc.index import IndexSnapshot
 from cachesvc.types import BlockId
-from workers.engine.peer_pull import is_peer
 from workers.protocol import (
-    BlockCosts,
     HolderHint,
+    PeerBlocks,
     PollResult,
     StreamDelta,
     StreamError,
@@ -43,7 +42,6 @@ if TYPE_CHECKING:
     from workers.engine.async_engine import AsyncEngine
     from workers.engine.engine import Engine
     from workers.engine.outputs import RequestOutput
-    from workers.engine.peer_pull import PeerBlocks
 
 # ---- the actor ---------------------------------------------------------------------------------
 
@@ -142,7 +140,7 @@ class WorkerActor:
             return
         peer = None
         if holder is not None and self._engine.engine.config.peer_pull:
-            from workers.engine.peer_pull import PeerSource
+            from workers.engine.request import PeerSource
 
             peer = PeerSource(holder.actor_name, holder.num_blocks)
         sent: dict[int, int] = {}
@@ -306,20 +304,7 @@ class WorkerActor:
         costs = None
         tiering = self._engine.engine.tiering
         if tiering is not None:
-            # Read while the engine may be stepping: the model is a snapshot of floats, and a
-            # coefficient one step stale is as good for routing.
-            model, bs = tiering.costs.model(), self._info.block_size
-            fetch_s = {
-                name: t.bytes_per_block * t.seconds_per_byte + model.land_s_per_block
-                for name, t in model.tiers.items()
-                if not is_peer(name)
-            }
-            if tiering.peers is not None:  # one figure for pulls, whichever the holder
-                fetch_s["peer"] = tiering.peers.block_s(model)
-            costs = BlockCosts(
-                compute_s=bs * model.compute.beta_s + bs * bs / 2 * model.compute.gamma_s,
-                fetch_s=fetch_s,
-            )
+            costs = tiering.block_costs()  # a snapshot: safe while the engine steps
         return WorkerLoad(
             load.num_running,
             load.num_waiting,

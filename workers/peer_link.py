@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from workers.engine.peer_pull import PeerBlocks
+from workers.protocol import PeerBlocks
 
 
 class RayPeerLink:

@@ -13,9 +13,9 @@ from a lower tier takes from what it reads:
 The prefill terms are the planner's own `ComputeCost`, and the tier terms its `TierCost`: the
 simulated workers plan fetches with the same cost model their time comes from. A pull from
 another worker moves raw blocks (`bytes_per_block` of the device's layout); its cost defaults to
-the live worker's prior (`PEER_PRIOR`) where a profile does not say. Profiles live in
-`cachesvc/bench/profiles/` (`list_profiles`); `cachesvc simulate calibrate` writes one measured
-on this machine.
+the live worker's prior (`calibration.DEFAULT_TIER_COSTS["peer"]`) where a profile does not say.
+Profiles live in `cachesvc/bench/profiles/` (`list_profiles`); `cachesvc simulate calibrate`
+writes one measured on this machine.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cachesvc.calibration import DEFAULT_TIER_COSTS
 from cachesvc.planner import ComputeCost, CostModel, TierCost
 from router.policy import PEER
-from workers.engine.peer_pull import PEER_PRIOR
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -66,7 +66,8 @@ class CostProfile:
     decode: DecodeCost
     tiers: Mapping[str, TierReadCost] = field(default_factory=dict)
     land_s_per_byte: float = 0.0
-    peer: TierReadCost = TierReadCost(*PEER_PRIOR)  # a pull of a run of blocks from a holder
+    # A pull of a run of blocks from a holder.
+    peer: TierReadCost = TierReadCost(*DEFAULT_TIER_COSTS["peer"])
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     source: str = ""  # where the numbers come from: a measurement, or published figures
@@ -124,7 +125,7 @@ class CostProfile:
                 land_s_per_byte=float(data.get("land_s_per_byte", 0.0)),
                 peer=TierReadCost(**{k: float(v) for k, v in data["peer"].items()})
                 if "peer" in data
-                else TierReadCost(*PEER_PRIOR),
+                else TierReadCost(*DEFAULT_TIER_COSTS["peer"]),
                 max_num_batched_tokens=int(data.get("max_num_batched_tokens", 8192)),
                 max_num_seqs=int(data.get("max_num_seqs", 256)),
                 source=str(data.get("source", "")),

@@ -114,7 +114,7 @@ def _fake_holder(kind: str) -> tuple[Any, str]:
         async def export_blocks(
             self, prompt: list[int], salt: str | None, start: int, end: int
         ) -> Any:
-            from workers.engine.peer_pull import PeerBlocks
+            from workers.protocol import PeerBlocks
 
             return PeerBlocks(start, tuple(b"\x00garbage" * 64 for _ in range(start, end)))
 

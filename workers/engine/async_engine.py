@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from cachesvc.types import RequestId
 from workers.engine.engine import Engine
 from workers.engine.outputs import RequestOutput
-from workers.engine.peer_pull import PeerSource
+from workers.engine.request import PeerSource
 from workers.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -57,11 +57,7 @@ def _measure(engine: Engine) -> EngineLoad:
         num_running=len(engine.scheduler.running),
         num_waiting=len(engine.scheduler.waiting),
         num_queued_tokens=sum(
-            r.num_tokens
-            - r.num_computed_tokens
-            - engine.kv.num_cached_prefix_tokens(r)
-            - engine.kv.num_planned_tokens(r)
-            for r in requests
+            r.num_tokens - r.num_computed_tokens - engine.kv.num_free_tokens(r) for r in requests
         ),
         num_blocks=engine.pool.num_blocks,
         num_free_blocks=engine.pool.num_free,

@@ -25,7 +25,7 @@ from workers.engine.cache_admin import CacheAdmin, blocks_for_budget, start_tier
 from workers.engine.forking import Forker
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.outputs import RequestOutput
-from workers.engine.request import FinishReason, Request
+from workers.engine.request import FinishReason, PeerSource, Request
 from workers.engine.runner import ModelRunner
 from workers.engine.sampler import sample
 from workers.engine.scheduler import Scheduler, SchedulerConfig
@@ -39,7 +39,7 @@ from workers.text.detokenizer import IncrementalDetokenizer
 from workers.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from workers.engine.peer_pull import PeerLink, PeerSource
+    from workers.engine.peer_pull import PeerLink
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LOAD_WAIT_S = 0.01  # a step with only pulls in flight waits this long for one to land

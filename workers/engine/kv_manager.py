@@ -59,12 +59,6 @@ class TieringHooks(Protocol):
         """Land the request's planned fetch if it is due and has arrived (not waiting)."""
         ...
 
-    def joins_pull(
-        self, request: Request, hashes: Sequence[BlockHash], num_device_blocks: int
-    ) -> bool:
-        """True when a pull in flight for another request brings the request's next block."""
-        ...
-
     def num_joined_blocks(
         self, request: Request, hashes: Sequence[BlockHash], num_device_blocks: int
     ) -> int:
@@ -151,17 +145,18 @@ class KVCacheManager:
             num_hits += 1
         return min(num_hits * self.block_size, request.num_tokens - 1)
 
-    def num_planned_tokens(self, request: Request) -> int:
-        """Prompt tokens a planned fetch (tiers, a peer) is to bring to the request, or, for a
-        request waiting to join another's pull, that pull: like a cached prefix, not work for
-        the load report."""
-        if self.tiering is None:
-            return 0
-        if request.block_ids or request.peer is None:
-            return self.tiering.num_planned_tokens(request)
+    def num_free_tokens(self, request: Request) -> int:
+        """Leading prompt tokens that are not work for the load report: a waiting request's
+        device hits and what pulls in flight for others bring after them (it joins those), a
+        running request's planned fetch (tiers, a peer)."""
+        if request.block_ids:
+            return 0 if self.tiering is None else self.tiering.num_planned_tokens(request)
+        cached = self.num_cached_prefix_tokens(request)
+        if self.tiering is None or request.peer is None:
+            return cached
         hashes = self.block_hashes(request)
-        num_device = self.num_cached_prefix_tokens(request) // self.block_size
-        return self.tiering.num_joined_blocks(request, hashes, num_device) * self.block_size
+        joined = self.tiering.num_joined_blocks(request, hashes, cached // self.block_size)
+        return min(cached + joined * self.block_size, request.num_tokens - 1)
 
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Reuse the longest cached prefix of a request that holds no blocks yet.
@@ -195,7 +190,7 @@ class KVCacheManager:
         if self.tiering is not None and not stopped:
             max_blocks = (len(tokens) - 1) // self.block_size
             hashes = self.block_hashes(request)
-            if self.tiering.joins_pull(request, hashes, num_device):
+            if self.tiering.num_joined_blocks(request, hashes, num_device):
                 return PrefixMatch(num_device * self.block_size, False, joins_pull=True)
             extra = self.tiering.extend_match(request, hashes, num_device, max_blocks)
         return PrefixMatch(num_device * self.block_size + extra, stopped)

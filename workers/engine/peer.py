@@ -19,7 +19,7 @@ from cachesvc.hashing import hash_blocks, root_hash
 from cachesvc.types import BlockHash
 from workers.engine.engine import Engine
 from workers.engine.kv_copy import read_block
-from workers.engine.peer_pull import PeerBlocks
+from workers.protocol import PeerBlocks
 
 
 def peer_codec(engine: Engine) -> Codec:

@@ -4,11 +4,11 @@ A request may carry a `PeerSource` (from the router's holder hint): another work
 longer prefix of its prompt. `KVTiering` then offers the planner, after the runs the local tiers
 hold, one more run: the blocks the peer holds beyond them, under the tier name `peer:<name>`, at
 that peer's calibrated cost (latency + seconds per byte, learned from every pull like any
-tier's). The planner picks fetch, split or recompute as for any tier; a planned pull runs on a
-background thread (`PeerPuller.read`, in chunks of blocks) while the engine keeps stepping,
-and what arrives is verified against the hashes this worker computed under the request's own
-salt. A peer that is gone, fails or does not answer within the timeout costs the recompute of
-what did not arrive.
+tier's; its prior is `calibration.DEFAULT_TIER_COSTS["peer"]`). The planner picks fetch, split
+or recompute as for any tier; a planned pull runs on a background thread (`PeerPuller.read`, in
+chunks of blocks) while the engine keeps stepping, and what arrives is verified against the
+hashes this worker computed under the request's own salt. A peer that is gone, fails or does
+not answer within the timeout costs the recompute of what did not arrive.
 
 The transport (`PeerLink`) is the actor's (Ray); the engine only sees this interface.
 """
@@ -21,16 +21,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cachesvc.calibration import CostTracker
+from cachesvc.calibration import CostTracker, default_tier_cost
 from cachesvc.codec import Codec, KVBlock
 from cachesvc.planner import CostModel, TierCost
 from cachesvc.tiers.results import Transfer
 from cachesvc.types import BlockHash
+from workers.engine.request import PeerSource
+from workers.protocol import PeerBlocks
 
 PEER_PREFIX = "peer:"
-# Prior of a pull before any was measured: an actor call's round trip, then ~1 GB/s (Ray's
-# object transfer between processes of one node is faster, between nodes about this).
-PEER_PRIOR = (5e-3, 1 / 1e9)
 # Blocks per call of a pull: when a peer dies mid-run the chunks that arrived still land. The
 # calls are made at once, so a long run waits for one of the peer's step boundaries, not one per
 # chunk (a step can take seconds on a CPU).
@@ -44,22 +43,6 @@ def peer_tier(name: str) -> str:
 
 def is_peer(tier: str) -> bool:
     return tier.startswith(PEER_PREFIX)
-
-
-@dataclass(frozen=True)
-class PeerSource:
-    """Another worker holding the first `num_blocks` full blocks of a request's prompt."""
-
-    name: str
-    num_blocks: int
-
-
-@dataclass(frozen=True)
-class PeerBlocks:
-    """Encoded blocks `start_block, start_block + 1, ...` of a prompt, as a peer sent them."""
-
-    start_block: int
-    blobs: tuple[bytes, ...]
 
 
 class PeerLink(Protocol):
@@ -128,18 +111,16 @@ class PeerPuller:
     def cost(self, source: PeerSource) -> str:
         """The peer's tier name, its cost known to the planner (the prior until measured)."""
         tier = peer_tier(source.name)
-        if tier not in self.costs.tiers:
-            latency, per_byte = PEER_PRIOR
-            self.costs.tiers[tier] = TierCost(latency, per_byte, float(self.block_bytes))
+        self.costs.tiers.setdefault(tier, self._prior())
         return tier
+
+    def _prior(self) -> TierCost:
+        return default_tier_cost("peer", self.block_bytes)
 
     def block_s(self, model: CostModel) -> float:
         """Seconds to pull one block of a long run and land it, for the router's estimate: the
         mean over the peers pulled from so far (their transfer alone), else the prior."""
-        costs = [t for name, t in model.tiers.items() if is_peer(name)]
-        if not costs:
-            latency, per_byte = PEER_PRIOR
-            costs = [TierCost(latency, per_byte, float(self.block_bytes))]
+        costs = [t for name, t in model.tiers.items() if is_peer(name)] or [self._prior()]
         transfer = sum(t.bytes_per_block * t.seconds_per_byte for t in costs) / len(costs)
         return transfer + model.land_s_per_block
 
@@ -186,7 +167,7 @@ class PeerPuller:
     ) -> list[KVBlock]:
         """The leading blobs of `sent` that decode to `hashes` (each hash names its whole
         chain, so a block in its place is the right one)."""
-        if not isinstance(sent, PeerBlocks) or sent.start_block != start_block:
+        if sent.start_block != start_block:
             return []
         out: list[KVBlock] = []
         for blob, block_hash in zip(sent.blobs, hashes, strict=False):

@@ -53,9 +53,14 @@ class PendingLoads:
 
     def __init__(self) -> None:
         self._loads: dict[RequestId, PendingLoad] = {}
+        # Blocks pulls in flight bring, by hash, with how many pulls bring each: asked about
+        # every waiting request's blocks at each load report, so a lookup, not a scan.
+        self._pulled: dict[BlockHash, int] = {}
 
     def add(self, request_id: RequestId, load: PendingLoad) -> None:
         self._loads[request_id] = load
+        for h in _pulled_hashes(load):
+            self._pulled[h] = self._pulled.get(h, 0) + 1
 
     def num_computable(self, request: Request, num_left: int) -> int:
         """Tokens the request may compute before its load is due (at most `num_left`)."""
@@ -71,13 +76,7 @@ class PendingLoads:
 
     def pulling(self, block_hash: BlockHash) -> bool:
         """True when a pull in flight is to bring the block `block_hash`."""
-        return any(
-            block_hash in hashes
-            for load in self._loads.values()
-            if load.pull is not None
-            for name, hashes in load.ranges
-            if is_peer(name)
-        )
+        return block_hash in self._pulled
 
     def due(self, request: Request) -> PendingLoad | None:
         """The request's load once the request computed up to its split, and so has nothing
@@ -96,14 +95,19 @@ class PendingLoads:
 
     def take(self, request_id: RequestId) -> PendingLoad:
         """Remove the request's load to land it; its reads keep running to be waited on."""
-        return self._loads.pop(request_id)
+        load = self._loads.pop(request_id)
+        for h in _pulled_hashes(load):
+            self._pulled[h] -= 1
+            if not self._pulled[h]:
+                del self._pulled[h]
+        return load
 
     def drop(self, request_id: RequestId) -> Ranges:
         """Forget the request's load and cancel its reads (a pull already under way ends
         unused). Returns its local ranges for the caller to unpin; [] when it had none."""
-        load = self._loads.pop(request_id, None)
-        if load is None:
+        if request_id not in self._loads:
             return []
+        load = self.take(request_id)
         load.future.cancel()
         if load.pull is not None:
             load.pull.future.cancel()
@@ -113,3 +117,10 @@ class PendingLoads:
         """Drop every load, at close: the tiers are closing, so nothing is unpinned."""
         for request_id in list(self._loads):
             self.drop(request_id)
+
+
+def _pulled_hashes(load: PendingLoad) -> list[BlockHash]:
+    """The blocks a load pulls from a peer (none for a load from the local tiers only)."""
+    if load.pull is None:
+        return []
+    return [h for name, hashes in load.ranges if is_peer(name) for h in hashes]

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import torch
 
 from cachesvc.types import BlockHash, BlockId, RequestId
-from workers.engine.peer_pull import PeerSource
 from workers.engine.sampler import token_seed
 from workers.sampling_params import SamplingParams
 
@@ -24,6 +23,15 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens reached or the model's context is full
     STOP = "stop"  # an EOS, a stop token id or a stop string
     ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class PeerSource:
+    """Another worker holding the first `num_blocks` full blocks of a request's prompt (the
+    router's holder hint): the load planner may pull them from it (`peer_pull`)."""
+
+    name: str
+    num_blocks: int
 
 
 @dataclass(eq=False)

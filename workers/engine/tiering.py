@@ -53,6 +53,7 @@ from workers.engine.tier_metrics import TieringStats, tiering_metrics
 from workers.engine.tier_setup import build_manager, prior_costs
 from workers.engine.tier_usage import TierUsage
 from workers.engine.tier_writes import TierWriter
+from workers.protocol import BlockCosts
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -152,18 +153,12 @@ class KVTiering:
         trim_blocks(self.pool, request, self.block_size)
         return num_loaded * self.block_size
 
-    def joins_pull(
-        self, request: Request, hashes: Sequence[BlockHash], num_device_blocks: int
-    ) -> bool:
-        """True when a pull in flight for another request brings the next block this one
-        lacks: it waits for that pull to land rather than pull the same blocks again."""
-        return self.num_joined_blocks(request, hashes, num_device_blocks) > 0
-
     def num_joined_blocks(
         self, request: Request, hashes: Sequence[BlockHash], num_device_blocks: int
     ) -> int:
         """How many blocks after the request's device prefix pulls in flight for other
-        requests bring (0 for a request without a peer: it never waits on a pull)."""
+        requests bring (0 for a request without a peer: it never waits on a pull). A request
+        with some waits for those pulls to land rather than pull the same blocks again."""
         if request.peer is None:
             return 0
         n = num_device_blocks
@@ -227,9 +222,8 @@ class KVTiering:
         move its computed tokens past them; returns how many landed. `background`: the blocks
         were read while the engine computed (a split)."""
         self.manager.settle(result)
-        for transfer in result.transfers:
-            if not is_peer(transfer.tier):  # a pull is learned by `PeerPuller.settle`
-                self.costs.observe_transfer(transfer, background)
+        for transfer in result.transfers:  # the tiers' reads; a pull is learned by the puller
+            self.costs.observe_transfer(transfer, background)
         n = len(result.blocks)
         land_s = land_blocks(
             self.kv_caches, self.pool, request, result.blocks, first, self.block_size, self.dtype
@@ -249,22 +243,21 @@ class KVTiering:
     def num_computable(self, request: Request, num_left: int) -> int:
         return self._pending.num_computable(request, num_left)
 
-    @torch.inference_mode()
     def on_computed(self, request: Request) -> None:
         self.timer.on_computed(request)
-        pending = self._pending.due(request)
-        if pending is None:
-            return
-        if pending.pull is not None and not pending.done():
-            return  # a pull is not waited for: it lands in `land_ready` once it arrived
-        self._complete(request)
+        self._land_due(request, wait=True)
 
-    @torch.inference_mode()
     def land_ready(self, request: Request) -> None:
         """Land the request's fetch if it is due and has arrived (a pull, which the engine
         does not wait for)."""
+        self._land_due(request, wait=False)
+
+    @torch.inference_mode()
+    def _land_due(self, request: Request, wait: bool) -> None:
+        """Land the request's fetch once it is due: waiting for local reads when `wait` (a
+        split's back, Cake), never for a pull (it lands in `land_ready` once it arrived)."""
         pending = self._pending.due(request)
-        if pending is not None and pending.done():
+        if pending is not None and (pending.done() or (wait and pending.pull is None)):
             self._complete(request)
 
     def num_planned_tokens(self, request: Request) -> int:
@@ -325,6 +318,21 @@ class KVTiering:
     def metrics(self) -> dict[str, float]:
         """Flat counters for a metrics endpoint (`tier_metrics.tiering_metrics`)."""
         return tiering_metrics(self.manager, self.stats, self.timer, self.peers)
+
+    def block_costs(self) -> BlockCosts:
+        """What a block costs this worker, for routing: recomputing it, and bringing it in
+        from each tier and, with peers attached, from a peer ("peer": one figure, whichever
+        the holder). Reads a snapshot of the cost model: safe while the engine steps."""
+        model, bs = self.costs.model(), self.block_size
+        fetch_s = {
+            name: t.bytes_per_block * t.seconds_per_byte + model.land_s_per_block
+            for name, t in model.tiers.items()
+            if not is_peer(name)
+        }
+        if self.peers is not None:
+            fetch_s["peer"] = self.peers.block_s(model)
+        compute_s = bs * model.compute.beta_s + bs * bs / 2 * model.compute.gamma_s
+        return BlockCosts(compute_s, fetch_s)
 
     def usage(self, request_id: RequestId) -> dict[str, int]:
         """Prompt tokens served from each tier ("hbm" for the device) for a request."""

@@ -126,11 +126,11 @@ def test_a_worker_reports_a_pull_cost_only_with_pulls_on() -> None:
 
 
 def test_a_profile_without_a_peer_entry_gets_the_workers_prior() -> None:
-    from workers.engine.peer_pull import PEER_PRIOR
+    from cachesvc.calibration import DEFAULT_TIER_COSTS
 
     data = UNIT.to_json()
     del data["peer"]
-    assert CostProfile.from_json(data).peer == TierReadCost(*PEER_PRIOR)
+    assert CostProfile.from_json(data).peer == TierReadCost(*DEFAULT_TIER_COSTS["peer"])
     assert CostProfile.from_json(json.loads(json.dumps(UNIT.to_json()))) == UNIT
 
 

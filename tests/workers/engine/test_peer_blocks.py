@@ -14,12 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from cachesvc.calibration import DEFAULT_TIER_COSTS
 from cachesvc.config import ConfigError, EngineConfig, TierConfig
 from cachesvc.planner import TierCost
 from workers.engine.engine import Engine
 from workers.engine.peer import export_blocks
-from workers.engine.peer_pull import PEER_PRIOR, PeerBlocks, PeerSource, peer_tier
+from workers.engine.peer_pull import peer_tier
+from workers.engine.request import PeerSource
 from workers.model.loader import LoadedModel, load_model
+from workers.protocol import PeerBlocks
 from workers.sampling_params import SamplingParams
 
 BS = 4
@@ -256,7 +259,7 @@ def test_engine_keeps_stepping_while_a_pull_waits(
     assert busy in done and waiting not in done  # the other request ran to its end meanwhile
     # What the pull is to bring is not work the engine reports as queued.
     [request] = [r for r in puller.scheduler.running if r.request_id == waiting]
-    assert puller.kv.num_planned_tokens(request) == NUM_FULL * BS
+    assert puller.kv.num_free_tokens(request) == NUM_FULL * BS
     link.gate.set()
     while puller.has_unfinished():
         for out in puller.step():
@@ -287,7 +290,8 @@ def test_pulls_teach_the_peers_cost(loaded: LoadedModel) -> None:
     _run(puller, PROMPT, None, HOLDER)
     assert puller.tiering is not None
     learned = puller.tiering.costs.tiers[peer_tier(HOLDER.name)]
-    assert learned.seconds_per_byte != pytest.approx(PEER_PRIOR[1])  # moved off the prior
+    prior = DEFAULT_TIER_COSTS["peer"][1]
+    assert learned.seconds_per_byte != pytest.approx(prior)  # moved off the prior
 
 
 def test_peer_pull_config_is_validated() -> None:
@@ -307,7 +311,7 @@ def test_requests_of_one_prefix_share_one_pull(loaded: LoadedModel, reference: l
     puller.step()  # the first plans the pull; the second waits for it instead of its own
     # Neither reports the pulled run as work queued.
     for request in [*puller.scheduler.running, *puller.scheduler.waiting]:
-        assert puller.kv.num_planned_tokens(request) == NUM_FULL * BS
+        assert puller.kv.num_free_tokens(request) == NUM_FULL * BS
     link.gate.set()
     done = {}
     while puller.has_unfinished():
