@@ -101,7 +101,7 @@ class InferenceService:
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         msg: pb.GenerateRequest = await _decoded(request, context)
-        code = grpc.StatusCode.OK
+        code: grpc.StatusCode | None = grpc.StatusCode.OK  # None: counted already
         try:
             req = wire.generate_from_proto(msg, self._config)
             salt = tenant_cache_salt(self._tenant(context), req.cache_salt)
@@ -115,10 +115,14 @@ class InferenceService:
             code = grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:
-            code = _status_of(exc)
+            # Counted before the abort, as Score and Tokenize do: the client has the status as
+            # soon as the call is aborted, and may read the metrics next.
+            self._count("Generate", _status_of(exc))
+            code = None
             await _fail(context, exc)
         finally:
-            self._count("Generate", code)
+            if code is not None:
+                self._count("Generate", code)
 
     def _count(self, method: str, code: grpc.StatusCode) -> None:
         self._router.metrics.requests.labels(method, code.name).inc()
