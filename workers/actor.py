@@ -69,7 +69,7 @@ class WorkerActor:
         if config.peer_pull:
             import ray
 
-            from workers.peer_link import RayPeerLink
+            from workers.engine.peer.link import RayPeerLink
 
             # Peers are named in this actor's namespace, which is not its job's when the actor
             # was given one (`spawn_worker`): the runtime context only knows the job's.
@@ -162,7 +162,7 @@ class WorkerActor:
     ) -> PeerBlocks:
         """The encoded blocks `start_block ..` (below `max_blocks`) of a prompt under
         `cache_salt` that this worker holds, up to the first it lacks; read between steps."""
-        from workers.engine.peer import export_blocks
+        from workers.engine.peer.export import export_blocks
 
         return await self._engine.call(
             lambda e: export_blocks(e, prompt_ids, cache_salt, start_block, max_blocks)

@@ -21,8 +21,8 @@ from workers.engine.runner import ModelRunner
 from workers.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from workers.engine.peer_pull import PeerLink
-    from workers.engine.tiering import KVTiering
+    from workers.engine.peer.pull import PeerLink
+    from workers.engine.tiering.kv_tiering import KVTiering
 
 
 def blocks_for_budget(config: EngineConfig, model: ModelConfig, itemsize: int) -> int:
@@ -47,8 +47,8 @@ def start_tiers(
     and calibrated when asked. None when neither is on."""
     if not config.tiers.enabled and not config.peer_pull:
         return None
-    from workers.engine.tier_calibration import calibrate
-    from workers.engine.tiering import KVTiering
+    from workers.engine.tiering.calibration import calibrate
+    from workers.engine.tiering.kv_tiering import KVTiering
 
     tiering = KVTiering(config.tiers, pool, kv_caches, config.block_size, fingerprint)
     kv.tiering = tiering

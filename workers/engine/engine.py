@@ -39,7 +39,7 @@ from workers.text.detokenizer import IncrementalDetokenizer
 from workers.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from workers.engine.peer_pull import PeerLink
+    from workers.engine.peer.pull import PeerLink
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LOAD_WAIT_S = 0.01  # a step with only pulls in flight waits this long for one to land

@@ -34,7 +34,7 @@ class PrefixMatch:
 
 
 class TieringHooks(Protocol):
-    """The lower tiers, as the KV manager sees them (`workers.engine.tiering.KVTiering`)."""
+    """The lower tiers, as the KV manager sees them (`tiering.kv_tiering.KVTiering`)."""
 
     def extend_match(
         self, request: Request, hashes: Sequence[BlockHash], num_device_blocks: int, max_blocks: int

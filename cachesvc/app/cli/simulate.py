@@ -25,7 +25,7 @@ _POLICY_FIELDS = (
 
 def add_simulate_parser(sub: Any) -> None:
     """Register `simulate` (and `simulate calibrate`) on the CLI's subparsers."""
-    from cachesvc.bench.simulate_trace import HotPrefix
+    from cachesvc.sim.trace import HotPrefix
     from router.config import RouterConfig
 
     sim = sub.add_parser(
@@ -121,8 +121,8 @@ def add_simulate_parser(sub: Any) -> None:
 def run_simulate_command(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         return _calibrate(args)
-    from cachesvc.bench.simulate import SimulateArgs, Size, run_simulate
-    from cachesvc.bench.simulate_trace import HotPrefix
+    from cachesvc.sim.simulate import SimulateArgs, Size, run_simulate
+    from cachesvc.sim.trace import HotPrefix
     from router.config import RouterConfig
 
     if args.workload == "trace" and not args.trace:
@@ -165,8 +165,8 @@ def run_simulate_command(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from cachesvc.bench.simulate_calibrate import calibrate_profile
-    from cachesvc.bench.simulate_profile import PROFILE_DIR, save_profile
+    from cachesvc.sim.calibrate import calibrate_profile
+    from cachesvc.sim.cost_profile import PROFILE_DIR, save_profile
 
     profile = calibrate_profile(args.model, args.threads)
     path = args.out or str(PROFILE_DIR / f"{profile.name}.json")

@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from cachesvc.bench.simulate_loop import ClusterSpec, SimRun, replay
-from cachesvc.bench.simulate_profile import CostProfile, DecodeCost, TierReadCost, load_profile
-from cachesvc.bench.simulate_profile import list_profiles as stored_profiles
-from cachesvc.bench.simulate_report import oracle_ratio, summarize
-from cachesvc.bench.simulate_trace import (
+from cachesvc.planner import ComputeCost
+from cachesvc.sim.cost_profile import CostProfile, DecodeCost, TierReadCost, load_profile
+from cachesvc.sim.cost_profile import list_profiles as stored_profiles
+from cachesvc.sim.loop import ClusterSpec, SimRun, replay
+from cachesvc.sim.report import oracle_ratio, summarize
+from cachesvc.sim.trace import (
     BLOCK_SIZE,
     block_hash,
     load_trace,
     num_unique_blocks,
     oracle_hit_blocks,
 )
-from cachesvc.planner import ComputeCost
 
 SAMPLE = Path(__file__).resolve().parents[4] / "shared/data/mooncake_synthetic_trace.jsonl"
 
@@ -249,7 +249,7 @@ def test_the_command_line_writes_json(tmp_path: Path, write_trace: WriteTrace) -
 
 
 def test_decode_fit_recovers_its_coefficients() -> None:
-    from cachesvc.bench.simulate_calibrate import fit_decode
+    from cachesvc.sim.calibrate import fit_decode
 
     truth = DecodeCost(base_s=0.05, per_seq_s=0.004, per_context_token_s=1e-6)
     shapes = [(1, 256), (8, 2048), (1, 1024), (4, 4096)]
@@ -268,7 +268,7 @@ def _decode_step(d: DecodeCost, batch: int, context: int) -> float:
 
 
 def test_the_bench_routing_sample_hashes_its_tokens(write_trace: WriteTrace) -> None:
-    from cachesvc.bench.simulate_trace import bench_routing_requests
+    from cachesvc.sim.trace import bench_routing_requests
 
     rows = [(0, 1500, 50, [1, 2, 3]), (1000, 700, 2, [9, 8]), (3000, 1024, 5, [1, 2])]
     first, _, third = bench_routing_requests(write_trace(rows))

@@ -17,8 +17,8 @@ from cachesvc.block_pool import BlockPool
 from cachesvc.codec import KVBlock
 from cachesvc.tiers.tier_manager import TierManager
 from workers.engine.kv_copy import write_blocks
-from workers.engine.pending_loads import Ranges
 from workers.engine.request import Request
+from workers.engine.tiering.pending_loads import Ranges
 
 
 def land_blocks(

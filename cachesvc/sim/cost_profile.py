@@ -14,7 +14,7 @@ The prefill terms are the planner's own `ComputeCost`, and the tier terms its `T
 simulated workers plan fetches with the same cost model their time comes from. A pull from
 another worker moves raw blocks (`bytes_per_block` of the device's layout); its cost defaults to
 the live worker's prior (`calibration.DEFAULT_TIER_COSTS["peer"]`) where a profile does not say.
-Profiles live in `cachesvc/bench/profiles/` (`list_profiles`); `cachesvc simulate calibrate`
+Profiles live in `cachesvc/sim/profiles/` (`list_profiles`); `cachesvc simulate calibrate`
 writes one measured on this machine.
 """
 

@@ -8,14 +8,14 @@ them, and answer the KV manager's and the step loop's hooks (it sets the pool's 
   the front part; when the front is computed up to the split point (`on_computed`), the fetched
   blocks land and the request jumps ahead.
   Whatever fails to read back (a miss, a corrupt blob) is simply computed.
-  A peer worker holding more of the prompt (`peer_pull.PeerSource`, from the router's hint) is
+  A peer worker holding more of the prompt (`peer.pull.PeerSource`, from the router's hint) is
   one more source after the local tiers: its pull always runs in the background, so the engine
   keeps stepping; a fetch that waits on it computes nothing until it lands (`land_ready`).
 
-Beside it: `tier_setup` builds the tiers and the cost model's priors, `pending_loads` holds the
-loads under way, `tier_landing` writes fetched blocks into the device, `tier_writes` copies
-blocks down (demoted on eviction, shared once popular), `tier_usage` counts each request's
-prompt tokens per tier, `tier_metrics` keeps the counters and flattens them for an endpoint.
+Beside it: `startup` builds the tiers and the cost model's priors, `pending_loads` holds the
+loads under way, `landing` writes fetched blocks into the device, `writes` copies
+blocks down (demoted on eviction, shared once popular), `usage` counts each request's
+prompt tokens per tier, `metrics` keeps the counters and flattens them for an endpoint.
 
 Only the engine's thread touches the device tensors and the manager's state; the background
 thread only reads tiers.
@@ -37,22 +37,22 @@ from cachesvc.planner import FetchRange, LoadPlan, plan_load
 from cachesvc.tiers.base import Throttle
 from cachesvc.tiers.results import FetchResult, TierHit
 from cachesvc.types import BlockHash, RequestId
-from workers.engine.peer_pull import PeerLink, PeerPuller, is_peer
-from workers.engine.pending_loads import (
+from workers.engine.peer.pull import PeerLink, PeerPuller, is_peer
+from workers.engine.request import Request
+from workers.engine.scheduler import SchedulerOutput
+from workers.engine.tiering.landing import borrowed, land_blocks, trim_blocks
+from workers.engine.tiering.metrics import TieringStats, tiering_metrics
+from workers.engine.tiering.pending_loads import (
     PendingLoad,
     PendingLoads,
     PendingPull,
     Ranges,
     local_ranges,
 )
-from workers.engine.plan_timing import PlanTimer
-from workers.engine.request import Request
-from workers.engine.scheduler import SchedulerOutput
-from workers.engine.tier_landing import borrowed, land_blocks, trim_blocks
-from workers.engine.tier_metrics import TieringStats, tiering_metrics
-from workers.engine.tier_setup import build_manager, prior_costs
-from workers.engine.tier_usage import TierUsage
-from workers.engine.tier_writes import TierWriter
+from workers.engine.tiering.plan_timing import PlanTimer
+from workers.engine.tiering.startup import build_manager, prior_costs
+from workers.engine.tiering.usage import TierUsage
+from workers.engine.tiering.writes import TierWriter
 from workers.protocol import BlockCosts
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -316,7 +316,7 @@ class KVTiering:
         self.costs.set_cap(tier_name, mb_per_s)
 
     def metrics(self) -> dict[str, float]:
-        """Flat counters for a metrics endpoint (`tier_metrics.tiering_metrics`)."""
+        """Flat counters for a metrics endpoint (`metrics.tiering_metrics`)."""
         return tiering_metrics(self.manager, self.stats, self.timer, self.peers)
 
     def block_costs(self) -> BlockCosts:

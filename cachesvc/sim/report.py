@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from cachesvc.bench.routing_report import _percentile
-from cachesvc.bench.simulate_loop import SimRun
-from cachesvc.bench.simulate_trace import SimRequest, oracle_hit_blocks
 from cachesvc.bench.table import format_table
+from cachesvc.sim.loop import SimRun
+from cachesvc.sim.trace import SimRequest, oracle_hit_blocks
 from router.policy import PEER
 
 

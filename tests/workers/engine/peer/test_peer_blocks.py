@@ -18,8 +18,8 @@ from cachesvc.calibration import DEFAULT_TIER_COSTS
 from cachesvc.config import ConfigError, EngineConfig, TierConfig
 from cachesvc.planner import TierCost
 from workers.engine.engine import Engine
-from workers.engine.peer import export_blocks
-from workers.engine.peer_pull import peer_tier
+from workers.engine.peer.export import export_blocks
+from workers.engine.peer.pull import peer_tier
 from workers.engine.request import PeerSource
 from workers.model.loader import LoadedModel, load_model
 from workers.protocol import PeerBlocks

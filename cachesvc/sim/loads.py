@@ -1,6 +1,6 @@
 """What a simulated worker's lower tiers and a holder add to a request's device prefix.
 
-As `workers/engine/tiering.py` does: the runs the local tiers hold after the device prefix, then
+As the engine's `KVTiering` does: the runs the local tiers hold after the device prefix, then
 (with pulls on, and a holder hint on the request) the holder's blocks beyond them as one more
 run (`PEER`), go to the real planner, priced by the worker's cost model. A fetch from the tiers
 is read on the engine's thread (the step takes that much longer); a split reads the back while
@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from cachesvc.bench.simulate_seq import PendingLoad, Ranges, SimSeq
 from cachesvc.block_pool import BlockPool
 from cachesvc.planner import CostModel, LoadPlan, plan_load
+from cachesvc.sim.seq import PendingLoad, Ranges, SimSeq
 from cachesvc.tiers.results import FetchResult, TierHit
 from cachesvc.tiers.tier_manager import TierManager
 from router.policy import PEER

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachesvc.bench.routing import Variant, variants_for
-from cachesvc.bench.simulate_loop import ClusterSpec, replay
-from cachesvc.bench.simulate_profile import CostProfile, TierReadCost, load_profile
-from cachesvc.bench.simulate_report import (
+from cachesvc.bench.table import write_json
+from cachesvc.sim.cost_profile import CostProfile, TierReadCost, load_profile
+from cachesvc.sim.loop import ClusterSpec, replay
+from cachesvc.sim.report import (
     SimSummary,
     format_summaries,
     oracle_ratio,
@@ -29,7 +30,7 @@ from cachesvc.bench.simulate_report import (
     summarize,
     to_json,
 )
-from cachesvc.bench.simulate_trace import (
+from cachesvc.sim.trace import (
     HotPrefix,
     SimRequest,
     bench_routing_requests,
@@ -37,7 +38,6 @@ from cachesvc.bench.simulate_trace import (
     load_trace,
     num_unique_blocks,
 )
-from cachesvc.bench.table import write_json
 
 SWEEPABLE = ("workers", "device-blocks", "dram-blocks", "nvme-blocks")
 WORKLOADS = ("trace", "hot-prefix")

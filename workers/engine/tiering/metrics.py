@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cachesvc.tiers.tier_manager import TierManager
-from workers.engine.peer_pull import PeerPuller
-from workers.engine.plan_timing import PlanTimer
+from workers.engine.peer.pull import PeerPuller
+from workers.engine.tiering.plan_timing import PlanTimer
 
 
 @dataclass

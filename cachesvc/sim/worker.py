@@ -19,13 +19,13 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Sequence
 
-from cachesvc.bench.simulate_load import SimLoads
-from cachesvc.bench.simulate_profile import CostProfile
-from cachesvc.bench.simulate_seq import SimSeq
-from cachesvc.bench.simulate_tier import build_manager, stand_in_block
-from cachesvc.bench.simulate_trace import BLOCK_SIZE, SimRequest
 from cachesvc.block_pool import BlockPool
 from cachesvc.events import TIER_HBM, EventLog
+from cachesvc.sim.cost_profile import CostProfile
+from cachesvc.sim.loads import SimLoads
+from cachesvc.sim.seq import SimSeq
+from cachesvc.sim.tier import build_manager, stand_in_block
+from cachesvc.sim.trace import BLOCK_SIZE, SimRequest
 from cachesvc.types import BlockHash, BlockId, WorkerId
 from workers.protocol import BlockCosts
 

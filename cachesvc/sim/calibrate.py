@@ -2,7 +2,7 @@
 
 One engine over the model (the default SmolLM2 unless told otherwise), with a DRAM and an NVMe
 tier (in a temporary folder), so its start-up calibration probes both tiers and the copy into
-the device caches (`workers/engine/tier_calibration.py`). Then timed engine steps:
+the device caches (`workers/engine/tiering/calibration.py`). Then timed engine steps:
 
 * prefill: one request of k new tokens after a cached prefix of ctx tokens, alone in its step,
   for a few (k, ctx); fitted by the planner's own fit (`cachesvc.calibration.fit_compute`);
@@ -21,8 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from cachesvc.bench.simulate_profile import CostProfile, DecodeCost, TierReadCost
 from cachesvc.calibration import ComputeSample, fit_compute
+from cachesvc.sim.cost_profile import CostProfile, DecodeCost, TierReadCost
 
 BLOCK_SIZE = 16
 PREFILL_SHAPES = ((128, 0), (512, 0), (1024, 0), (128, 1024), (512, 1024), (256, 2048))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from cachesvc.tiers.results import FetchResult
 from cachesvc.types import BlockHash, RequestId
-from workers.engine.peer_pull import PeerRead, is_peer
+from workers.engine.peer.pull import PeerRead, is_peer
 from workers.engine.request import Request
 
 Ranges = list[tuple[str, list[BlockHash]]]  # (tier or peer, its run of hashes), in chain order

@@ -5,21 +5,24 @@ computes the hashes itself under that salt, so a request can only ever be served
 own tenant (a hash of another tenant's block can not be asked for). It sends the leading run it
 holds, from its device pool or its local tiers, each block in the codec's format, encoded (so
 copied) between steps (`AsyncEngine.call`): nothing it sends can move or be overwritten while
-the transfer runs. The puller's side is `workers.engine.peer_pull`.
+the transfer runs. The puller's side is `workers.engine.peer.pull`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from cachesvc.codec import Codec, KVBlock
 from cachesvc.hashing import hash_blocks, root_hash
 from cachesvc.types import BlockHash
-from workers.engine.engine import Engine
 from workers.engine.kv_copy import read_block
 from workers.protocol import PeerBlocks
+
+if TYPE_CHECKING:  # the engine imports this package (its pull side): a type, not a cycle
+    from workers.engine.engine import Engine
 
 
 def peer_codec(engine: Engine) -> Codec:

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from cachesvc.bench.simulate_loop import ClusterSpec, SimRun, replay
-from cachesvc.bench.simulate_profile import CostProfile, DecodeCost, TierReadCost
-from cachesvc.bench.simulate_report import summarize
-from cachesvc.bench.simulate_trace import BLOCK_SIZE, HotPrefix, hot_prefix_requests, load_trace
-from cachesvc.bench.simulate_worker import SimWorker
 from cachesvc.planner import ComputeCost
+from cachesvc.sim.cost_profile import CostProfile, DecodeCost, TierReadCost
+from cachesvc.sim.loop import ClusterSpec, SimRun, replay
+from cachesvc.sim.report import summarize
+from cachesvc.sim.trace import BLOCK_SIZE, HotPrefix, hot_prefix_requests, load_trace
+from cachesvc.sim.worker import SimWorker
 from cachesvc.types import WorkerId
 
 # A millisecond per prompt token, whole prompts in one step; a pull of a run takes a millisecond

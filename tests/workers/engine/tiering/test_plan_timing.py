@@ -10,8 +10,8 @@ import pytest
 
 from cachesvc.planner import FetchRange, LoadPlan
 from cachesvc.types import RequestId
-from workers.engine.plan_timing import PlanTimer
 from workers.engine.request import Request
+from workers.engine.tiering.plan_timing import PlanTimer
 from workers.sampling_params import SamplingParams
 
 
@@ -34,7 +34,7 @@ def test_a_plan_is_timed_to_the_end_of_its_prompt(caplog: pytest.LogCaptureFixtu
     assert timer.metrics() == {}  # half the prompt: still open
     time.sleep(0.01)
     request.num_computed_tokens = 16
-    with caplog.at_level(logging.INFO, logger="workers.engine.plan_timing"):
+    with caplog.at_level(logging.INFO, logger="workers.engine.tiering.plan_timing"):
         timer.on_computed(request)
     metrics = timer.metrics()
     assert metrics["plan_fetch_timed"] == 1 and metrics["plan_fetch_predicted_s"] == 0.25

@@ -22,7 +22,7 @@ from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
-    from workers.engine.tiering import KVTiering
+    from workers.engine.tiering.kv_tiering import KVTiering
 
 _log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from collections import OrderedDict
 
 from cachesvc.events import TIER_HBM
 from cachesvc.types import RequestId
-from workers.engine.peer_pull import is_peer
-from workers.engine.pending_loads import Ranges
+from workers.engine.peer.pull import is_peer
+from workers.engine.tiering.pending_loads import Ranges
 
 _MAX_USAGE = 10_000  # per-request usage reports kept after the request ends
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cachesvc.bench.simulate_trace import SimRequest
+from cachesvc.sim.trace import SimRequest
 from cachesvc.types import BlockHash, BlockId, WorkerId
 
 Ranges = list[tuple[str, list[BlockHash]]]

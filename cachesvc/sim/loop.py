@@ -22,12 +22,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachesvc.bench.simulate_profile import CostProfile
-from cachesvc.bench.simulate_seq import SimPeer, SimSeq
-from cachesvc.bench.simulate_trace import BLOCK_SIZE, SimRequest
-from cachesvc.bench.simulate_worker import SimWorker
 from cachesvc.events import TIER_HBM
 from cachesvc.index import IndexSnapshot, MemoryPrefixIndex, PrefixMatch
+from cachesvc.sim.cost_profile import CostProfile
+from cachesvc.sim.seq import SimPeer, SimSeq
+from cachesvc.sim.trace import BLOCK_SIZE, SimRequest
+from cachesvc.sim.worker import SimWorker
 from cachesvc.types import WorkerId
 from router.policy import Candidate, Policy, RouteDecision, RouteRequest, make_policy
 

@@ -1,0 +1,1 @@
+"""Pulling KV between workers: the holder's export, the puller's pull thread, the Ray link."""
