@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cachesvc.config import ConfigError
+from cachesvc.config import MIN_TIER_KEY_BYTES, ConfigError
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _TLS_FILES = ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
@@ -110,22 +110,26 @@ class RouterConfig:
     # port): for probes inside the pod that cannot speak (mutual) TLS. None: no such port.
     health_port: int | None = None
     # The response cache (router/response_cache.py): deterministic requests' answers, in
-    # memory up to this many MiB (0: off), or in Redis when `redis_url` is set (shared by the
-    # routers, each entry kept `response_cache_ttl_s`).
+    # memory up to this many MiB (0: off), or in Redis when `response_cache_redis_url` (else
+    # `redis_url`) is set: shared by the routers, each entry kept `response_cache_ttl_s`, a
+    # lookup bounded by `response_cache_timeout_s`. Answers over `response_cache_max_entry_kb`
+    # are not stored, nor more than `response_cache_queue_entries` waiting to be written.
+    # Entries are signed with the key in `response_cache_key_file` (None: a key of this
+    # process alone, which no other router can check).
     response_cache_mb: float = 64.0
     response_cache_ttl_s: float = 3600.0
+    response_cache_redis_url: str | None = None
+    response_cache_timeout_s: float = 0.05
+    response_cache_max_entry_kb: float = 256.0
+    response_cache_queue_entries: int = 256
+    response_cache_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         self._check_tokens()
         self._check_tls()
-        if self.response_cache_mb < 0:
-            raise ConfigError(f"response_cache_mb must be >= 0, got {self.response_cache_mb}")
-        if self.response_cache_ttl_s <= 0:
-            raise ConfigError(
-                f"response_cache_ttl_s must be positive, got {self.response_cache_ttl_s}"
-            )
+        self._check_response_cache()
         if self.max_replacements < 0:
             raise ConfigError(f"max_replacements must be >= 0, got {self.max_replacements}")
         for name in ("max_n", "max_beam_width", "max_inflight", "max_missed_polls"):
@@ -233,6 +237,47 @@ class RouterConfig:
                     "give every tenant a token of its own"
                 )
             owners[entry.token] = where
+
+    def _check_response_cache(self) -> None:
+        if self.response_cache_mb < 0:
+            raise ConfigError(f"response_cache_mb must be >= 0, got {self.response_cache_mb}")
+        for name in (
+            "response_cache_ttl_s",
+            "response_cache_timeout_s",
+            "response_cache_max_entry_kb",
+            "response_cache_queue_entries",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        url = self.response_cache_redis_url
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(
+                f"response_cache_redis_url must look like redis://host:port/db, got {url!r}"
+            )
+        if self.response_cache_key_file is not None and not self.response_cache_key_file.strip():
+            raise ConfigError("response_cache_key_file must name a file or be None")
+
+    def read_response_cache_key(self) -> bytes | None:
+        """The secret that signs response-cache entries: the bytes of `response_cache_key_file`
+        without surrounding whitespace (reads it); None without the file. Raises ConfigError,
+        saying how to make one, when it is unreadable or too short."""
+        path = self.response_cache_key_file
+        if path is None:
+            return None
+        make = f"make one with: head -c 32 /dev/urandom | base64 > {path}"
+        try:
+            key = Path(path).read_bytes().strip()
+        except OSError as exc:
+            reason = exc.strerror or exc
+            raise ConfigError(
+                f"response_cache_key_file: cannot read {path}: {reason}; {make}"
+            ) from None
+        if len(key) < MIN_TIER_KEY_BYTES:
+            raise ConfigError(
+                f"response_cache_key_file: {path} holds {len(key)} bytes, the key needs at least "
+                f"{MIN_TIER_KEY_BYTES} (not counting whitespace); {make}"
+            )
+        return key
 
     def _check_tls(self) -> None:
         cert, key, ca = self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -103,6 +104,8 @@ class Router:
         another (see `router.resume`), so the client sees one stream."""
         if self._stats.num_inflight >= self.config.max_inflight:
             raise Exhausted(f"router is at its limit of {self.config.max_inflight} requests")
+        # The salt takes the purge epoch now, once: the request keeps its hashes to its end.
+        req = dataclasses.replace(req, cache_salt=self.prompts.salt(req.cache_salt))
         ids = await self.prompts.encode(req.prompt)
         self.prompts.check_vocab(req.params.stop_token_ids, "sampling.stop_token_ids")
         progress = RequestProgress(ids, asdict(req.params), self.tokenizer)
@@ -293,6 +296,7 @@ class Router:
 
     async def score(self, req: ScoreInput) -> ScoreResult:
         """Per item, the log-probs of the label tokens after prefix + item."""
+        req = dataclasses.replace(req, cache_salt=self.prompts.salt(req.cache_salt))
         prefix = await self.prompts.encode(req.prefix, "prefix")
         if not req.items:
             raise InvalidInput("items must not be empty")
@@ -366,7 +370,18 @@ class Router:
         return dropped
 
     async def purge(self) -> dict[str, int]:
-        """Drop everything every live worker has cached, in every tier; blocks per tier."""
+        """Make everything cached so far unreachable at once, then drop it; blocks per tier.
+
+        First a new purge epoch (in the index, so routers sharing it agree): every request
+        that arrives from then on hashes its blocks anew, so no worker, peer or shared tier
+        can serve an old block, not even one a request already under way caches after its
+        worker was purged. Then every live worker drops what it holds in every tier (to free
+        the room), and the response cache is emptied. Raises Unavailable, purging nothing,
+        when the epoch cannot be stored."""
+        try:
+            self.pool.index.advance_purge_epoch()
+        except ConnectionError as exc:
+            raise Unavailable(f"{exc}; nothing was purged, retry") from exc
         purged: dict[str, int] = {}
         for state in self.pool.states():
             if state.health is Health.DEAD:

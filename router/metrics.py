@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 if TYPE_CHECKING:
     from router.pool import WorkerPool
-    from router.response_cache import StoreStats
+    from router.response_store import StoreStats
     from workers.protocol import Usage
 
 _request_log = logging.getLogger("router.requests")
@@ -301,6 +301,15 @@ class _ResponseCacheCollector:
             ("stores", "Answers stored", s.stores),
             ("evictions", "Answers evicted to make room (memory store)", s.evictions),
             ("errors", "Response cache store errors (each a miss)", s.errors),
+            (
+                "rejected",
+                "Entries read back that failed authentication or validation (each a miss)",
+                s.rejected,
+            ),
+            ("dropped", "Answers not stored: the write queue was full", s.dropped),
+            ("too_large", "Answers not stored: over the entry size limit", s.too_large),
+            ("skipped", "Store calls skipped while the breaker had Redis down", s.skipped),
+            ("breaker_opens", "Times the response store's breaker opened", s.breaker_opens),
         ):
             yield CounterMetricFamily(f"cachesvc_response_cache_{name}", doc, value=value)
         yield GaugeMetricFamily(

@@ -100,6 +100,9 @@ class Usage:
     decode_tokens_per_s: float | None
     worker_id: str
     from_response_cache: bool = False  # answered by the router's response cache, no worker
+    # Some of the prompt's KV came from a lossy, quantized tier (int8 / fp8): the answer may
+    # differ from a fresh computation's, so the response cache never stores it.
+    lossy_kv: bool = False
 
 
 @dataclass(frozen=True)

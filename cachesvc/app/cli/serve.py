@@ -77,8 +77,10 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
         type=float,
         default=64.0,
         help="answers of deterministic requests (greedy, beam, seeded) kept in memory, MiB; "
-        "in Redis (with a TTL) when --redis-url is given; 0 turns the cache off",
+        "in Redis (with a TTL) when --response-cache-redis-url or --redis-url is given; 0 turns "
+        "the cache off",
     )
+    _add_response_cache_flags(serve)
     serve.add_argument(
         "--tenant-tokens-file",
         help="a file of 'TENANT TOKEN' lines: each token is accepted and isolates its tenant's "
@@ -109,6 +111,46 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_response_cache_flags(serve: argparse.ArgumentParser) -> None:
+    """Flags of the response cache's Redis store and of the key that signs its entries."""
+    serve.add_argument(
+        "--response-cache-redis-url",
+        default=None,
+        help="keep the response cache in this Redis (redis://host:port/db), not the index's "
+        "--redis-url: give it a server of its own with its own maxmemory (docs/deploy.md)",
+    )
+    serve.add_argument(
+        "--response-cache-key-file",
+        default=None,
+        help="a file holding the secret (32+ bytes) that signs response-cache entries; the same "
+        "for routers that share a Redis; default: --tier-key-file, else a key of this router alone",
+    )
+    serve.add_argument(
+        "--response-cache-timeout-s",
+        type=float,
+        default=0.05,
+        help="a response-cache lookup in Redis waits at most this long, then is a miss",
+    )
+    serve.add_argument(
+        "--response-cache-max-entry-kb",
+        type=float,
+        default=256.0,
+        help="answers whose entry exceeds this many KiB are not stored",
+    )
+
+
+def _response_cache_options(args: argparse.Namespace) -> dict[str, Any]:
+    """RouterConfig fields from the flags `_add_response_cache_flags` added; entries are signed
+    with the tier key unless a key of their own is given."""
+    return {
+        "response_cache_mb": args.response_cache_mb,
+        "response_cache_redis_url": args.response_cache_redis_url,
+        "response_cache_key_file": args.response_cache_key_file or args.tier_key_file,
+        "response_cache_timeout_s": args.response_cache_timeout_s,
+        "response_cache_max_entry_kb": args.response_cache_max_entry_kb,
+    }
+
+
 def _router_options(args: argparse.Namespace) -> dict[str, Any]:
     """RouterConfig fields from the flags `_add_serve_flags` added (reads the tenant tokens
     file)."""
@@ -122,7 +164,7 @@ def _router_options(args: argparse.Namespace) -> dict[str, Any]:
         "health_port": args.health_port,
         "max_queued_per_worker": args.max_queued_per_worker,
         "max_inflight": args.max_inflight,
-        "response_cache_mb": args.response_cache_mb,
+        **_response_cache_options(args),
         "tenant_tokens": () if tenants is None else load_tenant_tokens(tenants),
         "tls_cert_file": args.tls_cert_file,
         "tls_key_file": args.tls_key_file,
@@ -166,6 +208,11 @@ def serve_config_file(path: str, flags: ServeConfig) -> ServeConfig:
 
     defaults = serve_config(_defaults())
     config = with_overrides(load_config_file(path, ServeConfig), changed_fields(flags, defaults))
+    if config.router.response_cache_key_file is None and config.engine.tiers.tier_key_file:
+        # As with flags: the tier key signs response-cache entries unless they have their own.
+        key_file = config.engine.tiers.tier_key_file
+        router = dataclasses.replace(config.router, response_cache_key_file=key_file)
+        config = dataclasses.replace(config, router=router)
     fields = {f.name: getattr(config.engine, f.name) for f in dataclasses.fields(config.engine)}
     return dataclasses.replace(config, engine=EngineConfig.from_env(**fields))
 
