@@ -5,6 +5,12 @@ Pure functions over token ids. Block i's hash covers its parent's hash and its o
 tag, the model fingerprint, the block size and the tenant salt: two models, two block sizes or two
 tenants never share a hash. No `hash()`, no pickle, no per-process seed: the same input gives
 the same hash in every process and after every restart.
+
+A purge makes every block cached before it unreachable at once by moving the service to a new
+purge epoch, which the router folds into the salt it sends with each request (`epoch_salt`):
+every hash is new from then on, on every worker, peer and shared tier alike, whatever still
+holds the old blocks. Epoch 0 leaves the salt as it is, so a service never purged keeps its
+hashes.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import xxhash
 from cachesvc.types import BlockHash
 
 FORMAT_TAG = b"cachesvc/block-hash/v1"
+# Salts that start with this carry a purge epoch; the router refuses it in a client's salt.
+PURGE_SALT_PREFIX = "purge:"
 HASH_BYTES = 16
 # array's "I" is a 4-byte unsigned int on every platform numpy and torch support; the bytes
 # hashed are little-endian everywhere.
@@ -46,6 +54,21 @@ def root_hash(model_fingerprint: str, block_size: int, salt: str | bytes = b"") 
         )
     )
     return BlockHash(xxhash.xxh3_128_digest(payload))
+
+
+def epoch_salt(salt: str | None, epoch: int) -> str | None:
+    """The salt a request's blocks are hashed under at purge epoch `epoch`: `salt` itself at
+    epoch 0, else `purge:<epoch>/<salt>`.
+
+    No two (salt, epoch) pairs give the same string as long as no salt of its own starts with
+    `PURGE_SALT_PREFIX` (the digits end at the first "/"), so no epoch reaches another's
+    blocks. None (no salt) stays None at epoch 0, as the workers hash it like "".
+    """
+    if epoch < 0:
+        raise ValueError(f"a purge epoch is never negative, got {epoch}")
+    if epoch == 0:
+        return salt
+    return f"{PURGE_SALT_PREFIX}{epoch}/{salt or ''}"
 
 
 def block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:

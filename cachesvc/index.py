@@ -4,6 +4,10 @@ A pure function of each worker's event stream (`cachesvc.events`) plus a snapsho
 `apply` takes events in sequence order and reports a gap instead of guessing, and `resync`
 replaces a worker's entries with a snapshot. Because a block hash names its whole prefix, a
 request's longest cached prefix on a worker is the run of its leading hashes that worker holds.
+
+The index also keeps the purge epoch (`cachesvc.hashing.epoch_salt`): the number of purges,
+which the hashes of every request include, stored where the entries are so that routers sharing
+an index agree on it.
 """
 
 from __future__ import annotations
@@ -77,6 +81,15 @@ class PrefixIndex(Protocol):
         """The sequence number of the next event expected from `worker`; None if unknown."""
         ...
 
+    def purge_epoch(self) -> int:
+        """The current purge epoch (0 before any purge); never goes down."""
+        ...
+
+    def advance_purge_epoch(self) -> int:
+        """Start a new purge epoch and return it; raises when it cannot be stored (the purge
+        must then fail: its caller would go on hashing under the old epoch)."""
+        ...
+
 
 @dataclass
 class _Stream:
@@ -96,6 +109,7 @@ class MemoryPrefixIndex:
         self._fastest: dict[BlockHash, dict[WorkerId, str]] = {}
         self._by_worker: dict[WorkerId, set[BlockHash]] = {}
         self._streams: dict[WorkerId, _Stream] = {}
+        self._purge_epoch = 0
 
     # ---- updates ----------------------------------------------------------------------------
 
@@ -196,6 +210,13 @@ class MemoryPrefixIndex:
     def next_seq(self, worker: WorkerId) -> int | None:
         stream = self._streams.get(worker)
         return None if stream is None else stream.next_seq
+
+    def purge_epoch(self) -> int:
+        return self._purge_epoch
+
+    def advance_purge_epoch(self) -> int:
+        self._purge_epoch += 1
+        return self._purge_epoch
 
     def workers(self) -> list[WorkerId]:
         """Workers with a live event stream, in sorted order."""

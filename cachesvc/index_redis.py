@@ -10,12 +10,15 @@ hash tag, so a Redis Cluster keeps them in one slot):
     {ns}:{index}:w:<worker>     set   hash hexes the worker holds
     {ns}:{index}:s:<worker>     hash  incarnation, next_seq
     {ns}:{index}:workers        set   workers with a stream
+    {ns}:{index}:purge-epoch    int   purges so far (the routers' shared purge epoch)
 
 Redis failing never raises into the request path: a lookup answers "nothing cached", updates are
 dropped (the stored sequence number does not move, so a poll fetches the events again once Redis
-is back, and a stream's next event shows a gap and resyncs) and `num_errors` counts them. Calls
-are synchronous: on a loopback or in-zone Redis a round trip is well under a millisecond, cheaper
-than an executor hop.
+is back, and a stream's next event shows a gap and resyncs) and `num_errors` counts them; the
+purge epoch is the last one read. Only starting a purge epoch raises: a purge must not report
+success while the routers go on hashing under the old epoch. Calls are synchronous: on a
+loopback or in-zone Redis a round trip is well under a millisecond, cheaper than an executor
+hop.
 """
 
 from __future__ import annotations
@@ -195,6 +198,7 @@ class RedisPrefixIndex:
         self._drop = client.register_script(_DROP)
         self._lookup = client.register_script(_LOOKUP)
         self._known_seq: dict[WorkerId, int | None] = {}
+        self._known_epoch = 0
         self.num_errors = 0
         self._last_warning = 0.0
 
@@ -265,6 +269,25 @@ class RedisPrefixIndex:
         value = None if raw is None else int(raw)
         self._known_seq[worker] = value
         return value
+
+    def purge_epoch(self) -> int:
+        # Read on every request: another router's purge must take effect at once here too. On
+        # a Redis error, the last value read (a purge cannot have started without Redis).
+        raw = self._run(lambda: self._client.get(f"{self._prefix}purge-epoch"), default=None)
+        if raw is not None:
+            self._known_epoch = max(self._known_epoch, int(raw))
+        return self._known_epoch
+
+    def advance_purge_epoch(self) -> int:
+        import redis
+
+        try:
+            epoch = int(self._client.incr(f"{self._prefix}purge-epoch"))
+        except redis.RedisError as exc:
+            self.num_errors += 1
+            raise ConnectionError(f"Redis prefix index: cannot start a purge epoch: {exc}") from exc
+        self._known_epoch = max(self._known_epoch, epoch)
+        return epoch
 
     def workers(self) -> list[WorkerId]:
         """Workers with a live event stream, in sorted order."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from cachesvc.hashing import PURGE_SALT_PREFIX
 from router.config import RouterConfig, TenantToken
 from router.domain import InvalidInput
 
@@ -69,14 +70,17 @@ def tenant_cache_salt(tenant: str | None, cache_salt: str | None) -> str | None:
     has a salt: tenants never share blocks, a tenant's requests of the same salt do, and since
     tenant names have no "/", no two (tenant, salt) pairs meet. Without a tenant the request's
     salt is kept as it is, but one starting with "tenant:" is refused (InvalidInput): it would
-    reach a tenant's blocks, on this router or through a Redis tier that routers share.
+    reach a tenant's blocks, on this router or through a Redis tier that routers share. So is
+    one starting with "purge:", which would reach blocks of another purge epoch
+    (`cachesvc.hashing.epoch_salt`).
     """
     if tenant is None:
-        if cache_salt is not None and cache_salt.startswith(TENANT_SALT_PREFIX):
-            raise InvalidInput(
-                f"cache_salt must not start with {TENANT_SALT_PREFIX!r}: that prefix is reserved "
-                "for tenants' caches"
-            )
+        for prefix, owner in ((TENANT_SALT_PREFIX, "tenants'"), (PURGE_SALT_PREFIX, "purged")):
+            if cache_salt is not None and cache_salt.startswith(prefix):
+                raise InvalidInput(
+                    f"cache_salt must not start with {prefix!r}: that prefix is reserved for "
+                    f"{owner} caches"
+                )
         return cache_salt
     base = TENANT_SALT_PREFIX + tenant
     return f"{base}/{cache_salt}" if cache_salt else base

@@ -1,14 +1,16 @@
 """A request's prompt as the workers will see it: token ids (text, chat or ids, validated) and
 the rolling block hashes the workers store their KV under (the routing key is the storage key).
 
-Long texts are tokenized off the event loop (`router/prompt_encoder.py`).
+Long texts are tokenized off the event loop (`router/prompt_encoder.py`). A request's salt
+takes the purge epoch once, when it arrives (`Prompts.salt`): it keeps its hashes for its whole
+life, retries and resumes included, and a request that arrives after a purge has new ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cachesvc.hashing import hash_blocks, root_hash
+from cachesvc.hashing import epoch_salt, hash_blocks, root_hash
 from cachesvc.types import BlockHash
 from router.domain import InvalidInput, PromptInput
 from router.pool import WorkerPool
@@ -82,8 +84,15 @@ class Prompts:
             if not 0 <= token < vocab:
                 raise InvalidInput(f"{field}[{i}] = {token} is outside the vocabulary [0, {vocab})")
 
+    def salt(self, cache_salt: str | None) -> str | None:
+        """The salt a request arriving now is hashed under, by this router and the workers:
+        its own (tenant) salt at the current purge epoch (read from the index, which routers
+        sharing it agree on)."""
+        return epoch_salt(cache_salt, self._pool.index.purge_epoch())
+
     def block_hashes(self, ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
-        """The rolling hashes of the full blocks, exactly as the workers store them."""
+        """The rolling hashes of the full blocks, exactly as the workers store them;
+        `cache_salt` is the request's `salt`."""
         model = self._pool.model
         root = root_hash(model.model_fingerprint, model.block_size, cache_salt or "")
         return hash_blocks(ids, model.block_size, root)
