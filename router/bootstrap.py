@@ -13,7 +13,7 @@ import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachesvc.index import MemoryPrefixIndex, PrefixIndex
 from cachesvc.types import WorkerId
@@ -25,6 +25,9 @@ from router.pool import WorkerPool
 from router.server import RouterServer
 from router.supervisor import Replace
 from workers.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from router.http.server import HttpServer
 
 _log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ async def build_router(
 async def serve_until_signal(router: Router, config: RouterConfig) -> None:
     """Serve until SIGINT or SIGTERM, then drain gracefully."""
     server = RouterServer(router, config)
+    http = await _start_http(router, config)  # before gRPC starts: a taken port stops both
     await server.start()
     print(
         f"cachesvc: serving on {config.host}:{server.port} (policy {router.policy.name}, "
@@ -82,5 +86,26 @@ async def serve_until_signal(router: Router, config: RouterConfig) -> None:
         await stop.wait()
     finally:
         print("cachesvc: shutting down", file=sys.stderr, flush=True)
+        if http is not None:
+            await http.stop()
         await server.stop()
         await router.close()
+
+
+async def _start_http(router: Router, config: RouterConfig) -> HttpServer | None:
+    """The OpenAI-compatible door, listening, when the config asks for one."""
+    if config.http_port is None:
+        return None
+    from router.http.server import HttpServer
+
+    name = config.served_model_name or "cachesvc"
+    http = HttpServer(router, config, config.http_port, name)
+    await http.start()
+    scheme = "https" if http.tls else "http"
+    print(
+        f"cachesvc: OpenAI-compatible API on {scheme}://{config.host}:{http.port}/v1 "
+        f"(model {name!r})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return http

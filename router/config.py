@@ -109,6 +109,11 @@ class RouterConfig:
     # Also serve the health service alone, in plaintext, on 127.0.0.1:health_port (0: any free
     # port): for probes inside the pod that cannot speak (mutual) TLS. None: no such port.
     health_port: int | None = None
+    # Also serve the OpenAI-compatible HTTP door (router/http/) on host:http_port (0: any free
+    # port), over TLS when the gRPC port is; its model is called `served_model_name` (None: the
+    # name `cachesvc serve` derives from the model path). None: no HTTP door.
+    http_port: int | None = None
+    served_model_name: str | None = None
     # The response cache (router/response_cache.py): deterministic requests' answers, in
     # memory up to this many MiB (0: off), or in Redis when `response_cache_redis_url` (else
     # `redis_url`) is set: shared by the routers, each entry kept `response_cache_ttl_s`, a
@@ -150,7 +155,7 @@ class RouterConfig:
             raise ConfigError(
                 f"max_queued_per_worker must be positive, got {self.max_queued_per_worker}"
             )
-        for name in ("metrics_port", "health_port"):
+        for name in ("metrics_port", "health_port", "http_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ConfigError(f"{name} must be in [0, 65535], got {value}")

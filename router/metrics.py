@@ -38,8 +38,9 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             "cachesvc_requests",
-            "RPCs by method and final gRPC status",
-            ["method", "status"],
+            "Requests by door (grpc, http), method and final status (gRPC's status names on "
+            "both doors)",
+            ["door", "method", "status"],
             registry=r,
         )
         self.ttft = Histogram(

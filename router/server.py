@@ -125,7 +125,7 @@ class InferenceService:
                 self._count("Generate", code)
 
     def _count(self, method: str, code: grpc.StatusCode) -> None:
-        self._router.metrics.requests.labels(method, code.name).inc()
+        self._router.metrics.requests.labels("grpc", method, code.name).inc()
 
     async def score(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         msg: pb.ScoreRequest = await _decoded(request, context)

@@ -1,4 +1,5 @@
-"""`cachesvc serve`: connect to Ray, start the workers, route gRPC calls until a signal.
+"""`cachesvc serve`: connect to Ray, start the workers, route gRPC calls (and, with an HTTP
+port, OpenAI-compatible HTTP requests) until a signal.
 
 The workers (`workers/cluster.py`) are named in the Ray namespace `ray_namespace`, so a second
 `cachesvc serve --attach` finds them and routes over them too. The owning serve closes them
@@ -8,9 +9,11 @@ The workers (`workers/cluster.py`) are named in the Ray namespace `ray_namespace
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from cachesvc.config import ConfigError, EngineConfig
@@ -27,6 +30,8 @@ from workers.cluster import (
     spawn_workers,
     stop_workers,
 )
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass(frozen=True)
@@ -106,14 +111,27 @@ def run_serve(config: ServeConfig) -> int:
         ray.shutdown()
 
 
+def served_model_name(model: str | None) -> str:
+    """What the HTTP door calls the model of `--model`: the file or folder name without a
+    `.gguf` suffix; None (the default model) is SmolLM2-135M-Instruct."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    name = Path(model.rstrip("/")).name or model
+    return name.removesuffix(".gguf")
+
+
 async def _route(
     actors: Mapping[WorkerId, Any], config: ServeConfig, replace: Replace | None
 ) -> int:
+    router_config = config.router
+    if router_config.http_port is not None and router_config.served_model_name is None:
+        name = served_model_name(config.engine.model)
+        router_config = dataclasses.replace(router_config, served_model_name=name)
     try:
-        router = await build_router(actors, config.router, config.engine.model, replace)
+        router = await build_router(actors, router_config, config.engine.model, replace)
     except Exception as exc:  # e.g. a worker that cannot load the model
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
         print(f"cachesvc: error: workers failed to start: {first_line}", file=sys.stderr)
         return 1
-    await serve_until_signal(router, config.router)
+    await serve_until_signal(router, router_config)
     return 0

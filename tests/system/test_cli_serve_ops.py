@@ -48,7 +48,7 @@ def test_serve_with_redis_metrics_and_json_logs(
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as reply:
             metrics = reply.read().decode()
-        assert 'cachesvc_requests_total{method="Generate",status="OK"} 1.0' in metrics
+        assert 'cachesvc_requests_total{door="grpc",method="Generate",status="OK"} 1.0' in metrics
         keys = redis.Redis.from_url(redis_url).keys(f"{namespace}:*")
         assert any(b":s:worker-0" in k for k in keys), "the index lives in Redis"
 

@@ -159,5 +159,5 @@ def test_still_serving_after_the_fuzzing(server: Any) -> None:
     health = health_pb2_grpc.HealthStub(server.channel())
     reply = health.Check(health_pb2.HealthCheckRequest(service="cachesvc.v1.Inference"))
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    internal = server.router.metrics.requests.labels("Generate", "INTERNAL")._value.get()
+    internal = server.router.metrics.requests.labels("grpc", "Generate", "INTERNAL")._value.get()
     assert internal == 0

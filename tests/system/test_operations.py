@@ -83,6 +83,9 @@ def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
+_REQUESTS = "cachesvc_requests_total"
+
+
 def _value(samples: dict[Any, float], name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
@@ -101,8 +104,8 @@ def test_metrics_endpoint_and_request_log(
         list(stub.Generate(_request([], 3), timeout=30))
 
     m = _scrape(port)
-    assert _value(m, "cachesvc_requests_total", method="Generate", status="OK") == 2
-    assert _value(m, "cachesvc_requests_total", method="Generate", status="INVALID_ARGUMENT") == 1
+    assert _value(m, _REQUESTS, door="grpc", method="Generate", status="OK") == 2
+    assert _value(m, _REQUESTS, door="grpc", method="Generate", status="INVALID_ARGUMENT") == 1
     assert _value(m, "cachesvc_ttft_seconds_count") == 2
     assert _value(m, "cachesvc_request_latency_seconds_count") == 2
     assert _value(m, "cachesvc_prompt_tokens_total") == 2 * 25

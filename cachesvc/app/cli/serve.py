@@ -1,5 +1,5 @@
 """`cachesvc serve`: the gRPC router over Ray workers, from flags or a config file; the flags
-of its shared index, metrics, logs, limits, tenants, TLS and `--attach`."""
+of its HTTP door, shared index, metrics, logs, limits, tenants, TLS and `--attach`."""
 
 from __future__ import annotations
 
@@ -54,6 +54,18 @@ def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port"
+    )
+    serve.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health) on this port, with the same tokens and TLS as gRPC",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name on the HTTP API (default: the --model file or folder name)",
     )
     serve.add_argument(
         "--health-port",
@@ -162,6 +174,8 @@ def _router_options(args: argparse.Namespace) -> dict[str, Any]:
         "redis_namespace": args.redis_namespace,
         "metrics_port": args.metrics_port,
         "health_port": args.health_port,
+        "http_port": args.http_port,
+        "served_model_name": args.served_model_name,
         "max_queued_per_worker": args.max_queued_per_worker,
         "max_inflight": args.max_inflight,
         **_response_cache_options(args),

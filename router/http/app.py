@@ -1,0 +1,260 @@
+"""The OpenAI-compatible endpoints (a Starlette app) over a started `router.core.Router`.
+
+Translate and delegate, as `router/server.py` does for gRPC: the bearer token names the
+caller and its tenant (the same `TokenTable`), the body becomes `GenerateInput`s
+(`router.http.parse`), the core's deltas become OpenAI JSON or server-sent events
+(`router.http.render`), the core's errors OpenAI error bodies (`router.http.errors`).
+
+A request costs nothing before it is known to be wanted: the token is checked before the body
+is read, a declared length over the limit is refused before reading, and the body is read
+only up to the limit. The first delta of a stream is awaited before the response starts, so a
+refusal (bad input, full, no worker) still gets its status code. A client that goes away (a
+closed connection, before or during the answer) cancels the core's stream, which aborts the
+request on its worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable
+from typing import Any, TypeVar
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive
+
+from router.auth import Caller, TokenTable, tenant_cache_salt
+from router.core import Router
+from router.domain import GenerateInput
+from router.http.errors import STATUS_NAMES, HttpError, error_body, from_router_error
+from router.http.parse import OpenAIRequest, parse_chat, parse_completion
+from router.http.render import Answer, StreamChunks, full_response
+from router.streams import merged
+from workers.protocol import StreamDelta
+
+T = TypeVar("T")
+# As gRPC's default limit on a received message: the largest prompt either door takes.
+MAX_BODY_BYTES = 4 * 2**20
+_UNAUTHORIZED = "missing or invalid bearer token: send the header 'Authorization: Bearer <token>'"
+Deltas = AsyncGenerator[tuple[int, StreamDelta], None]
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was complete."""
+
+
+class OpenAIDoor:
+    """The endpoints of one router; `closing` makes `/health` answer 503 (draining)."""
+
+    def __init__(self, router: Router, model_name: str, tokens: TokenTable | None) -> None:
+        self._router = router
+        self._config = router.config
+        self.model_name = model_name
+        self._tokens = tokens
+        self.closing = False
+        self._created = int(time.time())
+        self.app = Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            ],
+        )
+
+    async def health(self, request: Request) -> Response:
+        """200 while the router is serving (the gRPC health's SERVING), else 503; no token."""
+        serving = not self.closing and self._router.is_serving()
+        return Response(status_code=200 if serving else 503)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._caller(request)
+        except HttpError as err:
+            return _error_response(err)
+        model = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "cachesvc",
+            "max_model_len": self._router.pool.model.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        method = "ChatCompletions" if chat else "Completions"
+        try:
+            parsed, response_id = await self._parse(request, chat)
+            deltas = self._deltas(parsed.inputs)
+            if parsed.stream:
+                chunks = StreamChunks(parsed, response_id, self.model_name, int(time.time()))
+                return await self._stream(request, method, chunks, deltas)
+            answer = Answer(parsed)
+            await _until_disconnect(request.receive, _collect(deltas, answer))
+        except Exception as exc:
+            err = (
+                HttpError(499, "client closed the request")
+                if isinstance(exc, ClientGone)
+                else from_router_error(exc)
+            )
+            self._count(method, err.status)
+            return _error_response(err)
+        self._count(method, 200)
+        body = full_response(parsed, answer, response_id, self.model_name, int(time.time()))
+        return JSONResponse(body, headers={"x-request-id": response_id})
+
+    async def _parse(self, request: Request, chat: bool) -> tuple[OpenAIRequest, str]:
+        """The request and its response id; raises HttpError or the core's InvalidInput."""
+        caller = self._caller(request)
+        body = await _read_json(request)
+        given = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if chat:
+            max_len = self._router.pool.model.max_model_len
+            parsed = parse_chat(body, self._config, given, max_len)
+        else:
+            parsed = parse_completion(body, self._config, given)
+        if parsed.model is not None and parsed.model != self.model_name:
+            raise HttpError(
+                404,
+                f"The model `{parsed.model}` does not exist: this server serves "
+                f"`{self.model_name}` (GET /v1/models)",
+                code="model_not_found",
+                param="model",
+            )
+        inputs = tuple(
+            dataclasses.replace(inp, cache_salt=tenant_cache_salt(caller.tenant, inp.cache_salt))
+            for inp in parsed.inputs
+        )
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return dataclasses.replace(parsed, inputs=inputs), prefix + parsed.inputs[0].request_id
+
+    def _deltas(self, inputs: tuple[GenerateInput, ...]) -> Deltas:
+        """The core's deltas of every prompt, tagged with the prompt's position."""
+        if len(inputs) == 1:
+            return _tagged(self._router.generate(inputs[0]))
+        streams = {i: self._router.generate(inp) for i, inp in enumerate(inputs)}
+        return merged(streams, lambda _: False)
+
+    async def _stream(
+        self, request: Request, method: str, chunks: StreamChunks, deltas: Deltas
+    ) -> Response:
+        # The first delta before the status: a refusal is then an error status, not an event.
+        try:
+            first = await _until_disconnect(request.receive, anext(deltas, None))
+        except BaseException:
+            await deltas.aclose()
+            raise
+        events = self._events(method, chunks, first, deltas)
+        headers = {"x-request-id": chunks.response_id, "cache-control": "no-cache"}
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+    async def _events(
+        self,
+        method: str,
+        chunks: StreamChunks,
+        first: tuple[int, StreamDelta] | None,
+        deltas: Deltas,
+    ) -> AsyncGenerator[bytes, None]:
+        status = 499  # a disconnect cancels this generator: nothing else runs
+        try:
+            async with contextlib.aclosing(deltas):
+                yield chunks.start() + (b"" if first is None else chunks.delta(*first))
+                async for prompt, delta in deltas:
+                    event = chunks.delta(prompt, delta)
+                    if event:
+                        yield event
+            status = 200
+            yield chunks.end()
+        except Exception as exc:
+            err = from_router_error(exc)
+            status = err.status
+            yield chunks.error(err)
+        finally:
+            self._count(method, status)
+
+    def _caller(self, request: Request) -> Caller:
+        if self._tokens is None:
+            return Caller(None)
+        caller = self._tokens.caller([("authorization", request.headers.get("authorization", ""))])
+        if caller is None:
+            raise HttpError(401, _UNAUTHORIZED, code="invalid_api_key")
+        return caller
+
+    def _count(self, method: str, status: int) -> None:
+        name = STATUS_NAMES.get(status, "UNKNOWN")
+        self._router.metrics.requests.labels("http", method, name).inc()
+
+
+async def _tagged(stream: AsyncGenerator[StreamDelta, None]) -> Deltas:
+    async with contextlib.aclosing(stream) as deltas:
+        async for delta in deltas:
+            yield 0, delta
+
+
+async def _collect(deltas: Deltas, answer: Answer) -> None:
+    async with contextlib.aclosing(deltas):
+        async for prompt, delta in deltas:
+            answer.add(prompt, delta)
+
+
+async def _read_json(request: Request) -> Any:
+    """The body as JSON; HttpError 413 past `MAX_BODY_BYTES` (before reading it when the
+    length is declared), InvalidInput-like 400 when it is not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large(int(declared))
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_large(size)
+        parts.append(chunk)
+    try:
+        return json.loads(b"".join(parts))
+    except (ValueError, RecursionError) as exc:
+        raise HttpError(400, f"the request body is not valid JSON: {exc}"[:200]) from None
+
+
+def _too_large(size: int) -> HttpError:
+    return HttpError(
+        413, f"the request body has {size}+ bytes; at most {MAX_BODY_BYTES}", code="too_large"
+    )
+
+
+async def _until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """`work`'s result; cancels it and raises ClientGone when the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _error_response(err: HttpError) -> Response:
+    headers = {"www-authenticate": "Bearer"} if err.status == 401 else None
+    return Response(error_body(err), err.status, headers, media_type="application/json")

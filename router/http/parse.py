@@ -1,0 +1,339 @@
+"""OpenAI request bodies -> the router's `GenerateInput`s; every refusal names the body field.
+
+The fields map as vLLM's OpenAI server maps them: `max_tokens` (completions default 16, chat
+default: up to the model's context), `max_completion_tokens` (wins over `max_tokens`),
+`temperature`, `top_p`, `n`, `seed`, `stop`, `stream`, `stream_options.include_usage`, `user`
+(accepted; it changes nothing here, as in vLLM); our own extensions sit at the top level of the
+body, where vLLM puts its own: `top_k` (-1 or 0: off), `cache_salt`, `ignore_eos`,
+`beam_width`, `length_penalty`, `stop_token_ids`, `no_response_cache`, `request_id`,
+`return_token_ids` (each choice, or chunk, also carries its `token_ids`, as in vLLM).
+
+Any other field is refused (InvalidInput naming it) unless its value asks for nothing: null,
+false, an empty string, list or object, or the field's neutral value (a penalty of 0,
+`best_of` equal to `n`, ...). So a client asking for `logprobs`, `tools` or `response_format`
+is told, never silently served something else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from router.config import RouterConfig
+from router.domain import ChatMessage, GenerateInput, InvalidInput, PromptInput
+from workers.sampling_params import SamplingParams
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's
+MAX_PROMPTS = 64  # prompts in one completions request (a batch)
+_MAX_STOP_STRINGS = 16  # as on the gRPC door
+_MAX_ID_LEN = 256
+_INT64 = 2**63
+
+# Fields we do not serve, accepted only with the value that asks for nothing (beyond the
+# generic null / false / empty).
+_NEUTRAL: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
+    "frequency_penalty": lambda v, _: v == 0,
+    "presence_penalty": lambda v, _: v == 0,
+    "repetition_penalty": lambda v, _: v == 1,
+    "min_p": lambda v, _: v == 0,
+    "min_tokens": lambda v, _: v == 0,
+    "best_of": lambda v, body: v == body.get("n", 1),
+    "tool_choice": lambda v, body: v in ("none", "auto") and not body.get("tools"),
+    "parallel_tool_calls": lambda v, _: isinstance(v, bool),
+    "skip_special_tokens": lambda v, _: v is True,
+    "spaces_between_special_tokens": lambda v, _: v is True,
+    "add_special_tokens": lambda v, body: v is ("messages" not in body),
+}
+_COMMON = (
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "user",
+    "top_k",
+    "cache_salt",
+    "ignore_eos",
+    "beam_width",
+    "length_penalty",
+    "stop_token_ids",
+    "no_response_cache",
+    "request_id",
+    "return_token_ids",
+)
+_COMPLETION_FIELDS = frozenset((*_COMMON, "prompt"))
+_CHAT_FIELDS = frozenset((*_COMMON, "messages", "add_generation_prompt"))
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """A parsed completions or chat request: one `GenerateInput` per prompt (a completions
+    batch has several; their choices are numbered prompt by prompt, `n` each). `request_id` is
+    the client's (`request_id`), else empty: the door names the request."""
+
+    chat: bool
+    model: str | None
+    inputs: tuple[GenerateInput, ...]
+    n: int
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool = False
+
+
+def parse_completion(body: Any, config: RouterConfig, request_id: str) -> OpenAIRequest:
+    """A `/v1/completions` body; raises InvalidInput naming the field."""
+    body = _object(body)
+    _check_fields(body, _COMPLETION_FIELDS)
+    prompts = _prompts(body.get("prompt"))
+    params = _sampling(body, config, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return _request(body, False, prompts, params, request_id)
+
+
+def parse_chat(
+    body: Any, config: RouterConfig, request_id: str, max_model_len: int
+) -> OpenAIRequest:
+    """A `/v1/chat/completions` body; raises InvalidInput naming the field. Without a token
+    limit a chat answer may run to the end of the model's context (`max_model_len`)."""
+    body = _object(body)
+    _check_fields(body, _CHAT_FIELDS)
+    messages = _messages(body.get("messages"))
+    add_generation_prompt = _typed(body, "add_generation_prompt", bool, True)
+    prompt = PromptInput(messages=messages, add_generation_prompt=add_generation_prompt)
+    params = _sampling(body, config, max_model_len)
+    return _request(body, True, [prompt], params, request_id)
+
+
+def _request(
+    body: dict[str, Any],
+    chat: bool,
+    prompts: list[PromptInput],
+    params: SamplingParams,
+    request_id: str,
+) -> OpenAIRequest:
+    stream = _typed(body, "stream", bool, False)
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise InvalidInput("stream_options is allowed only when stream is true")
+    options = _object(options or {}, "stream_options")
+    _check_fields(
+        options, frozenset(("include_usage", "continuous_usage_stats")), "stream_options."
+    )
+    _typed(body, "user", str, None)
+    salt = _typed(body, "cache_salt", str, None)
+    request_id = _typed(body, "request_id", str, None) or request_id
+    _check_len(request_id, "request_id")
+    _check_len(salt or "", "cache_salt")
+    use_cache = not _typed(body, "no_response_cache", bool, False)
+    inputs = tuple(
+        GenerateInput(
+            request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
+            prompt=prompt,
+            params=params,
+            cache_salt=salt,
+            use_response_cache=use_cache,
+        )
+        for i, prompt in enumerate(prompts)
+    )
+    return OpenAIRequest(
+        chat=chat,
+        model=_typed(body, "model", str, None),
+        inputs=inputs,
+        n=1 if params.beam_width > 1 else params.n,
+        stream=stream,
+        include_usage=_typed(options, "include_usage", bool, False, "stream_options."),
+        return_token_ids=_typed(body, "return_token_ids", bool, False),
+    )
+
+
+def _sampling(
+    body: dict[str, Any], config: RouterConfig, default_max_tokens: int
+) -> SamplingParams:
+    max_tokens = _integer(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens")
+    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = default_max_tokens if max_tokens is None else max_tokens
+    _check(max_tokens >= 1, f"{field} must be >= 1, got {max_tokens}")
+    temperature = _number(body, "temperature", 1.0)
+    top_p = _number(body, "top_p", 1.0)
+    top_k = _integer(body, "top_k", 0)
+    n = _integer(body, "n", 1)
+    beam_width = _integer(body, "beam_width", 1)
+    seed = _integer(body, "seed")
+    _check(temperature >= 0, f"temperature must be >= 0, got {temperature:g}")
+    _check(0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p:g}")
+    _check(top_k >= -1, f"top_k must be >= -1 (-1 or 0: off), got {top_k}")
+    _check(1 <= n <= config.max_n, f"n must be in [1, {config.max_n}], got {n}")
+    _check(
+        1 <= beam_width <= config.max_beam_width,
+        f"beam_width must be in [1, {config.max_beam_width}], got {beam_width}",
+    )
+    _check(seed is None or -_INT64 <= seed < _INT64, f"seed must fit in 64 bits, got {seed}")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=max(top_k, 0),
+            top_p=top_p,
+            seed=seed,
+            stop=_stop(body.get("stop")),
+            stop_token_ids=_token_ids(body.get("stop_token_ids", []), "stop_token_ids"),
+            ignore_eos=_typed(body, "ignore_eos", bool, False),
+            n=n,
+            beam_width=beam_width,
+            length_penalty=_number(body, "length_penalty", 1.0),
+        )
+    except ValueError as exc:  # a rule of the engine's that the checks above do not cover
+        raise InvalidInput(str(exc)) from exc
+
+
+def _prompts(value: Any) -> list[PromptInput]:
+    """`prompt`: a string, token ids, or a batch (a list of either)."""
+    if isinstance(value, str):
+        return [PromptInput(text=value)]
+    if not isinstance(value, list) or not value:
+        raise InvalidInput("prompt must be a string, an array of token ids, or an array of those")
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return [PromptInput(token_ids=tuple(value))]
+    _check(len(value) <= MAX_PROMPTS, f"prompt has {len(value)} prompts; at most {MAX_PROMPTS}")
+    prompts = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            prompts.append(PromptInput(text=item))
+        elif isinstance(item, list) and item:
+            prompts.append(PromptInput(token_ids=_token_ids(item, f"prompt[{i}]")))
+        else:
+            raise InvalidInput(f"prompt[{i}] must be a string or a non-empty array of token ids")
+    return prompts
+
+
+def _messages(value: Any) -> tuple[ChatMessage, ...]:
+    if not isinstance(value, list) or not value:
+        raise InvalidInput("messages must be a non-empty array")
+    messages = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        m = _object(m, where)
+        _check_fields(m, frozenset(("role", "content")), f"{where}.")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidInput(f"{where}.role must be a non-empty string")
+        messages.append(ChatMessage(role, _content(m.get("content"), f"{where}.content")))
+    return tuple(messages)
+
+
+def _content(value: Any, where: str) -> str:
+    """A message's text: a string, or text parts (joined by newlines, as vLLM joins them)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise InvalidInput(f"{where} must be a string or an array of text parts")
+    texts = []
+    for j, part in enumerate(value):
+        part = _object(part, f"{where}[{j}]")
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type")
+            raise InvalidInput(f"{where}[{j}]: only text parts are supported, got type {kind!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    _check(
+        isinstance(stops, list) and all(isinstance(s, str) for s in stops),
+        "stop must be a string or an array of strings",
+    )
+    _check(
+        len(stops) <= _MAX_STOP_STRINGS,
+        f"stop has {len(stops)} strings; at most {_MAX_STOP_STRINGS}",
+    )
+    for i, s in enumerate(stops):
+        _check(bool(s), f"stop[{i}] must not be empty")
+    return tuple(stops)
+
+
+def _token_ids(value: Any, field: str) -> tuple[int, ...]:
+    ok = isinstance(value, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in value
+    )
+    _check(ok, f"{field} must be an array of integers")
+    return tuple(value)
+
+
+def _check_fields(body: dict[str, Any], known: frozenset[str], prefix: str = "") -> None:
+    """Refuse a field outside `known` unless its value asks for nothing."""
+    for name, value in body.items():
+        if name in known or value is None or value is False or value in ("", [], {}):
+            continue
+        neutral = _NEUTRAL.get(name)
+        if neutral is not None and not isinstance(value, dict) and neutral(value, body):
+            continue
+        raise InvalidInput(f"{prefix}{name} is not supported by this server")
+
+
+def _object(value: Any, field: str = "the request body") -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{field} must be a JSON object")
+    return value
+
+
+def _typed(body: dict[str, Any], name: str, kind: type, default: Any, prefix: str = "") -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind):
+        raise InvalidInput(f"{prefix}{name} must be a {_KINDS[kind]}, got {_json_kind(value)}")
+    return value
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON has one number type; 16.0 is 16
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput(f"{name} must be an integer, got {_json_kind(value)}")
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidInput(f"{name} must be a finite number, got {_json_kind(value)}")
+    return float(value)
+
+
+_KINDS = {bool: "boolean", str: "string", int: "integer", float: "number"}
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number" if math.isfinite(value) else "non-finite number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidInput(message)
+
+
+def _check_len(value: str, field: str) -> None:
+    if len(value) > _MAX_ID_LEN:
+        raise InvalidInput(f"{field} is {len(value)} characters; at most {_MAX_ID_LEN}")

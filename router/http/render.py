@@ -1,0 +1,147 @@
+"""Router deltas -> OpenAI JSON: whole responses, server-sent event chunks, usage.
+
+Choices are numbered as OpenAI numbers them: prompt by prompt, `n` each (choice
+`prompt * n + sample`). Usage counts each prompt once however many samples it has, and
+`prompt_tokens_details.cached_tokens` is the part of the prompt the cache served: for a prompt
+with several samples, the least any sample found cached (later samples find the first one's
+blocks; those were not cached when the request came).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from router.http.errors import HttpError
+from router.http.parse import OpenAIRequest
+from workers.protocol import StreamDelta
+
+DONE = b"data: [DONE]\n\n"
+
+
+class Answer:
+    """What a request's deltas add up to; mutated by `add`."""
+
+    def __init__(self, request: OpenAIRequest) -> None:
+        self.n = request.n
+        self.texts: dict[int, list[str]] = {}
+        self.token_ids: dict[int, list[int]] = {}
+        self.finish: dict[int, str] = {}
+        self._prompt_tokens: dict[int, int] = {}
+        self._cached_tokens: dict[int, int] = {}
+        self._completion_tokens = 0
+
+    def add(self, prompt: int, delta: StreamDelta) -> int:
+        """Record one delta of prompt `prompt`; returns its choice index."""
+        choice = prompt * self.n + delta.index
+        if delta.text:
+            self.texts.setdefault(choice, []).append(delta.text)
+        self.token_ids.setdefault(choice, []).extend(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finish[choice] = delta.finish_reason
+        if delta.usage is not None:
+            u = delta.usage
+            self._prompt_tokens[prompt] = u.prompt_tokens
+            cached = sum(u.cached_tokens.values())
+            self._cached_tokens[prompt] = min(cached, self._cached_tokens.get(prompt, cached))
+            self._completion_tokens += u.completion_tokens
+        return choice
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(self._prompt_tokens.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self._completion_tokens,
+            "total_tokens": prompt + self._completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self._cached_tokens.values())},
+        }
+
+    def text(self, choice: int) -> str:
+        return "".join(self.texts.get(choice, ()))
+
+
+def full_response(
+    request: OpenAIRequest, answer: Answer, response_id: str, model: str, created: int
+) -> dict[str, Any]:
+    """The body of a non-streaming completions or chat response."""
+    num_choices = len(request.inputs) * request.n
+    choices: list[dict[str, Any]] = []
+    for i in range(num_choices):
+        choice: dict[str, Any] = {"index": i}
+        if request.chat:
+            choice["message"] = {"role": "assistant", "content": answer.text(i)}
+        else:
+            choice["text"] = answer.text(i)
+        choice["logprobs"] = None
+        choice["finish_reason"] = answer.finish.get(i)
+        if request.return_token_ids:
+            choice["token_ids"] = answer.token_ids.get(i, [])
+        choices.append(choice)
+    return {
+        "id": response_id,
+        "object": "chat.completion" if request.chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": answer.usage(),
+    }
+
+
+class StreamChunks:
+    """The server-sent events of one streaming response, chunk by chunk."""
+
+    def __init__(self, request: OpenAIRequest, response_id: str, model: str, created: int):
+        self.request = request
+        self.response_id = response_id
+        self.answer = Answer(request)
+        kind = "chat.completion.chunk" if request.chat else "text_completion"
+        # Every chunk starts alike: its JSON up to the choices, written once.
+        head = {"id": response_id, "object": kind, "created": created, "model": model}
+        self._head = json.dumps(head)[:-1] + ', "choices": '
+
+    def start(self) -> bytes:
+        """Chat streams open with the assistant's role for every choice (as OpenAI and vLLM
+        send it); completions streams open with nothing."""
+        if not self.request.chat:
+            return b""
+        num_choices = len(self.request.inputs) * self.request.n
+        return b"".join(
+            self._event([_choice(i, {"role": "assistant", "content": ""}, True, None)])
+            for i in range(num_choices)
+        )
+
+    def delta(self, prompt: int, delta: StreamDelta) -> bytes:
+        """The chunk of one delta; b"" for a delta that says nothing (no text, not last)."""
+        choice = self.answer.add(prompt, delta)
+        wanted = delta.text or (self.request.return_token_ids and delta.token_ids)
+        if not wanted and delta.finish_reason is None:
+            return b""
+        if self.request.chat:
+            content = {"content": delta.text} if delta.text else {}
+            event = _choice(choice, content, True, delta.finish_reason)
+        else:
+            event = _choice(choice, delta.text, False, delta.finish_reason)
+        if self.request.return_token_ids:
+            event["token_ids"] = list(delta.token_ids)
+        return self._event([event])
+
+    def end(self) -> bytes:
+        """The usage chunk when the client asked for it (no choices), then `[DONE]`."""
+        if not self.request.include_usage:
+            return DONE
+        usage = json.dumps(self.answer.usage())
+        return f'data: {self._head}[], "usage": {usage}}}\n\n'.encode() + DONE
+
+    def error(self, err: HttpError) -> bytes:
+        """An error after the stream started (the status is sent already): an error event,
+        then `[DONE]`, as vLLM ends such a stream."""
+        payload = {"message": err.message, "type": err.type, "param": None, "code": err.code}
+        return f"data: {json.dumps({'error': payload})}\n\n".encode() + DONE
+
+    def _event(self, choices: list[dict[str, Any]]) -> bytes:
+        return f"data: {self._head}{json.dumps(choices)}}}\n\n".encode()
+
+
+def _choice(index: int, body: Any, chat: bool, finish_reason: str | None) -> dict[str, Any]:
+    key = "delta" if chat else "text"
+    return {"index": index, key: body, "logprobs": None, "finish_reason": finish_reason}
