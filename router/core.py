@@ -36,9 +36,11 @@ from router.policy import Policy, RouteDecision
 from router.pool import Health, WorkerDied, WorkerPool, raise_stream_error
 from router.prompts import Prompts
 from router.response_cache import (
+    EntryShape,
     ResponseCollector,
     is_deterministic,
     make_response_cache,
+    num_samples,
     response_key,
 )
 from router.resume import Part, RequestProgress
@@ -89,6 +91,8 @@ class Router:
         await self.supervisor.close()
         await self.pool.close()
         self.prompts.close()
+        if self.responses is not None:
+            await self.responses.close()
 
     async def tokenize(
         self, prompt: PromptInput, continuation: bool = False
@@ -144,14 +148,15 @@ class Router:
             key = response_key(fingerprint, req.cache_salt, ids, req.params)
         if key is not None:
             assert self.responses is not None
-            hit = await self.responses.get(key)
+            shape = EntryShape(num_samples(req.params), self.pool.model.vocab_size)
+            hit = await self.responses.get(key, shape)
             if hit is not None:
                 for delta in hit.deltas((time.perf_counter() - outcome.started_s) * 1e3):
                     assert delta.usage is not None
                     outcome.usage(delta.usage)
                     yield delta
                 return
-        collector = ResponseCollector(1 if req.params.beam_width > 1 else req.params.n)
+        collector = ResponseCollector(num_samples(req.params))
         async with contextlib.aclosing(self._forward(progress, outcome, req)) as deltas:
             async for delta in deltas:
                 collector.add(delta)
@@ -159,7 +164,8 @@ class Router:
         answer = collector.result()
         if key is not None and answer is not None:
             assert self.responses is not None
-            await self.responses.put(key, answer)
+            # Queued, not awaited: the stream ends now, whatever the store is doing.
+            self.responses.offer(key, answer)
 
     async def _forward(
         self, progress: RequestProgress, outcome: RequestOutcome, req: GenerateInput
