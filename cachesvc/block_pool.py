@@ -7,6 +7,11 @@ recently freed first. No I/O and no policy live here.
 
 The eviction hook (the tiers' demotion) runs only once the pool's own bookkeeping is complete, and
 a hook that fails is a counted miss: the pool never ends up half-updated by someone else's error.
+
+A block may carry a lossy mark (`mark_lossy`): its KV is not what the model computes (it landed
+from a quantized tier, or was computed over such KV). The mark belongs to the block id, not the
+hash: it holds while the block does, through its eviction hook, and is cleared when the block is
+handed out again for new KV (or its hash dropped by `reset_cache`).
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class BlockPool:
         self.on_evict: EvictHook | None = None
         self.num_evict_hook_failures = 0  # hook calls that raised: demotions missed
         self._demoting: set[BlockHash] = set()  # evicted, hook not run yet (see `contains`)
+        self._lossy: set[BlockId] = set()  # blocks whose KV is lossy (see `mark_lossy`)
         self._last_failure_log = -_LOG_EVERY_S
 
     @property
@@ -102,7 +108,8 @@ class BlockPool:
             dropped = self._drop_hash(block_id)
             if dropped is not None:
                 evicted.append(dropped)
-        self._run_evict_hook(evicted)
+        self._run_evict_hook(evicted)  # the hook still sees the evicted blocks' marks
+        self._lossy.difference_update(out)  # handed out for new KV
         return out
 
     def free(self, block_ids: Sequence[BlockId]) -> None:
@@ -172,6 +179,17 @@ class BlockPool:
             return None
         return block_id
 
+    def mark_lossy(self, block_ids: Iterable[BlockId]) -> None:
+        """Mark blocks as holding lossy KV, until they are handed out again."""
+        self._lossy.update(block_ids)
+
+    def is_lossy(self, block_id: BlockId) -> bool:
+        return block_id in self._lossy
+
+    def any_lossy(self, block_ids: Iterable[BlockId]) -> bool:
+        """Whether any of `block_ids` is marked lossy (cheap when none is marked anywhere)."""
+        return bool(self._lossy) and not self._lossy.isdisjoint(block_ids)
+
     def contains(self, block_hash: BlockHash) -> bool:
         """Whether the device holds the KV of `block_hash` (no collision check): a block is
         registered under it, or it was just evicted and its hook has not run yet (its KV still
@@ -194,6 +212,7 @@ class BlockPool:
             self.events.cleared(TIER_HBM)
         if demote:
             self._run_evict_hook(evicted)
+        self._lossy.difference_update(e.block_id for e in evicted)  # after the hook read them
         return len(evicted)
 
     def _drop_hash(self, block_id: BlockId) -> _Evicted | None:
@@ -249,3 +268,4 @@ class BlockPool:
             assert self._blocks[block_id].block_hash == block_hash
         for block_hash in self._demoting:
             assert block_hash not in self._by_hash, "a block being demoted is still registered"
+        assert all(0 <= b < self.num_blocks for b in self._lossy), "lossy mark on no block"

@@ -35,6 +35,11 @@ float32's range in 2 bytes, and |x / scale| never exceeds the code's maximum, so
 values are quantized against the stored scale itself.
 Decoding gives the block back in its own dtype. A codec serves quantized blocks only of its own
 mode: a tier configured lossless never hands out lossy KV another configuration wrote.
+
+Lossy KV stays lossy: a block decoded from a quantized blob says so (`KVBlock.lossy`), and so
+does device KV computed over it (the engine marks it). No codec of a lossless mode encodes a
+lossy block (`LossyKVError`), `transcode` included: once stored losslessly it would read back as
+exact KV on every tier, worker and deployment that reads it.
 """
 
 from __future__ import annotations
@@ -85,6 +90,11 @@ class CodecError(ValueError):
     """Not a valid block of this model under this hash (`decode` turns it into None)."""
 
 
+class LossyKVError(ValueError):
+    """Lossy KV handed to a codec of a lossless mode: it would be stored as exact. Callers
+    check `KVBlock.lossy` / `Codec.lossless` first; this guards the rule."""
+
+
 class AuthError(CodecError):
     """Not signed by this deployment's key: unsigned where a key is configured, signed under
     another key or changed since, or signed where no key is configured to check it."""
@@ -94,13 +104,16 @@ class AuthError(CodecError):
 class KVBlock:
     """One block's KV across all layers, decoded and verified.
 
-    `array` has the storage dtype of `dtype` (uint16 bits for bfloat16).
+    `array` has the storage dtype of `dtype` (uint16 bits for bfloat16). `lossy`: the KV is not
+    what the model computes (dequantized, or computed over such KV); only a quantized codec
+    stores it.
     """
 
     block_hash: BlockHash
     parent: BlockHash | None
     dtype: str
     array: np.ndarray
+    lossy: bool = False
 
 
 def fingerprint_bytes(fingerprint: str) -> bytes:
@@ -158,6 +171,11 @@ class Codec:
     def signed(self) -> bool:
         return self._mac is not None
 
+    @property
+    def lossless(self) -> bool:
+        """Whether a block decodes to exactly the KV that was encoded (not quantized)."""
+        return self.mode in LOSSLESS_MODES
+
     def with_mode(self, mode: str) -> Codec:
         """A codec of the same model and key that encodes with `mode`."""
         return Codec(self._fingerprint_text, mode, self._key)
@@ -167,10 +185,18 @@ class Codec:
         return max_blob_size(self.mode, dtype, shape, self.signed)
 
     def encode(
-        self, block_hash: BlockHash, parent: BlockHash | None, dtype: str, array: np.ndarray
+        self,
+        block_hash: BlockHash,
+        parent: BlockHash | None,
+        dtype: str,
+        array: np.ndarray,
+        lossy: bool = False,
     ) -> bytes:
         """The blob of a block; `array` must already have `dtype`'s storage dtype (and, to be
-        quantized, the `[layers, 2, block_size, kv_heads, head_dim]` layout)."""
+        quantized, the `[layers, 2, block_size, kv_heads, head_dim]` layout). Raises
+        LossyKVError for `lossy` KV in a lossless mode."""
+        if lossy and self.lossless:
+            raise LossyKVError(f"lossy KV of {block_hash.hex()} under the lossless {self.mode}")
         code, storage = DTYPES[dtype]
         if array.dtype != storage or array.ndim > _MAX_NDIM:
             raise ValueError(f"array of {array.dtype}/{array.ndim}d does not fit dtype {dtype}")
@@ -198,13 +224,15 @@ class Codec:
         """Re-encode a blob in this codec's mode and signing (unchanged when already in them);
         None if invalid. `source` is the codec of the tier the blob comes from (default: this
         one), which verifies it: a checksummed DRAM blob is signed on its way to NVMe. A blob
-        already in this mode only changes its tag: a quantized block is never quantized twice."""
+        already in this mode only changes its tag: a quantized block is never quantized twice.
+        Raises LossyKVError for a quantized blob and a lossless mode (see `is_lossy`)."""
         block = (source or self).decode(blob, expect_hash)
         if block is None:
             return None
         flags = _flags_of(blob)
         if _mode_of(flags) != self.mode:
-            return self.encode(block.block_hash, block.parent, block.dtype, block.array)
+            b = block
+            return self.encode(b.block_hash, b.parent, b.dtype, b.array, lossy=b.lossy)
         if bool(flags & FLAG_SIGNED) == self.signed:
             return blob
         return self._retag(memoryview(blob))
@@ -287,7 +315,8 @@ class Codec:
             raw = _decompress(payload, header.flags, header.raw_len, storage.itemsize)
             array = raw.view(storage).reshape(header.shape)
         parent_hash = None if header.parent == _NO_PARENT else BlockHash(header.parent)
-        return KVBlock(BlockHash(header.block_hash), parent_hash, name, array)
+        lossy = mode in QUANTIZED_CODECS
+        return KVBlock(BlockHash(header.block_hash), parent_hash, name, array, lossy)
 
 
 class _Header(NamedTuple):
@@ -360,7 +389,15 @@ def _unshuffle(planes: np.ndarray, itemsize: int) -> np.ndarray:
     return out.reshape(-1)
 
 
-def _flags_of(blob: bytes) -> int:
+def is_lossy(blob: Buffer) -> bool:
+    """Whether a blob holds quantized KV, by its flags (not verified: `decode` does that)."""
+    try:
+        return _mode_of(_flags_of(blob)) in QUANTIZED_CODECS
+    except struct.error:
+        return False  # too short to be a block: decoding refuses it
+
+
+def _flags_of(blob: Buffer) -> int:
     return int(_PREFIX.unpack_from(blob, 0)[2])
 
 

@@ -174,10 +174,25 @@ class EngineConfig:
     # a tier); a pull not answered within `peer_pull_timeout_s` is computed instead.
     peer_pull: bool = False
     peer_pull_timeout_s: float = 5.0
+    # The data plane between workers: a holder stages at most `peer_stage_mb` of KV per chunk
+    # at a step boundary and serves at most `peer_max_exports` chunks at once (the rest wait
+    # their turn, within the puller's deadline), so serving pulls never stalls its own decodes;
+    # `peer_digest` is "fast" (a MAC over a 128-bit checksum of the payload) or "strict" (a
+    # MAC over the payload itself, for an object store that is not trusted).
+    peer_stage_mb: int = 64
+    peer_max_exports: int = 2
+    peer_digest: str = "fast"
 
     def __post_init__(self) -> None:
         if self.peer_pull_timeout_s <= 0:
             raise ConfigError(f"peer_pull_timeout_s must be > 0, got {self.peer_pull_timeout_s}")
+        if self.peer_stage_mb < 1 or self.peer_max_exports < 1:
+            raise ConfigError(
+                f"peer_stage_mb and peer_max_exports must be >= 1, got {self.peer_stage_mb} "
+                f"and {self.peer_max_exports}"
+            )
+        if self.peer_digest not in ("fast", "strict"):
+            raise ConfigError(f"peer_digest must be 'fast' or 'strict', got {self.peer_digest!r}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.prefill_scheme not in PREFILL_SCHEMES:

@@ -27,7 +27,6 @@ from cachesvc.index import IndexSnapshot
 from cachesvc.types import BlockId
 from workers.protocol import (
     HolderHint,
-    PeerBlocks,
     PollResult,
     StreamDelta,
     StreamError,
@@ -42,8 +41,18 @@ if TYPE_CHECKING:
     from workers.engine.async_engine import AsyncEngine
     from workers.engine.engine import Engine
     from workers.engine.outputs import RequestOutput
+    from workers.engine.peer.export import ChunkExporter
+    from workers.transfer.chunk import KVChunk
 
 # ---- the actor ---------------------------------------------------------------------------------
+
+
+def _exporter(engine: AsyncEngine, config: EngineConfig) -> ChunkExporter:
+    from workers.engine.peer.export import ChunkExporter
+    from workers.transfer.chunk import chunk_key
+
+    return ChunkExporter(engine, chunk_key(config.tiers.read_key()), config.peer_digest)
+
 
 _MAX_BUFFERED_EVENTS = 65536
 _PUBLISH_INTERVAL_S = 0.01  # how often new events are looked for, when a stream is configured
@@ -69,12 +78,14 @@ class WorkerActor:
         if config.peer_pull:
             import ray
 
-            from workers.engine.peer.link import RayPeerLink
+            from workers.transfer.ray_link import RayPeerLink
 
             # Peers are named in this actor's namespace, which is not its job's when the actor
             # was given one (`spawn_worker`): the runtime context only knows the job's.
             engine.attach_peers(RayPeerLink(namespace or ray.get_runtime_context().namespace))
         self._engine: AsyncEngine = AsyncEngine(engine)
+        # Serves peers' pulls of this worker's KV (`export_chunk`), whether or not it pulls.
+        self._exporter: ChunkExporter = _exporter(self._engine, config)
         self._max_queued = max_queued_requests
         # Events are kept (not drained away) so that several routers can follow one worker.
         self._events: deque[Event] = deque(maxlen=_MAX_BUFFERED_EVENTS)
@@ -157,16 +168,13 @@ class WorkerActor:
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
 
-    async def export_blocks(
-        self, prompt_ids: list[int], cache_salt: str | None, start_block: int, max_blocks: int
-    ) -> PeerBlocks:
-        """The encoded blocks `start_block ..` (below `max_blocks`) of a prompt under
-        `cache_salt` that this worker holds, up to the first it lacks; read between steps."""
-        from workers.engine.peer.export import export_blocks
-
-        return await self._engine.call(
-            lambda e: export_blocks(e, prompt_ids, cache_salt, start_block, max_blocks)
-        )
+    async def export_chunk(
+        self, prompt_ids: list[int], cache_salt: str | None, start_block: int, end_block: int
+    ) -> KVChunk:
+        """The blocks `start_block .. end_block - 1` of a prompt under `cache_salt` that this
+        worker holds, up to the first it lacks, as one buffer (`workers.transfer`): staged
+        between steps, sealed off the loop."""
+        return await self._exporter.export(prompt_ids, cache_salt, start_block, end_block)
 
     async def tokenize(self, text: str) -> list[int]:
         """Token ids of `text` with the worker's own tokenizer (as `generate` would see it)."""

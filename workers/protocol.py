@@ -82,15 +82,6 @@ class HolderHint:
 
 
 @dataclass(frozen=True)
-class PeerBlocks:
-    """Encoded blocks `start_block, start_block + 1, ...` of a prompt, as one worker sends them
-    to another that pulls them (`WorkerActor.export_blocks`), in the block codec's format."""
-
-    start_block: int
-    blobs: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int

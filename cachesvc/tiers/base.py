@@ -45,6 +45,7 @@ class TierStats:
     unverified: int = 0  # blocks read back whose signature failed (forged, unsigned, other key)
     writes_dropped: int = 0  # writes dropped because the background write queue was full
     breaker_opens: int = 0  # times the tier was cut off after failing calls in a row
+    restarts: int = 0  # times a shared tier's server was found restarted: it lost its blocks
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cachesvc.codec import Codec, KVBlock
+from cachesvc.codec import Codec, KVBlock, is_lossy
 from cachesvc.types import BlockHash
 
 
@@ -25,10 +25,20 @@ class Payload:
         self._blob = blob
         self._source = source
 
+    @property
+    def lossy(self) -> bool:
+        """Whether the KV is lossy (dequantized, or computed over such KV): only a quantized
+        codec may store it."""
+        if self._block is not None:
+            return self._block.lossy
+        assert self._blob is not None
+        return is_lossy(self._blob)
+
     def encoded(self, codec: Codec) -> bytes | None:
-        """The block in `codec`'s encoding; None when the blob fails verification."""
+        """The block in `codec`'s encoding; None when the blob fails verification. Raises
+        LossyKVError for lossy KV and a lossless codec (check `lossy` first)."""
         if self._block is not None:
             b = self._block
-            return codec.encode(b.block_hash, b.parent, b.dtype, b.array)
+            return codec.encode(b.block_hash, b.parent, b.dtype, b.array, lossy=b.lossy)
         assert self._blob is not None
         return codec.transcode(self._blob, self.block_hash, self._source)

@@ -16,6 +16,8 @@ admits a request, so a Redis that stops answering must not stall its thread:
   failed calls in a row (reads or writes) Redis is skipped for `retry_s`, then one call probes
   it. A frozen Redis costs a few short timeouts, not one per request; a dead one that comes back
   is used again after the next probe.
+* After a failed call the next one that succeeds asks the server's `run_id`: a new one means it
+  restarted and kept nothing (`stats.restarts`), which a timed-out read alone does not tell.
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ class RedisTier(Tier):
         self._queued = 0  # bytes of the jobs queued or being written
         self._num_in_flight = 0  # jobs taken by the writer and not yet settled
         self._lost: list[BlockHash] = []
+        self._run_id: str | None = None  # the server's, when last asked
+        self._ask_run_id = True  # at the start and after a failed call
         self._closing = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._write_loop, name="redis-writer", daemon=True)
@@ -134,12 +138,27 @@ class RedisTier(Tier):
             with self._cond:  # the writer thread counts too
                 self.stats.errors += 1
                 self.stats.breaker_opens += int(opened)
+                self._ask_run_id = True
             return None
         except BaseException:
             self.breaker.failed()  # never leave a probe outstanding
             raise
         self.breaker.succeeded()
+        if self._ask_run_id:
+            self._check_restart()
         return out
+
+    def _check_restart(self) -> None:
+        """Ask the server's run_id (after a failure): a new one counts a restart. A failed ask
+        is asked again after the next call."""
+        try:
+            run_id = self._reader.info("server").get("run_id")
+        except self._errors:
+            return
+        with self._cond:
+            if self._run_id is not None and run_id != self._run_id:
+                self.stats.restarts += 1
+            self._run_id, self._ask_run_id = run_id, False
 
     # ---- reads: on the caller's thread, short timeout -----------------------------------------
 

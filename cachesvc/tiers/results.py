@@ -45,5 +45,6 @@ class ManagerStats:
     demoted: int = 0  # blocks taken from the device into a tier
     dropped: int = 0  # blocks that left every local tier
     shared: int = 0  # blocks written to the shared tier
+    lossy_refused: int = 0  # lossy blocks a tier of a lossless codec was not given
     fetched: dict[str, int] = field(default_factory=dict)  # blocks read back, per tier
     failed: dict[str, int] = field(default_factory=dict)  # planned reads that missed, per tier

@@ -7,6 +7,12 @@ tables are bounded, least recently counted or sent forgotten first.
 
 Every write is a Stored event of the shared tier in the worker's `EventLog`, every write it lost a
 Removed one. State lives on the owner's thread (the `TierManager`'s).
+
+Lossy KV is shared only under a quantized codec: other workers and deployments read the shared
+tier, and a lossless blob would be exact KV to them. The sent table is forgotten only when the
+shared tier says it lost everything (`TierStats.restarts`: a restarted Redis), not on a failed
+call: a read that timed out says nothing of what the server holds, and forgetting would make
+the worker send every popular block again.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ class Sharing:
         self.min_reuse = min_reuse
         self._reuse: OrderedDict[BlockHash, int] = OrderedDict()
         self._sent: OrderedDict[BlockHash, None] = OrderedDict()
-        self._errors = 0  # the shared tier's error count when last polled
+        self._restarts = 0  # the shared tier's restart count when last polled
 
     def note_reuse(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Count one reuse of each block; returns those that just became worth sharing."""
@@ -63,9 +69,13 @@ class Sharing:
 
     def share(self, payload: Payload) -> bool:
         """Write a block (once), however often it was reused; False when it was sent already,
-        fails verification or the shared tier refused it."""
+        is lossy and the codec lossless (counted), fails verification or the shared tier
+        refused it."""
         h = payload.block_hash
         if h in self._sent:
+            return False
+        if payload.lossy and self.codec.lossless:
+            self.stats.lossy_refused += 1
             return False
         data = payload.encoded(self.codec)
         if data is None or not self.shared.put([TierItem(h, payload.parent, data)]):
@@ -79,14 +89,14 @@ class Sharing:
 
     def poll(self) -> None:
         """Account for writes the shared tier lost in the background, and forget what was sent
-        once the shared tier failed (a restarted Redis kept nothing)."""
+        once the shared tier lost everything (a restarted Redis kept nothing)."""
         lost = self.shared.drain_lost()
         for h in lost:
             self._sent.pop(h, None)
         if lost:
             self.events.removed(self.shared.name, tuple(lost))
-        if self.shared.stats.errors != self._errors:
-            self._errors = self.shared.stats.errors
+        if self.shared.stats.restarts != self._restarts:
+            self._restarts = self.shared.stats.restarts
             self._sent.clear()
 
     def forget_sent(self) -> None:

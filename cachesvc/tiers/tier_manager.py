@@ -13,6 +13,10 @@ when the device evicts the block again it costs no new write.
 The shared tier (Redis) is written only for blocks reused at least `min_reuse` times, by the
 manager's `Sharing` (`cachesvc/tiers/sharing.py`); it is only ever asked, never managed.
 
+Lossy KV (`Payload.lossy`: read from a quantized tier, or computed over such KV) goes only to
+tiers of a quantized codec; a lossless tier skips it (`stats.lossy_refused`), so a block that
+leaves a quantized tier for a lossless one below is dropped rather than stored as exact KV.
+
 Every change is an event in the worker's `EventLog`: stored / moved / removed, naming the tier.
 State lives on the caller's thread; only `read` (the fetch itself) may run on another thread.
 """
@@ -114,6 +118,11 @@ class TierManager:
         """Store in local tier `level` or a slower one; the name of the tier, None if none."""
         for tier in self.local[level:]:
             codec = self.codecs[tier.name]
+            if payload.lossy and codec.lossless:
+                # Stored losslessly it would read back as exact KV (here, after a restart, on
+                # a peer): a quantized tier below may still keep it.
+                self.stats.lossy_refused += 1
+                continue
             data = payload.encoded(codec)
             if data is None:
                 return None  # a corrupt blob is not demoted, it is dropped
@@ -301,6 +310,11 @@ class TierManager:
                     self._drop_descendants(h)
 
     # ---- reuse and the shared tier ----------------------------------------------------------
+
+    @property
+    def shares_lossy(self) -> bool:
+        """Whether the shared tier takes lossy KV (its codec is quantized)."""
+        return self.shared is not None and not self.codecs[self.shared.name].lossless
 
     def note_reuse(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Count one reuse of each block; returns those that just became worth sharing (none

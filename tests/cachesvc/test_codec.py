@@ -1,7 +1,8 @@
 """Codec: exact round trips in every lossless mode and dtype, bounded errors in the quantized
 ones; any damage, a wrong key or another model's block decodes to None (a miss), never to wrong
 KV; with a tier key, only blocks signed under it decode (a forged, unsigned, other-key or
-old-version block is a miss)."""
+old-version block is a miss); lossy KV never leaves under a lossless mode, `transcode`
+included, and a quantized block decodes marked lossy."""
 
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ from cachesvc.codec import (
     DTYPES,
     LOSSLESS_MODES,
     MODES,
+    QUANTIZED_CODECS,
     AuthError,
     Codec,
     CodecError,
+    LossyKVError,
     header_size,
+    is_lossy,
     shuffle,
 )
 from cachesvc.types import BlockHash
@@ -375,10 +379,36 @@ def test_transcode_re_signs_a_quantized_block_without_quantizing_it_again() -> N
     first, again = dram.decode(blob, H), nvme.decode(signed, H)
     assert first is not None and again is not None
     assert first.array.tobytes() == again.array.tobytes()
-    raw = Codec(FP, "raw").transcode(blob, H, source=dram)  # lossy already: stored as decoded
-    assert raw is not None and len(raw) > len(blob)
-    decoded = Codec(FP, "raw").decode(raw, H)
-    assert decoded is not None and decoded.array.tobytes() == first.array.tobytes()
+
+
+@pytest.mark.parametrize("quantized", QUANTIZED_CODECS)
+def test_lossy_kv_is_never_encoded_under_a_lossless_mode(quantized: str) -> None:
+    """Decoded, a quantized block says it is lossy; no lossless codec takes it (encoded or
+    transcoded: stored as raw it would read back as exact KV), another quantized one does."""
+    source = Codec(FP, quantized)
+    blob = source.encode(H, PARENT, "bfloat16", kv_like("bfloat16", shape=KV_SHAPE))
+    block = source.decode(blob, H)
+    assert block is not None and block.lossy and is_lossy(blob)
+    for mode in LOSSLESS_MODES:
+        for key in (None, KEY):
+            codec = Codec(FP, mode, key)
+            with pytest.raises(LossyKVError):
+                codec.transcode(blob, H, source=source)
+            with pytest.raises(LossyKVError):
+                codec.encode(H, PARENT, block.dtype, block.array, lossy=True)
+    other = Codec(FP, "fp8_e4m3" if quantized == "int8" else "int8", KEY)
+    moved = other.transcode(blob, H, source=source)
+    assert moved is not None and is_lossy(moved)
+    again = other.decode(moved, H)
+    assert again is not None and again.lossy
+
+
+def test_a_lossless_block_decodes_exact_even_from_a_quantized_tier() -> None:
+    array = kv_like("float32", shape=KV_SHAPE)
+    blob = Codec(FP, "raw").encode(H, None, "float32", array)
+    block = Codec(FP, "int8").decode(blob, H)  # a raw blob a quantized tier adopted
+    assert block is not None and not block.lossy and not is_lossy(blob)
+    assert not is_lossy(b"CS")  # too short to be a block: not lossy, and decoding refuses it
 
 
 def test_a_quantized_block_must_be_kv_shaped() -> None:

@@ -53,6 +53,7 @@ def ray_cluster() -> Iterator[None]:
     import ray
 
     ray.init(
+        address="local",  # a cluster of its own, never one another process started
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

@@ -107,16 +107,19 @@ def _fake_holder(kind: str) -> tuple[Any, str]:
         async def ready(self) -> bool:
             return True
 
-        async def export_blocks(self, *args: Any) -> None:
+        async def export_chunk(self, *args: Any) -> None:
             await asyncio.sleep(120)
 
     class SendsGarbage(Stalls):
-        async def export_blocks(
+        async def export_chunk(
             self, prompt: list[int], salt: str | None, start: int, end: int
         ) -> Any:
-            from workers.protocol import PeerBlocks
+            import numpy as np
 
-            return PeerBlocks(start, tuple(b"\x00garbage" * 64 for _ in range(start, end)))
+            from workers.transfer.chunk import KVChunk
+
+            rows = np.zeros((end - start, 4), dtype=np.float32)
+            return KVChunk(start, "float32", rows, b"\x00" * 32)
 
     name = f"{kind}-{uuid.uuid4().hex[:6]}"
     cls = SendsGarbage if kind == "garbage" else Stalls

@@ -69,7 +69,8 @@ class CacheAdmin:
     def attach_peers(self, link: PeerLink) -> None:
         """Pull blocks from peers through `link`; does nothing unless `peer_pull` is on."""
         if self.config.peer_pull and self.tiering is not None:
-            self.tiering.attach_peers(link, self.config.peer_pull_timeout_s)
+            c = self.config
+            self.tiering.attach_peers(link, c.peer_pull_timeout_s, c.peer_digest)
 
     def close(self) -> None:
         """Demote what the device and DRAM cache to NVMe when there is an NVMe tier, then

@@ -6,28 +6,31 @@ hold, one more run: the blocks the peer holds beyond them, under the tier name `
 that peer's calibrated cost (latency + seconds per byte, learned from every pull like any
 tier's; its prior is `calibration.DEFAULT_TIER_COSTS["peer"]`). The planner picks fetch, split
 or recompute as for any tier; a planned pull runs on a background thread (`PeerPuller.read`, in
-chunks of blocks) while the engine keeps stepping, and what arrives is verified against the
-hashes this worker computed under the request's own salt. A peer that is gone, fails or does
-not answer within the timeout costs the recompute of what did not arrive.
+chunks of blocks) while the engine keeps stepping. Each chunk arrives as one buffer
+(`workers.transfer.chunk.KVChunk`) and is checked against the hashes this worker computed under
+the request's own salt (the chunk's digest covers them); its rows land as blocks without another
+copy. A peer that is gone, fails or does not answer by the pull's deadline — set when the pull
+is planned, not when a thread picks it up — costs the recompute of what did not arrive.
 
-The transport (`PeerLink`) is the actor's (Ray); the engine only sees this interface.
+The transport (`PeerLink`) is the actor's (`workers.transfer.ray_link`); the engine only sees
+this interface.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from cachesvc.calibration import CostTracker, default_tier_cost
-from cachesvc.codec import Codec, KVBlock
+from cachesvc.codec import KVBlock
 from cachesvc.planner import CostModel, TierCost
 from cachesvc.tiers.results import Transfer
 from cachesvc.types import BlockHash
 from workers.engine.request import PeerSource
-from workers.protocol import PeerBlocks
+from workers.transfer.chunk import KVChunk, verify_chunk
 
 PEER_PREFIX = "peer:"
 # Blocks per call of a pull: when a peer dies mid-run the chunks that arrived still land. The
@@ -54,12 +57,12 @@ class PeerLink(Protocol):
         token_ids: Sequence[int],
         cache_salt: str | None,
         chunks: Sequence[tuple[int, int]],
-        timeout_s: float,
-    ) -> Iterator[PeerBlocks]:
-        """The peer's encoded blocks of each `(start_block, end_block)` chunk of the prompt (up
-        to the first it lacks), in order, all asked for at once; raises, at the chunk that
-        did not come, on any failure (gone, timed out, refused). Blocking: called from a
-        background thread."""
+        deadline: float,
+    ) -> Generator[KVChunk, None, None]:
+        """The peer's chunk of each `(start_block, end_block)` of the prompt (its leading blocks
+        it holds), in order, all asked for at once; raises, at the chunk that did not come, on
+        any failure (gone, refused, not in by `deadline`, a `time.monotonic()`), and cancels
+        what is outstanding when closed early. Blocking: called from a background thread."""
         ...
 
 
@@ -79,6 +82,16 @@ class PeerStats:
         return {f"peer_{k}": float(v) for k, v in self.__dict__.items()}
 
 
+@dataclass(frozen=True)
+class ChunkCheck:
+    """How a puller checks a chunk: the digest's key and mode, and its own cache's layout."""
+
+    key: bytes
+    mode: str
+    fingerprint: str
+    block_shape: tuple[int, ...]
+
+
 @dataclass
 class PeerRead:
     """What one pull brought: the verified leading blocks and the measured transfer."""
@@ -92,10 +105,15 @@ class PeerPuller:
     """Offers a request's peer run to the planner and pulls it; owned by `KVTiering`."""
 
     def __init__(
-        self, link: PeerLink, codec: Codec, costs: CostTracker, block_bytes: int, timeout_s: float
+        self,
+        link: PeerLink,
+        check: ChunkCheck,
+        costs: CostTracker,
+        block_bytes: int,
+        timeout_s: float,
     ) -> None:
         self.link = link
-        self.codec = codec
+        self.check = check
         self.costs = costs
         self.block_bytes = block_bytes  # a raw block's encoded size, for the cost prior
         self.timeout_s = timeout_s
@@ -104,9 +122,20 @@ class PeerPuller:
         # Pulls wait on the network, not the cores: a few at once, apart from the tiers' reads.
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-peer")
 
-    @property
-    def executor(self) -> ThreadPoolExecutor:
-        return self._executor
+    def submit(
+        self,
+        source: PeerSource,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        hashes: Sequence[BlockHash],
+        start_block: int,
+    ) -> Future[PeerRead]:
+        """Start a pull (`read`) on a pull thread; its deadline runs from now, the moment it
+        is planned, however long it waits for a thread."""
+        deadline = time.monotonic() + self.timeout_s
+        return self._executor.submit(
+            self.read, source, token_ids, cache_salt, hashes, start_block, deadline
+        )
 
     def cost(self, source: PeerSource) -> str:
         """The peer's tier name, its cost known to the planner (the prior until measured)."""
@@ -131,12 +160,13 @@ class PeerPuller:
         cache_salt: str | None,
         hashes: Sequence[BlockHash],
         start_block: int,
+        deadline: float,
     ) -> PeerRead:
         """Pull blocks `start_block .. start_block + len(hashes)` of the prompt from the peer,
-        in calls of `chunk_blocks` made at once (the peer answers them all at its next step
-        boundary), and verify each block against `hashes` (this worker's, under the request's
-        salt); the run stops at the first block that does not check out, or at a call that
-        fails, with what arrived before kept. All calls share `timeout_s`. Blocking;
+        in calls of `chunk_blocks` made at once (the peer stages them at its next step
+        boundaries), and check each chunk against `hashes` (this worker's, under the request's
+        salt); the run stops at a chunk that is short or does not check out, or at a call that
+        fails, with what arrived before kept. All calls end by `deadline`. Blocking;
         thread-safe."""
         began = time.perf_counter()
         chunks = [
@@ -145,37 +175,39 @@ class PeerPuller:
         ]
         out = PeerRead()
         num_bytes = 0
+        sent_chunks = self.link.fetch(source.name, token_ids, cache_salt, chunks, deadline)
         try:
-            sent_chunks = self.link.fetch(
-                source.name, token_ids, cache_salt, chunks, self.timeout_s
-            )
             for (first, end), sent in zip(chunks, sent_chunks, strict=False):
                 expected = hashes[first - start_block : end - start_block]
                 verified = self._verify(sent, first, expected)
                 out.blocks.extend(verified)
-                num_bytes += sum(len(b) for b in sent.blobs[: len(verified)])
+                num_bytes += sum(b.array.nbytes for b in verified)
                 if len(verified) < len(expected):
                     break
         except Exception:  # any failure of the peer is a recompute, never the request's error
             out.failed = True
+        finally:
+            sent_chunks.close()  # what is still outstanding is cancelled at the peer
         seconds = time.perf_counter() - began
         out.transfer = Transfer(peer_tier(source.name), num_bytes, seconds, len(out.blocks))
         return out
 
     def _verify(
-        self, sent: PeerBlocks, start_block: int, hashes: Sequence[BlockHash]
+        self, sent: KVChunk, start_block: int, hashes: Sequence[BlockHash]
     ) -> list[KVBlock]:
-        """The leading blobs of `sent` that decode to `hashes` (each hash names its whole
-        chain, so a block in its place is the right one)."""
-        if sent.start_block != start_block:
+        """The blocks of `sent` when its digest checks out against `hashes` (each hash names
+        its whole chain, so a chunk in its place is the right one), else none. The blocks are
+        views of the chunk's rows: landing them is the only copy on this side."""
+        c = self.check
+        if sent.start_block != start_block or not verify_chunk(
+            sent, c.key, c.mode, c.fingerprint, hashes, c.block_shape
+        ):
             return []
-        out: list[KVBlock] = []
-        for blob, block_hash in zip(sent.blobs, hashes, strict=False):
-            block = self.codec.decode(blob, block_hash)
-            if block is None:
-                break
-            out.append(block)
-        return out
+        # A block's parent is informational here: landing takes it from the request's chain.
+        return [
+            KVBlock(h, hashes[i - 1] if i else None, sent.dtype, sent.payload[i])
+            for i, h in enumerate(hashes[: sent.num_blocks])
+        ]
 
     def settle(self, read: PeerRead, planned: int, predicted_s: float) -> None:
         """Count a finished pull and learn the peer's cost from it (on the engine's thread);

@@ -28,16 +28,17 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cachesvc.block_pool import BlockPool
-from cachesvc.codec import Codec
+from cachesvc.codec import DTYPES
 from cachesvc.config import TierConfig
 from cachesvc.planner import FetchRange, LoadPlan, plan_load
 from cachesvc.tiers.base import Throttle
 from cachesvc.tiers.results import FetchResult, TierHit
 from cachesvc.types import BlockHash, RequestId
-from workers.engine.peer.pull import PeerLink, PeerPuller, is_peer
+from workers.engine.peer.pull import ChunkCheck, PeerLink, PeerPuller, is_peer
 from workers.engine.request import Request
 from workers.engine.scheduler import SchedulerOutput
 from workers.engine.tiering.landing import borrowed, land_blocks, trim_blocks
@@ -54,6 +55,7 @@ from workers.engine.tiering.startup import build_manager, prior_costs
 from workers.engine.tiering.usage import TierUsage
 from workers.engine.tiering.writes import TierWriter
 from workers.protocol import BlockCosts
+from workers.transfer.chunk import chunk_key
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -103,11 +105,12 @@ class KVTiering:
         self._writer = TierWriter(self.manager, pool, kv_caches, self.dtype)
         pool.on_evict = self._writer.on_evict
 
-    def attach_peers(self, link: PeerLink, timeout_s: float) -> None:
-        """Plan pulls from the peers that requests name (`Request.peer`) through `link`."""
-        codec = Codec(self.fingerprint, "raw", self._key)
-        size = codec.max_blob_size(self.dtype, self.block_shape)
-        self.peers = PeerPuller(link, codec, self.costs, size, timeout_s)
+    def attach_peers(self, link: PeerLink, timeout_s: float, digest: str) -> None:
+        """Plan pulls from the peers that requests name (`Request.peer`) through `link`;
+        chunks are checked with `digest` ("fast" or "strict", as the peers seal them)."""
+        check = ChunkCheck(chunk_key(self._key), digest, self.fingerprint, self.block_shape)
+        size = int(np.prod(self.block_shape)) * DTYPES[self.dtype][1].itemsize
+        self.peers = PeerPuller(link, check, self.costs, size, timeout_s)
 
     # ---- loading ----------------------------------------------------------------------------
 
@@ -182,8 +185,7 @@ class KVTiering:
         assert self.peers is not None and request.peer is not None
         future = self._executor.submit(self.manager.read, local_ranges(ranges))
         hashes = dict(ranges)[pulled.tier]
-        pull = self.peers.executor.submit(
-            self.peers.read,
+        pull = self.peers.submit(
             request.peer,
             list(request.prompt_token_ids),
             request.cache_salt,

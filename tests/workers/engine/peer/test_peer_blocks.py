@@ -1,16 +1,20 @@
-"""A peer as a source of the load planner, between two engines in one process (the link calls
-the holder's `export_blocks` directly): the puller computes only the rest of the prompt and says
-the same greedy tokens; a corrupt, foreign-tenant or misplaced block is a miss; a failing peer
-costs a recompute; the planner pulls only when the peer's cost beats computing; the engine keeps
-stepping while a pull is in flight; the peer's cost is learned from pulls."""
+"""A peer as a source of the load planner, between two engines in one process (the link stages
+and seals the holder's chunks directly, as its actor does): the puller computes only the rest of
+the prompt and says the same greedy tokens; a corrupt, foreign-tenant or misplaced chunk is a
+miss; a failing or late peer costs a recompute; the planner pulls only when the peer's cost
+beats computing; the engine keeps stepping while a pull is in flight; the peer's cost is learned
+from pulls."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,12 +22,12 @@ from cachesvc.calibration import DEFAULT_TIER_COSTS
 from cachesvc.config import ConfigError, EngineConfig, TierConfig
 from cachesvc.planner import TierCost
 from workers.engine.engine import Engine
-from workers.engine.peer.export import export_blocks
+from workers.engine.peer.export import seal, stage_run
 from workers.engine.peer.pull import peer_tier
 from workers.engine.request import PeerSource
 from workers.model.loader import LoadedModel, load_model
-from workers.protocol import PeerBlocks
 from workers.sampling_params import SamplingParams
+from workers.transfer.chunk import KVChunk, chunk_key
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -31,7 +35,14 @@ PROMPT = torch.randint(0, 320, (42,), generator=torch.Generator().manual_seed(3)
 NUM_FULL = len(PROMPT) // BS  # 10
 HOLDER = PeerSource("holder", NUM_FULL)
 
-Tamper = Callable[[PeerBlocks], PeerBlocks]
+Tamper = Callable[[KVChunk], KVChunk]
+KEY = chunk_key(None)
+
+
+def export(engine: Engine, prompt: Sequence[int], salt: str | None, lo: int, hi: int) -> KVChunk:
+    """What the holder's actor sends for a chunk: staged, then sealed."""
+    staged = stage_run(engine, prompt, salt, lo, hi, max_bytes=1 << 30)
+    return seal(staged, KEY, "fast", engine.loaded.fingerprint)
 
 
 class LocalLink:
@@ -51,15 +62,16 @@ class LocalLink:
         token_ids: Sequence[int],
         cache_salt: str | None,
         chunks: Sequence[tuple[int, int]],
-        timeout_s: float,
-    ) -> Iterator[PeerBlocks]:
+        deadline: float,
+    ) -> Iterator[KVChunk]:
         for start_block, end_block in chunks:
             self.calls += 1
-            if self.gate is not None and not self.gate.wait(timeout_s):
+            left = deadline - time.monotonic()
+            if left <= 0 or (self.gate is not None and not self.gate.wait(left)):
                 raise TimeoutError("peer did not answer")
             if self.fail_from is not None and start_block >= self.fail_from:
                 raise ConnectionError("peer died")
-            sent = export_blocks(self.peers[peer], token_ids, cache_salt, start_block, end_block)
+            sent = export(self.peers[peer], token_ids, cache_salt, start_block, end_block)
             yield sent if self.tamper is None else self.tamper(sent)
 
 
@@ -139,24 +151,28 @@ def test_pull_extends_own_prefix(loaded: LoadedModel, reference: list[int]) -> N
     assert _stats(puller)["peer_pulled_blocks"] == NUM_FULL - 4
 
 
-def _damage(index: int) -> Tamper:
-    def tamper(sent: PeerBlocks) -> PeerBlocks:
-        blobs = list(sent.blobs)
-        damaged = bytearray(blobs[index])
-        damaged[-5] ^= 0xFF
-        blobs[index] = bytes(damaged)
-        return PeerBlocks(sent.start_block, tuple(blobs))
+def _damage(first_block: int) -> Tamper:
+    """Flips one value of the chunk that starts at `first_block`."""
+
+    def tamper(sent: KVChunk) -> KVChunk:
+        if sent.start_block != first_block:
+            return sent
+        payload = sent.payload.copy()
+        payload.reshape(-1)[7] += 1
+        return KVChunk(sent.start_block, sent.dtype, payload, sent.digest)
 
     return tamper
 
 
-def test_corrupt_block_is_a_miss(loaded: LoadedModel, reference: list[int]) -> None:
+def test_corrupt_chunk_is_a_miss(loaded: LoadedModel, reference: list[int]) -> None:
     holder = _engine(loaded)
     _run(holder, PROMPT)
-    puller, _ = _puller(loaded, holder, tamper=_damage(3))
+    puller, link = _puller(loaded, holder, tamper=_damage(4))
+    assert puller.tiering is not None and puller.tiering.peers is not None
+    puller.tiering.peers.chunk_blocks = 4  # blocks 0-3 arrive intact, 4-7 damaged
     tokens, cached, _ = _run(puller, PROMPT, None, HOLDER)
-    assert tokens == reference and cached == 3 * BS
-    assert _stats(puller)["peer_missed_blocks"] == NUM_FULL - 3
+    assert tokens == reference and cached == 4 * BS
+    assert _stats(puller)["peer_missed_blocks"] == NUM_FULL - 4
     _check_pool(puller)
 
 
@@ -164,13 +180,18 @@ def test_misplaced_blocks_are_a_miss(loaded: LoadedModel, reference: list[int]) 
     holder = _engine(loaded)
     _run(holder, PROMPT)
 
-    def shift(sent: PeerBlocks) -> PeerBlocks:  # block 0 sent as block 1 onwards
-        return PeerBlocks(sent.start_block, (sent.blobs[0], *sent.blobs[:-1]))
+    def shift(sent: KVChunk) -> KVChunk:  # block 0 sent as block 1 onwards
+        rows = np.concatenate([sent.payload[:1], sent.payload[:-1]])
+        return KVChunk(sent.start_block, sent.dtype, rows, sent.digest)
 
-    puller, _ = _puller(loaded, holder, tamper=shift)
-    tokens, cached, _ = _run(puller, PROMPT, None, HOLDER)
-    assert tokens == reference and cached == 1 * BS  # block 0 is in place, block 1 is not
-    _check_pool(puller)
+    def relabel(sent: KVChunk) -> KVChunk:  # the chunk of blocks 0.. offered as 1..
+        return KVChunk(sent.start_block + 1, sent.dtype, sent.payload, sent.digest)
+
+    for tamper in (shift, relabel):
+        puller, _ = _puller(loaded, holder, tamper=tamper)
+        tokens, cached, _ = _run(puller, PROMPT, None, HOLDER)
+        assert tokens == reference and cached == 0
+        _check_pool(puller)
 
 
 def test_peer_never_serves_another_tenants_blocks(
@@ -178,13 +199,13 @@ def test_peer_never_serves_another_tenants_blocks(
 ) -> None:
     holder = _engine(loaded)
     _run(holder, PROMPT, "tenant:a")
-    assert export_blocks(holder, PROMPT, "tenant:b", 0, NUM_FULL).blobs == ()
-    assert export_blocks(holder, PROMPT, None, 0, NUM_FULL).blobs == ()
+    assert export(holder, PROMPT, "tenant:b", 0, NUM_FULL).num_blocks == 0
+    assert export(holder, PROMPT, None, 0, NUM_FULL).num_blocks == 0
     puller, _ = _puller(loaded, holder)
     tokens, cached, _ = _run(puller, PROMPT, "tenant:b", HOLDER)
     assert tokens == reference and cached == 0
     # Tenant a's blocks handed to a request of tenant b do not verify.
-    stolen = export_blocks(holder, PROMPT, "tenant:a", 0, NUM_FULL)
+    stolen = export(holder, PROMPT, "tenant:a", 0, NUM_FULL)
     thief, _ = _puller(loaded, holder, tamper=lambda _: stolen)
     tokens, cached, _ = _run(thief, PROMPT, "tenant:c", HOLDER)
     assert tokens == reference and cached == 0
@@ -340,3 +361,57 @@ def test_peer_dying_mid_pull_costs_only_what_did_not_arrive(
     stats = _stats(puller)
     assert stats["peer_failures"] == 1 and stats["peer_missed_blocks"] == NUM_FULL - 8
     _check_pool(puller)
+
+
+def test_a_pulls_deadline_runs_from_when_it_is_planned(
+    loaded: LoadedModel, reference: list[int]
+) -> None:
+    holder = _engine(loaded)
+    _run(holder, PROMPT)
+    puller, link = _puller(loaded, holder)
+    peers = puller.tiering.peers if puller.tiering is not None else None
+    assert peers is not None
+    peers.timeout_s = 0.2
+    peers._executor = ThreadPoolExecutor(max_workers=1)  # one pull thread, kept busy past it
+    busy = peers._executor.submit(time.sleep, 0.6)
+    tokens, cached, _ = _run(puller, PROMPT, None, HOLDER)
+    busy.result()
+    # The pull waited for the thread longer than its timeout: it is late, not fresh.
+    assert tokens == reference and cached == 0
+    assert _stats(puller)["peer_failures"] == 1
+    _check_pool(puller)
+
+
+def test_staging_gathers_what_read_block_reads_and_keeps_to_its_cap(loaded: LoadedModel) -> None:
+    from workers.engine.kv_copy import read_block
+
+    holder = _engine(loaded)
+    _run(holder, PROMPT)
+    full = stage_run(holder, PROMPT, None, 2, NUM_FULL, max_bytes=1 << 30)
+    assert full.start_block == 2 and full.payload.shape[0] == NUM_FULL - 2
+    block_id = holder.pool.lookup(full.hashes[0], PROMPT[2 * BS : 3 * BS])
+    assert block_id is not None
+    assert np.array_equal(full.payload[0], read_block(holder.runner.kv_caches, block_id))
+    one_block = full.payload[0].nbytes
+    capped = stage_run(holder, PROMPT, None, 2, NUM_FULL, max_bytes=3 * one_block)
+    assert capped.payload.shape[0] == 3 and capped.hashes == full.hashes[:3]
+
+
+def test_a_strict_digest_covers_the_payload(loaded: LoadedModel) -> None:
+    from workers.transfer.chunk import verify_chunk
+
+    holder = _engine(loaded)
+    _run(holder, PROMPT)
+    fp = holder.loaded.fingerprint
+    staged = stage_run(holder, PROMPT, None, 0, NUM_FULL, max_bytes=1 << 30)
+    shape = staged.payload.shape[1:]
+    for mode in ("fast", "strict"):
+        chunk = seal(staged, KEY, mode, fp)
+        assert verify_chunk(chunk, KEY, mode, fp, staged.hashes, shape)
+        other = "strict" if mode == "fast" else "fast"
+        assert not verify_chunk(chunk, KEY, other, fp, staged.hashes, shape)
+        assert not verify_chunk(chunk, chunk_key(b"k" * 32), mode, fp, staged.hashes, shape)
+        damaged = staged.payload.copy()
+        damaged.reshape(-1)[-1] += 1
+        forged = KVChunk(0, chunk.dtype, damaged, chunk.digest)
+        assert not verify_chunk(forged, KEY, mode, fp, staged.hashes, shape)
