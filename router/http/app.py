@@ -25,6 +25,7 @@ from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, TypeVar
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -67,6 +68,7 @@ class OpenAIDoor:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             ],
+            exception_handlers={404: _unrouted, 405: _unrouted},
         )
 
     async def health(self, request: Request) -> Response:
@@ -253,6 +255,14 @@ async def _until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
 async def _disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _unrouted(request: Request, exc: Exception) -> Response:
+    """An unknown path (404) or method (405), in OpenAI's error shape like every error."""
+    assert isinstance(exc, HTTPException)
+    what = "path" if exc.status_code == 404 else "method"
+    message = f"{exc.detail}: {request.method} {request.url.path} (no such {what})"
+    return _error_response(HttpError(exc.status_code, message))
 
 
 def _error_response(err: HttpError) -> Response:

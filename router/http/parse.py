@@ -122,9 +122,7 @@ def _request(
     if options is not None and not stream:
         raise InvalidInput("stream_options is allowed only when stream is true")
     options = _object(options or {}, "stream_options")
-    _check_fields(
-        options, frozenset(("include_usage", "continuous_usage_stats")), "stream_options."
-    )
+    _check_fields(options, frozenset(("include_usage",)), "stream_options.")
     _typed(body, "user", str, None)
     salt = _typed(body, "cache_salt", str, None)
     request_id = _typed(body, "request_id", str, None) or request_id
