@@ -191,7 +191,8 @@ class Inference:
 
 
 class AdminStub:
-    """Admin: the workers' state, router statistics, cache flush.
+    """Admin: the workers' state, router statistics, cache flush and purge. With tokens configured,
+    the operator's token only (a tenant's gets PERMISSION_DENIED: these act on every tenant).
     """
 
     def __init__(self, channel):
@@ -223,7 +224,8 @@ class AdminStub:
 
 
 class AdminServicer:
-    """Admin: the workers' state, router statistics, cache flush.
+    """Admin: the workers' state, router statistics, cache flush and purge. With tokens configured,
+    the operator's token only (a tenant's gets PERMISSION_DENIED: these act on every tenant).
     """
 
     def ListWorkers(self, request, context):
@@ -239,16 +241,22 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Flush(self, request, context):
-        """Drop every cached block that no running request uses from every worker's device pool
-        (not moved to the lower tiers).
+        """Drop every cached block that no running request uses from every live worker's device pool
+        (not moved to the lower tiers; tier blocks it leaves without their prefix go too), and
+        empty the router's response cache. What the lower tiers hold stays reachable.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Purge(self, request, context):
-        """Drop everything cached anywhere: every worker's device pool (blocks no running request
-        uses), DRAM and NVMe tiers, and this model's blocks in the shared Redis tier.
+        """Make everything cached so far unreachable at once, then drop it. First a new purge epoch,
+        kept in the prefix index (in Redis when routers share one): every request that arrives
+        afterwards, at any router of the index, hashes its blocks anew, so no worker, peer pull or
+        shared tier serves a block cached before, nor one that a request already under way caches
+        after the purge. Then every live worker drops its device pool's unused blocks, its DRAM and
+        NVMe tiers and this model's blocks in the shared Redis tier, and the router's response
+        cache is emptied. UNAVAILABLE, purging nothing, when the epoch cannot be stored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -286,7 +294,8 @@ def add_AdminServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Admin:
-    """Admin: the workers' state, router statistics, cache flush.
+    """Admin: the workers' state, router statistics, cache flush and purge. With tokens configured,
+    the operator's token only (a tenant's gets PERMISSION_DENIED: these act on every tenant).
     """
 
     @staticmethod
