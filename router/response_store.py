@@ -120,24 +120,26 @@ class RedisResponseStore:
 
     def __init__(
         self,
-        client: Any,
+        reader: Any,
+        writer: Any,
         namespace: str,
         ttl_s: float,
         stats: StoreStats,
-        timeout_s: float = 0.05,
-        write_timeout_s: float = 0.5,
         breaker: CircuitBreaker | None = None,
+        timeout_s: float = 0.05,
     ) -> None:
+        """`reader` serves lookups and `writer` the rest: redis.asyncio clients whose socket
+        timeouts bound each call (see `redis_client`); a whole lookup (a connect and the
+        client's handshake included) is also bounded by `timeout_s`."""
         import redis
 
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError, TimeoutError)
-        self._client = client
+        self._reader, self._writer = reader, writer
         self._prefix = f"{namespace}:response:"
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self.stats = stats
-        self.timeout_s = timeout_s
-        self.write_timeout_s = write_timeout_s
         self.breaker = breaker or CircuitBreaker(max_failures=3, cooldown_s=2.0)
+        self.timeout_s = timeout_s
         self._last_warning = 0.0
 
     @classmethod
@@ -149,51 +151,57 @@ class RedisResponseStore:
         stats: StoreStats,
         timeout_s: float = 0.05,
         write_timeout_s: float = 0.5,
+        breaker: CircuitBreaker | None = None,
     ) -> RedisResponseStore:
-        """A store over a client of `url` (connects lazily: an unreachable Redis is a miss)."""
-        client = redis_client(url, max(timeout_s, write_timeout_s))
-        return cls(client, namespace, ttl_s, stats, timeout_s, write_timeout_s)
+        """A store of `url` whose lookups wait at most `timeout_s` and writes `write_timeout_s`
+        (connects lazily: an unreachable Redis is a miss, not an error at start)."""
+        reader = redis_client(url, timeout_s)
+        writer = redis_client(url, write_timeout_s)
+        return cls(reader, writer, namespace, ttl_s, stats, breaker, timeout_s)
 
     def _name(self, name: bytes) -> str:
         return self._prefix + name.hex()
 
     async def get(self, name: bytes) -> bytes | None:
-        blob = await self._call(lambda: self._client.get(self._name(name)), self.timeout_s)
+        async def lookup() -> Any:
+            async with asyncio.timeout(self.timeout_s):
+                return await self._reader.get(self._name(name))
+
+        blob = await self._call(lookup)
         return None if blob is None else bytes(blob)
 
     async def put(self, name: bytes, blob: bytes) -> bool:
         def send() -> Awaitable[Any]:
-            return self._client.set(self._name(name), blob, px=self._ttl_ms)
+            return self._writer.set(self._name(name), blob, px=self._ttl_ms)
 
-        return bool(await self._call(send, self.write_timeout_s))
+        return bool(await self._call(send))
 
     async def clear(self) -> int:
         async def delete_all() -> int:
             dropped = 0
-            async for found in self._client.scan_iter(match=self._prefix + "*", count=500):
-                dropped += int(await self._client.delete(found))
+            async for found in self._writer.scan_iter(match=self._prefix + "*", count=500):
+                dropped += int(await self._writer.delete(found))
             return dropped
 
-        # Flush and Purge are the operator's calls: not bounded like a lookup, but still skipped
-        # while Redis is marked down.
-        return await self._call(delete_all, timeout_s=None) or 0
+        # Still skipped while the breaker has Redis down: Purge answers at once, not after a
+        # timeout per command.
+        return await self._call(delete_all) or 0
 
     async def close(self) -> None:
-        try:
-            await self._client.aclose()
-        except self._errors as exc:
-            _log.debug("closing the response cache's Redis client: %s", exc)
+        for client in (self._reader, self._writer):
+            try:
+                await client.aclose()
+            except self._errors as exc:
+                _log.debug("closing the response cache's Redis client: %s", exc)
 
-    async def _call(self, fn: Callable[[], Awaitable[T]], timeout_s: float | None) -> T | None:
-        """`await fn()` through the breaker within `timeout_s`; None when skipped or failed
-        (counted). The socket timeouts bound each read too; this bound also covers a connect
-        and the client's handshake."""
+    async def _call(self, fn: Callable[[], Awaitable[T]]) -> T | None:
+        """`await fn()` through the breaker; None when skipped or failed (counted). The client's
+        socket timeouts bound the call (connect, handshake, each reply)."""
         if not self.breaker.allow():
             self.stats.skipped += 1
             return None
         try:
-            async with asyncio.timeout(timeout_s):
-                out = await fn()
+            out = await fn()
         except self._errors as exc:
             self._failed(exc)
             return None

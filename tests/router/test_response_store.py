@@ -40,9 +40,7 @@ def _cache(
     url: str, namespace: str, secret: bytes = SECRET, breaker: CircuitBreaker | None = None
 ) -> ResponseCache:
     stats = StoreStats()
-    store = RedisResponseStore(
-        redis_client(url, 0.5), namespace, 60, stats, timeout_s=0.05, breaker=breaker
-    )
+    store = RedisResponseStore.from_url(url, namespace, 60, stats, breaker=breaker)
     return ResponseCache(store, EntryCodec(secret), stats)
 
 
