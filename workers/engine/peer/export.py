@@ -95,12 +95,16 @@ def stage_run(
     end = min(len(hashes), max(0, start_block) + max_blocks)
     device = _device_run(engine, hashes, token_ids, max(0, start_block), end)
     parts = [kv_to_numpy(gather_blocks(caches, device))] if device else []
+    # Lossy KV (dequantized, or computed over it) travels marked: the puller lands it marked,
+    # so it never reaches a lossless tier there either.
+    lossy = engine.pool.any_lossy(device)
     tier_arrays: list[np.ndarray] = []
     for i in range(max(0, start_block) + len(device), end):
         block = held_in_tier(engine, hashes, i)
         if block is None:
             break
         tier_arrays.append(block.array)
+        lossy = lossy or block.lossy
     if tier_arrays:
         parts.append(np.stack(tier_arrays))
     payload = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else None
@@ -108,7 +112,7 @@ def stage_run(
         payload = np.empty((0, *shape), dtype=storage)
     first = max(0, start_block)
     run = tuple(hashes[first : first + payload.shape[0]])
-    return StagedRun(first, engine.config.dtype, payload, run)
+    return StagedRun(first, engine.config.dtype, payload, run, lossy)
 
 
 def _device_run(

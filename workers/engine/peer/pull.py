@@ -205,7 +205,7 @@ class PeerPuller:
             return []
         # A block's parent is informational here: landing takes it from the request's chain.
         return [
-            KVBlock(h, hashes[i - 1] if i else None, sent.dtype, sent.payload[i])
+            KVBlock(h, hashes[i - 1] if i else None, sent.dtype, sent.payload[i], sent.lossy)
             for i, h in enumerate(hashes[: sent.num_blocks])
         ]
 

@@ -415,3 +415,28 @@ def test_a_strict_digest_covers_the_payload(loaded: LoadedModel) -> None:
         damaged.reshape(-1)[-1] += 1
         forged = KVChunk(0, chunk.dtype, damaged, chunk.digest)
         assert not verify_chunk(forged, KEY, mode, fp, staged.hashes, shape)
+
+
+def test_lossy_kv_travels_marked_and_lands_marked(loaded: LoadedModel) -> None:
+    holder = _engine(loaded)
+    _run(holder, PROMPT)
+    staged = stage_run(holder, PROMPT, None, 0, NUM_FULL, max_bytes=1 << 30)
+    assert not staged.lossy
+    ids = [
+        holder.pool.lookup(h, PROMPT[i * BS : (i + 1) * BS]) for i, h in enumerate(staged.hashes)
+    ]
+    holder.pool.mark_lossy([i for i in ids if i is not None][3:4])  # as if landed from int8
+    assert export(holder, PROMPT, None, 0, NUM_FULL).lossy
+    flipped = KVChunk(
+        0, "float32", staged.payload, export(holder, PROMPT, None, 0, NUM_FULL).digest
+    )
+    puller, _ = _puller(loaded, holder, tamper=lambda _: flipped)  # the mark stripped in transit
+    _, cached, _ = _run(puller, PROMPT, None, HOLDER)
+    assert cached == 0
+    puller, _ = _puller(loaded, holder)
+    _, cached, _ = _run(puller, PROMPT, None, HOLDER)
+    assert cached == NUM_FULL * BS
+    landed = [
+        puller.pool.lookup(h, PROMPT[i * BS : (i + 1) * BS]) for i, h in enumerate(staged.hashes)
+    ]
+    assert all(i is not None and puller.pool.is_lossy(i) for i in landed)
