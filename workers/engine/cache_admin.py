@@ -94,7 +94,12 @@ class CacheAdmin:
 
     def purge(self) -> dict[str, int]:
         """Drop the device's unheld cached blocks and everything in every tier; returns the
-        blocks dropped per tier name ("hbm" for the device)."""
+        blocks dropped per tier name ("hbm" for the device).
+
+        This frees the room; it is not what makes a purge atomic across workers. The router has
+        already moved to a new purge epoch (`cachesvc.hashing.epoch_salt`), so nothing dropped
+        here, nor anything a request of an older salt caches after it (held blocks of running
+        requests, a pull in flight, a share queued for Redis), matches a later request."""
         counts = {TIER_HBM: self.pool.reset_cache(demote=False)}
         if self.tiering is not None:
             counts.update(self.tiering.manager.clear())
