@@ -50,7 +50,18 @@ from workers.sampling_params import SamplingParams
 _log = logging.getLogger(__name__)
 _KEY_TAG = b"cachesvc/response/v2"
 
-__all__ = ["CachedResponse", "CachedSample", "EntryShape", "StoreStats"]
+__all__ = [  # the entry's and the stores' names too: the cache's users need no other module
+    "CachedResponse",
+    "CachedSample",
+    "EntryShape",
+    "ResponseCache",
+    "ResponseCollector",
+    "StoreStats",
+    "is_deterministic",
+    "make_response_cache",
+    "num_samples",
+    "response_key",
+]
 
 
 def is_deterministic(params: SamplingParams) -> bool:
