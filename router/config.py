@@ -48,14 +48,16 @@ class RouterConfig:
     The `prefix_aware` policy (`router.policy.PrefixAware`) scores each worker in tokens of
     work: the prompt it would compute (cached blocks in lower tiers weighted by the worker's
     own fetch costs) plus `route_queue_weight` times its queued work. Two bounds protect against
-    overload: a worker whose queued work exceeds `balance_queue_factor` times the least-queued
-    worker's plus `balance_queue_slack_tokens` is not chosen, and neither is one with more than
+    overload: a worker whose queued work (in seconds at its reported speed) exceeds
+    `balance_queue_factor` times the least-queued worker's plus `balance_queue_slack_s` seconds
+    is not chosen, and neither is one with more than
     `balance_abs_threshold` requests above the least-loaded one *and* more than
     `balance_rel_threshold` times its count, nor (while another is not) one given more than
-    `balance_traffic_factor` times the mean number of recent requests, which grows a second
-    holder for a hot prefix (0 turns it off). Workers scoring within `route_tie_fraction` of the
-    prompt's length of the best are near ties: the one given the least work lately (decayed with
-    a half-life of `route_work_half_life` decisions) wins, which spreads new prefix groups.
+    `balance_traffic_factor` times the candidates' mean number of recent requests, which grows a
+    second holder for a hot prefix (0 turns it off). Workers scoring within `route_tie_fraction`
+    of the prompt's length of the best are near ties: the one given the least work lately
+    (decayed with a half-life of `route_work_half_life_s` seconds) wins, which spreads new
+    prefix groups. Being per worker and in seconds, the defaults hold for any cluster size.
 
     With `peer_pull` (and workers started with `engine.peer_pull`), a worker's score counts
     the prefix another worker holds at the worker's calibrated cost of pulling it, not of
@@ -92,11 +94,11 @@ class RouterConfig:
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 2.0
     balance_queue_factor: float = 2.0
-    balance_queue_slack_tokens: int = 65536
+    balance_queue_slack_s: float = 2.0
     balance_traffic_factor: float = 1.5
     route_queue_weight: float = 0.25
     route_tie_fraction: float = 0.1
-    route_work_half_life: float = 64.0
+    route_work_half_life_s: float = 30.0
     peer_pull: bool = True
     # A worker with this many requests (running, waiting or in flight from this router) gets no
     # more: when every worker is that full, a call fails with RESOURCE_EXHAUSTED. None: no limit.
@@ -179,11 +181,11 @@ class RouterConfig:
             "abs_threshold": self.balance_abs_threshold,
             "rel_threshold": self.balance_rel_threshold,
             "queue_factor": self.balance_queue_factor,
-            "queue_slack_tokens": self.balance_queue_slack_tokens,
+            "queue_slack_s": self.balance_queue_slack_s,
             "traffic_factor": self.balance_traffic_factor,
             "queue_weight": self.route_queue_weight,
             "tie_fraction": self.route_tie_fraction,
-            "work_half_life": self.route_work_half_life,
+            "work_half_life_s": self.route_work_half_life_s,
         }
 
     def _check_routing(self) -> None:
@@ -192,9 +194,10 @@ class RouterConfig:
                 f"balance_queue_factor must be >= 1 (a worker may always queue as much as the "
                 f"least-queued one), got {self.balance_queue_factor}"
             )
-        if self.balance_queue_slack_tokens < 0:
+        if self.balance_queue_slack_s < 0:
             raise ConfigError(
-                f"balance_queue_slack_tokens must be >= 0, got {self.balance_queue_slack_tokens}"
+                f"balance_queue_slack_s must be >= 0 (seconds of work), got "
+                f"{self.balance_queue_slack_s}"
             )
         if self.balance_traffic_factor != 0 and self.balance_traffic_factor < 1:
             raise ConfigError(
@@ -212,10 +215,10 @@ class RouterConfig:
                 f"route_tie_fraction must be in [0, 1] (a fraction of the prompt's length), got "
                 f"{self.route_tie_fraction}"
             )
-        if self.route_work_half_life <= 0:
+        if self.route_work_half_life_s <= 0:
             raise ConfigError(
-                f"route_work_half_life must be positive (decisions), got "
-                f"{self.route_work_half_life}"
+                f"route_work_half_life_s must be positive (seconds), got "
+                f"{self.route_work_half_life_s}"
             )
 
     def read_tls(self) -> ServerTls | None:

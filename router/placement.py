@@ -1,21 +1,79 @@
 """Where a request goes: the live candidates as a policy sees them, its choice, and the holder
 a chosen worker may pull the prefix from.
 
-`Placement` turns the pool's state and the prefix index's matches into `Candidate`s (with, when
-pulls are on, the longest prefix another healthy worker holds), asks the policy, and names that
-holder to the chosen worker (`HolderHint`). Pure reads of the pool.
+`choose` is the one place that turns live workers' loads and the prefix index's matches into
+`Candidate`s (with, when pulls are on, the longest prefix another holder has), asks the policy,
+and names the holder to a chosen worker that pulls: the router (`Placement`, over its pool) and
+the simulator (`cachesvc.sim.loop`, over its simulated workers) both route through it. Pure
+reads of the pool.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from cachesvc.index import PrefixMatch
 from cachesvc.types import BlockHash, WorkerId
 from router.config import RouterConfig
 from router.domain import Exhausted, Unavailable
-from router.policy import PEER, Candidate, Policy, RouteDecision, RouteRequest
+from router.policy import Candidate, Policy, RouteDecision, RouteRequest, can_pull
 from router.pool import WorkerPool
-from workers.protocol import HolderHint
+from workers.protocol import BlockCosts, HolderHint
+
+
+@dataclass(frozen=True)
+class LiveWorker:
+    """A worker a request may go to, before the index is asked: its load and its costs."""
+
+    worker: WorkerId
+    num_requests: int
+    num_queued_tokens: int
+    costs: BlockCosts | None = None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The policy's decision, and the holder the chosen worker may pull from (None: none)."""
+
+    decision: RouteDecision
+    holder: WorkerId | None = None
+    holder_blocks: int = 0  # leading blocks of the prompt the holder has
+
+
+def choose(
+    policy: Policy,
+    request: RouteRequest,
+    live: Sequence[LiveWorker],
+    matches: Mapping[WorkerId, PrefixMatch],
+    holders: Collection[WorkerId] = (),
+) -> Choice:
+    """Ask `policy` to choose among `live` (never empty), each seeing its own match and the
+    longest prefix one of the other `holders` has (the workers a pull may come from; empty
+    with pulls off). The holder is named only to a chosen worker that pulls (`can_pull`) and
+    only when it has more than the chosen worker holds."""
+    held = {w: m.num_blocks for w, m in matches.items() if w in holders}
+    candidates = [
+        Candidate(
+            w.worker,
+            w.num_requests,
+            w.num_queued_tokens,
+            matches.get(w.worker),
+            w.costs,
+            max((n for h, n in held.items() if h != w.worker), default=0),
+        )
+        for w in live
+    ]
+    decision = policy.choose(request, candidates)
+    chosen = next(c for c in candidates if c.worker == decision.worker)
+    if not can_pull(chosen.costs):
+        return Choice(decision)
+    others = {w: n for w, n in held.items() if w != decision.worker}
+    best = max(others, key=lambda w: (others[w], w), default=None)
+    if best is None or others[best] <= decision.matched_blocks:
+        return Choice(decision)
+    return Choice(decision, best, others[best])
 
 
 @dataclass(frozen=True)
@@ -50,21 +108,15 @@ class Placement:
                 raise Exhausted(f"every worker's queue is full ({limit} requests each)")
         matches = self.pool.index.longest_prefix(hashes)
         holders = self._holders(excluded) if self.config.peer_pull else {}
-        held = {w: m.num_blocks for w, m in matches.items() if w in holders}
-        candidates = [
-            Candidate(
-                s.worker_id,
-                s.num_requests,
-                s.num_queued_tokens,
-                matches.get(s.worker_id),
-                s.load.block_costs,
-                max((n for w, n in held.items() if w != s.worker_id), default=0),
-            )
+        loads = [
+            LiveWorker(s.worker_id, s.num_requests, s.num_queued_tokens, s.load.block_costs)
             for s in live
         ]
-        request = RouteRequest(num_tokens, self.pool.model.block_size)
-        decision = self.policy.choose(request, candidates)
-        return Placed(decision, _holder_hint(decision, held, holders))
+        request = RouteRequest(num_tokens, self.pool.model.block_size, time.monotonic())
+        choice = choose(self.policy, request, loads, matches, holders)
+        if choice.holder is None:
+            return Placed(choice.decision)
+        return Placed(choice.decision, HolderHint(holders[choice.holder], choice.holder_blocks))
 
     def _holders(self, excluded: set[WorkerId]) -> dict[WorkerId, str]:
         """The healthy workers a peer may pull from, by their Ray actor names."""
@@ -78,20 +130,6 @@ class Placement:
         """Leading blocks of the request the chosen worker will not compute: those it holds,
         or those it may pull from `holder` when it pulls at all (reports a pull cost)."""
         covered = decision.matched_blocks
-        costs = self.pool.state(decision.worker).load.block_costs
-        if holder is not None and costs is not None and PEER in costs.fetch_s:
+        if holder is not None and can_pull(self.pool.state(decision.worker).load.block_costs):
             covered = max(covered, holder.num_blocks)
         return covered
-
-
-def _holder_hint(
-    decision: RouteDecision, held: dict[WorkerId, int], holders: dict[WorkerId, str]
-) -> HolderHint | None:
-    """The holder (other than the chosen worker) with the longest prefix, when it holds more
-    than the chosen one: the chosen worker's load planner may pull the difference from it
-    (`EngineConfig.peer_pull`). `held`: blocks each holder holds; empty with pulls off."""
-    others = {w: n for w, n in held.items() if w != decision.worker}
-    best = max(others, key=lambda w: (others[w], w), default=None)
-    if best is None or others[best] <= decision.matched_blocks:
-        return None
-    return HolderHint(holders[best], others[best])

@@ -9,12 +9,14 @@ tables of cases and short runs of decisions.
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cachesvc.index import PrefixMatch
 from cachesvc.types import WorkerId
+from router.recent import RecentAmounts
 from workers.protocol import BlockCosts
 
 # Cost of bringing one cached token into the device pool, relative to recomputing it (1.0), for
@@ -23,8 +25,14 @@ TIER_FETCH_COST: Mapping[str, float] = {"hbm": 0.0, "dram": 0.05, "nvme": 0.2, "
 _UNKNOWN_TIER_COST = 0.5
 PEER = "peer"  # the pseudo-tier of a pull from another worker, in `BlockCosts.fetch_s`
 # Requests a worker may take above `traffic_factor` times the mean before the bound applies,
-# so that the first few decisions after a start (or an idle spell) bound nobody.
+# so that the first few decisions after a start (or an idle spell) bound nobody. The mean is
+# per worker over a time window, so with the same load per worker these two requests weigh the
+# same in a cluster of any size.
 _TRAFFIC_SLACK = 2.0
+# Seconds of prefill per token of a worker that reports no costs while no other candidate does
+# either (workers without lower tiers or pulls report none): an H100's for an 8B model
+# (`h100-llama3-8b`), so such a cluster keeps the slack it always had (2 s: 65 536 tokens).
+UNREPORTED_S_PER_TOKEN = 32.5e-6
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,9 @@ class RouteRequest:
 
     num_prompt_tokens: int
     block_size: int
+    # When it is routed, in seconds on a clock that never goes back (the router's monotonic
+    # clock, the simulator's): the policies' memory of recent work decays by it.
+    now_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -169,11 +180,16 @@ def prefill_cost(request: RouteRequest, candidate: Candidate) -> float:
     return (request.num_prompt_tokens - matched - pulled) + fetch + weights.get(PEER, 1.0) * pulled
 
 
+def can_pull(costs: BlockCosts | None) -> bool:
+    """Whether a worker with these reported costs pulls blocks from others: it reports a pull
+    cost only when its pulls are on (`BlockCosts.fetch_s["peer"]`)."""
+    return costs is not None and PEER in costs.fetch_s
+
+
 def pull_blocks(request: RouteRequest, candidate: Candidate) -> int:
     """Blocks `candidate` would pull from the worker holding the longest prefix: what that one
-    holds beyond its own, when it pulls at all (it reports a pull cost)."""
-    costs = candidate.costs
-    if costs is None or PEER not in costs.fetch_s:
+    holds beyond its own, when it pulls at all (`can_pull`)."""
+    if not can_pull(candidate.costs):
         return 0
     own = 0 if candidate.match is None else candidate.match.num_blocks
     return max(0, candidate.peer_blocks - own)
@@ -189,23 +205,27 @@ class PrefixAware:
     a cached prefix is work saved for sure, and because sending a request away from its cache
     makes the cluster compute the prefix again: under load that extra work delays everyone.
 
-    Real overload is the bound's job, not the score's: a worker whose queued work exceeds
-    `queue_factor` times the least-queued worker's plus `queue_slack_tokens` gets no request,
-    however well its cache matches, and neither does one whose request count exceeds the
-    least-loaded worker's by more than `abs_threshold` *and* by a factor above `rel_threshold`
-    (a backstop for load signals that lag). A hot prefix then grows a second holder instead of
-    a queue. A worker that was given more than `traffic_factor` times the mean number of recent
-    requests (plus two; decayed like the work below) is left out too, while others are not: a
-    prefix hot enough to bring one worker that much more traffic than the rest is worth a copy
-    elsewhere even before queues grow, and an ordinary group never gets there.
+    Real overload is the bound's job, not the score's: a worker whose queued work, in seconds
+    at its own reported speed (`queued_seconds`), exceeds `queue_factor` times the least-queued
+    worker's plus `queue_slack_s` gets no request, however well its cache matches, and neither
+    does one whose request count exceeds the least-loaded worker's by more than `abs_threshold`
+    *and* by a factor above `rel_threshold` (a backstop for load signals that lag). A hot prefix
+    then grows a second holder instead of a queue. A worker that was given more than
+    `traffic_factor` times the mean number of recent requests over the candidates (plus two;
+    decayed like the work below) is left out too, while others are not: a prefix hot enough to
+    bring one worker that much more traffic than the rest is worth a copy elsewhere even before
+    queues grow, and an ordinary group never gets there.
 
     Among the workers within bound whose score is within `tie_fraction` of the prompt's length
     of the best, the request goes to the one that was given the least work lately (prefill
-    tokens routed to it, decayed with a half-life of `work_half_life` decisions). So a request
+    tokens routed to it, decayed with a half-life of `work_half_life_s` seconds). So a request
     that nobody holds much of (a new conversation, or one whose only match is a system prompt
     every worker holds) starts its group where work has been lightest, and groups spread by
     the work they bring rather than by the queues of one instant; a request that a worker holds
     a real part of stays there.
+
+    Every figure is per worker or in seconds, so one setting means the same on 2 workers and on
+    128, on a CPU and on an H100.
     """
 
     name = "prefix_aware"
@@ -215,28 +235,29 @@ class PrefixAware:
         abs_threshold: int = 32,
         rel_threshold: float = 2.0,
         queue_factor: float = 2.0,
-        queue_slack_tokens: int = 65536,
+        queue_slack_s: float = 2.0,
         queue_weight: float = 0.25,
         tie_fraction: float = 0.1,
-        work_half_life: float = 64.0,
+        work_half_life_s: float = 30.0,
         traffic_factor: float = 1.5,
     ) -> None:
         self.abs_threshold = abs_threshold
         self.rel_threshold = rel_threshold
         self.queue_factor = queue_factor
-        self.queue_slack_tokens = queue_slack_tokens
+        self.queue_slack_s = queue_slack_s
         self.queue_weight = queue_weight
         self.tie_fraction = tie_fraction
-        self.work_half_life = work_half_life
+        self.work_half_life_s = work_half_life_s
         self.traffic_factor = traffic_factor
-        self._decay = 0.5 ** (1.0 / work_half_life) if work_half_life > 0 else 0.0
         self._recency = _Recency()
-        self._work: dict[WorkerId, float] = {}  # prefill tokens routed lately, decayed
-        self._traffic: dict[WorkerId, float] = {}  # requests routed lately, decayed
+        self._work = RecentAmounts(work_half_life_s)  # prefill tokens routed lately
+        self._traffic = RecentAmounts(work_half_life_s)  # requests routed lately
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
-        loaded = self._within_load_bound(candidates)
-        eligible = self._within_traffic_bound(loaded)
+        for recent in (self._work, self._traffic):
+            recent.advance(request.now_s, (c.worker for c in candidates))
+        loaded = self._within_load_bound(request, candidates)
+        eligible = self._within_traffic_bound(loaded, candidates)
         scores = {
             c.worker: self.queue_weight * c.num_queued_tokens + prefill_cost(request, c)
             for c in eligible
@@ -247,7 +268,7 @@ class PrefixAware:
         pick = min(
             near,
             key=lambda c: (
-                self._work.get(c.worker, 0.0),
+                self._work.get(c.worker),
                 scores[c.worker],
                 self._recency.age_key(c.worker),
                 c.worker,
@@ -257,36 +278,35 @@ class PrefixAware:
         pulled = pull_blocks(request, pick)
         if pulled:
             reason += f"; pulls {pulled} blocks from the holder"
-        self._chosen(request, pick)
+        self._recency.chosen(pick.worker)
+        self._work.add(pick.worker, prefill_cost(request, pick))
+        self._traffic.add(pick.worker, 1.0)
         cost = estimated_cost(request, pick)
         return RouteDecision(pick.worker, self.name, _matched(pick), cost, reason, pulled)
 
-    def _chosen(self, request: RouteRequest, pick: Candidate) -> None:
-        self._recency.chosen(pick.worker)
-        for recent in (self._work, self._traffic):
-            for worker in recent:
-                recent[worker] *= self._decay
-        self._work[pick.worker] = self._work.get(pick.worker, 0.0) + prefill_cost(request, pick)
-        self._traffic[pick.worker] = self._traffic.get(pick.worker, 0.0) + 1.0
-
-    def _within_traffic_bound(self, candidates: list[Candidate]) -> list[Candidate]:
-        """Leave out the workers that got far more than their share of recent requests, unless
-        that would leave nobody."""
+    def _within_traffic_bound(
+        self, loaded: list[Candidate], candidates: Sequence[Candidate]
+    ) -> list[Candidate]:
+        """Leave out of `loaded` the workers that got far more than the mean of recent
+        requests over all `candidates` (workers that left routing weigh nothing), unless that
+        would leave nobody."""
         if self.traffic_factor <= 0:
-            return candidates
-        mean = sum(self._traffic.values()) / max(len(self._traffic), len(candidates))
+            return loaded
+        mean = self._traffic.mean(c.worker for c in candidates)
         ceiling = self.traffic_factor * mean + _TRAFFIC_SLACK
-        light = [c for c in candidates if self._traffic.get(c.worker, 0.0) <= ceiling]
-        return light or candidates
+        light = [c for c in loaded if self._traffic.get(c.worker) <= ceiling]
+        return light or loaded
 
-    def _within_load_bound(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+    def _within_load_bound(
+        self, request: RouteRequest, candidates: Sequence[Candidate]
+    ) -> list[Candidate]:
         least_requests = min(c.num_requests for c in candidates)
-        least_queued = min(c.num_queued_tokens for c in candidates)
-        ceiling = self.queue_factor * least_queued + self.queue_slack_tokens
+        queued = queued_seconds(request, candidates)
+        ceiling = self.queue_factor * min(queued.values()) + self.queue_slack_s
         within = [
             c
             for c in candidates
-            if c.num_queued_tokens <= ceiling
+            if queued[c.worker] <= ceiling
             and (
                 c.num_requests - least_requests <= self.abs_threshold
                 or c.num_requests <= least_requests * self.rel_threshold
@@ -294,7 +314,21 @@ class PrefixAware:
         ]
         # The two bounds together exclude everyone only when the load signals disagree (the
         # fewest requests on one worker, the least queued work on another): the latter wins.
-        return within or [min(candidates, key=lambda c: (c.num_queued_tokens, c.worker))]
+        return within or [min(candidates, key=lambda c: (queued[c.worker], c.worker))]
+
+
+def queued_seconds(request: RouteRequest, candidates: Sequence[Candidate]) -> dict[WorkerId, float]:
+    """Each candidate's queued work in seconds: its queued tokens at its own reported prefill
+    speed (`BlockCosts.compute_s` per block). One that reports none is taken to be as fast as
+    the median of those that do (the same model, most likely the same hardware), or as
+    `UNREPORTED_S_PER_TOKEN` when none does."""
+    rates = {
+        c.worker: c.costs.compute_s / request.block_size
+        for c in candidates
+        if c.costs is not None and c.costs.compute_s > 0
+    }
+    fallback = statistics.median(rates.values()) if rates else UNREPORTED_S_PER_TOKEN
+    return {c.worker: c.num_queued_tokens * rates.get(c.worker, fallback) for c in candidates}
 
 
 def _reason(

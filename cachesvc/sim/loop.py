@@ -1,7 +1,7 @@
 """The simulator's event loop: arrivals routed by the router's own policy, steps timed.
 
 Two kinds of events, in time order: a request arrives (the policy chooses among the workers,
-from their load and the prefix index, exactly as `router.core` builds its candidates), or a
+from their load and the prefix index, through the router's own `router.placement.choose`), or a
 worker's step ends (its requests advance, the next step starts at once if it has work). A
 worker with nothing to compute but a pull under way is woken when the pull arrives (or by an
 arrival before that). After every change a worker's KV events are applied to the shared
@@ -10,7 +10,7 @@ router sees it a poll later).
 
 With `peer_pull` (the router's and the workers' option together), each candidate sees the
 longest prefix another worker holds, and the chosen worker is told the holder (the worker with
-the longest match, when longer than its own), as `router.core` does.
+the longest match, when longer than its own), by the same function.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachesvc.events import TIER_HBM
-from cachesvc.index import IndexSnapshot, MemoryPrefixIndex, PrefixMatch
+from cachesvc.index import IndexSnapshot, MemoryPrefixIndex
 from cachesvc.sim.cost_profile import CostProfile
 from cachesvc.sim.seq import SimPeer, SimSeq
 from cachesvc.sim.trace import BLOCK_SIZE, SimRequest
 from cachesvc.sim.worker import SimWorker
 from cachesvc.types import WorkerId
-from router.policy import Candidate, Policy, RouteDecision, RouteRequest, make_policy
+from router.placement import LiveWorker, choose
+from router.policy import Policy, RouteRequest, make_policy
 
 _INCARNATION = "simulated"
 
@@ -126,41 +127,25 @@ class _Cluster:
         if not live:
             return None
         matches = self.index.longest_prefix(req.hashes[: req.num_full_blocks])
-        held = {w: m.num_blocks for w, m in matches.items()} if self.peer_pull else {}
-        candidates = [
-            Candidate(
-                w.worker_id,
-                w.num_requests,
-                w.num_queued_tokens,
-                matches.get(w.worker_id),
-                w.block_costs(),
-                max((n for h, n in held.items() if h != w.worker_id), default=0),
-            )
+        loads = [
+            LiveWorker(w.worker_id, w.num_requests, w.num_queued_tokens, w.block_costs())
             for w in live
         ]
-        request = RouteRequest(req.prompt_len, req.block_size)
-        decision = self.policy.choose(request, candidates)
+        # Every simulated worker is healthy, so any may be the holder a pull comes from.
+        holders = [w.worker_id for w in self.workers] if self.peer_pull else []
+        request = RouteRequest(req.prompt_len, req.block_size, req.arrival_s)
+        choice = choose(self.policy, request, loads, matches, holders)
+        decision = choice.decision
         run.reasons[decision.reason] += 1
         run.assigned[req.index] = decision.worker
         worker = next(w for w in live if w.worker_id == decision.worker)
         match = matches.get(worker.worker_id)
         device = 0 if match is None else match.blocks_by_tier.get(TIER_HBM, 0)
-        return worker, SimSeq(req, device, self.holder(decision, matches))
-
-    def holder(
-        self, decision: RouteDecision, matches: Mapping[WorkerId, PrefixMatch]
-    ) -> SimPeer | None:
-        """The worker holding the longest prefix, other than the chosen one, when it holds
-        more than the chosen one (`Router._holder_hint`); None with pulls off. Every simulated
-        worker is healthy, so any may be the holder."""
-        if not self.peer_pull:
-            return None
-        others = [m for w, m in matches.items() if w != decision.worker]
-        best = max(others, key=lambda m: m.num_blocks, default=None)
-        if best is None or best.num_blocks <= decision.matched_blocks:
-            return None
-        holder = next(w for w in self.workers if w.worker_id == best.worker)
-        return SimPeer(holder, best.num_blocks)
+        peer = None
+        if choice.holder is not None:
+            holder = next(w for w in self.workers if w.worker_id == choice.holder)
+            peer = SimPeer(holder, choice.holder_blocks)
+        return worker, SimSeq(req, device, peer)
 
 
 def replay(

@@ -21,6 +21,7 @@ from typing import Any
 from cachesvc.bench.routing import Variant, variants_for
 from cachesvc.bench.table import write_json
 from cachesvc.sim.cost_profile import CostProfile, TierReadCost, load_profile
+from cachesvc.sim.generate import GeneratedTrace, generate_rows, write_trace
 from cachesvc.sim.loop import ClusterSpec, replay
 from cachesvc.sim.report import (
     SimSummary,
@@ -37,10 +38,11 @@ from cachesvc.sim.trace import (
     hot_prefix_requests,
     load_trace,
     num_unique_blocks,
+    trace_requests,
 )
 
 SWEEPABLE = ("workers", "device-blocks", "dram-blocks", "nvme-blocks")
-WORKLOADS = ("trace", "hot-prefix")
+WORKLOADS = ("trace", "hot-prefix", "generated")
 PULL = "+pull"  # a policy's suffix: the same policy, with pulls between workers
 
 
@@ -80,7 +82,13 @@ class Size:
 
 # Device blocks per worker unless told: a small share of a trace's blocks makes the cache
 # matter; the hot-prefix workload is about compute, so its cache always has room (64k tokens).
-DEFAULT_DEVICE_BLOCKS = {"trace": Size(fraction=0.05), "hot-prefix": Size(blocks=4096)}
+# A generated trace grows with the cluster, so a share of its blocks would too: a fixed number
+# (a fifth of what 8 workers' default trace brings, as 5% of the sample's blocks is).
+DEFAULT_DEVICE_BLOCKS = {
+    "trace": Size(fraction=0.05),
+    "hot-prefix": Size(blocks=4096),
+    "generated": Size(blocks=1024),
+}
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,8 @@ class SimulateArgs:
     trace: str | None = None
     workload: str = "trace"  # one of WORKLOADS
     hot_prefix: HotPrefix = HotPrefix()
+    generated: GeneratedTrace = GeneratedTrace()
+    write_trace_path: str | None = None  # save the generated trace (for --workers) here
     profile: str = "h100-llama3-8b"
     peer_gbps: float | None = None  # a pull's bandwidth, instead of the profile's
     workers: int = 8
@@ -100,6 +110,9 @@ class SimulateArgs:
     peer_pull: bool = False  # run every policy with pulls as well
     policy_options: Mapping[str, Any] = field(default_factory=dict)  # for prefix_aware
     time_scale: float = 1.0
+    # Give every cluster the load per worker this many workers get from a trace: arrivals
+    # compressed by workers / scale_arrivals (None: as recorded, times `time_scale`).
+    scale_arrivals: int | None = None
     max_requests: int | None = None
     sweep: str | None = None  # "workers=2,4,8" or "device-blocks=5%,20%"
     json_path: str | None = None
@@ -197,6 +210,8 @@ def spec_for(args: SimulateArgs, unique_blocks: int, block_size: int) -> Cluster
 
 
 def load_requests(args: SimulateArgs) -> list[SimRequest]:
+    """The requests one cluster of `args` replays (with `scale_arrivals`, or a generated
+    trace, they depend on its number of workers)."""
     if args.workload not in WORKLOADS:
         raise ValueError(f"--workload must be one of {WORKLOADS}, got {args.workload!r}")
     if args.workload == "hot-prefix":
@@ -207,22 +222,34 @@ def load_requests(args: SimulateArgs) -> list[SimRequest]:
             profile_for(args), shape.prefix_len + shape.suffix_len, shape.output_len
         )
         return hot_prefix_requests(dataclasses.replace(shape, fork_at_s=shape.fork_at_s + parent_s))
+    if args.workload == "generated":
+        rows = generate_rows(args.generated, args.workers)[: args.max_requests]
+        return trace_requests(rows, args.time_scale)
     if args.trace is None:
         raise ValueError("a trace workload needs --trace FILE (a Mooncake JSONL trace)")
+    time_scale = args.time_scale
+    if args.scale_arrivals is not None:
+        if args.scale_arrivals < 1:
+            raise ValueError(
+                f"--scale-arrivals must be a number of workers, not {args.scale_arrivals}"
+            )
+        time_scale *= args.scale_arrivals / args.workers
     if args.like_bench_routing:
         requests = bench_routing_requests(args.trace, args.max_requests)
-        return [dataclasses.replace(r, arrival_s=r.arrival_s * args.time_scale) for r in requests]
-    return load_trace(args.trace, args.time_scale, args.max_requests)
+        return [dataclasses.replace(r, arrival_s=r.arrival_s * time_scale) for r in requests]
+    return load_trace(args.trace, time_scale, args.max_requests)
 
 
-def simulate(args: SimulateArgs, requests: Sequence[SimRequest]) -> list[SimSummary]:
-    """Every policy of `args` on every cluster of `args`, over `requests`."""
+def simulate(args: SimulateArgs) -> list[SimSummary]:
+    """Every policy of `args` on every cluster of `args`, each over its requests."""
     profile = profile_for(args)
-    unique = num_unique_blocks(requests)
-    oracle = oracle_ratio(requests)
     summaries = []
     for label, run_args in clusters(args):
+        requests = load_requests(run_args)
+        unique = num_unique_blocks(requests)
+        oracle = oracle_ratio(requests)
         spec = spec_for(run_args, unique, requests[0].block_size)
+        _describe(run_args, label, requests, spec, unique)
         for v in variants(args):
             options = args.policy_options if v.policy == "prefix_aware" else {}
             run = replay(requests, profile, spec, v.policy, options, v.peer_pull)
@@ -231,17 +258,16 @@ def simulate(args: SimulateArgs, requests: Sequence[SimRequest]) -> list[SimSumm
     return summaries
 
 
-def run_simulate(args: SimulateArgs) -> int:
-    """Blocking entry point of `cachesvc simulate`; prints the table, returns 0."""
-    requests = load_requests(args)
-    unique = num_unique_blocks(requests)
-    spec = spec_for(args, unique, requests[0].block_size)
+def _describe(
+    args: SimulateArgs, label: str, requests: Sequence[SimRequest], spec: ClusterSpec, unique: int
+) -> None:
+    """One line on stderr: what a cluster replays."""
     peer = profile_for(args).peer
     pulls = any(v.peer_pull for v in variants(args))
     print(
-        f"{args.workload}: {len(requests)} requests over {requests[-1].arrival_s:.1f} s, "
-        f"{unique} unique blocks of {spec.block_size} tokens; "
-        f"{args.workers} workers x {spec.device_blocks} device blocks "
+        f"{label + ': ' if label else ''}{args.workload}: {len(requests)} requests over "
+        f"{requests[-1].arrival_s:.1f} s, {unique} unique blocks of {spec.block_size} tokens; "
+        f"{spec.num_workers} workers x {spec.device_blocks} device blocks "
         f"(dram {spec.dram_blocks}, nvme {spec.nvme_blocks}); profile {args.profile}"
         + (
             f"; pulls {peer.latency_s * 1e3:g} ms + {peer.bytes_per_s / 1e9:g} GB/s"
@@ -249,8 +275,17 @@ def run_simulate(args: SimulateArgs) -> int:
             else ""
         ),
         file=sys.stderr,
+        flush=True,
     )
-    summaries = simulate(args, requests)
+
+
+def run_simulate(args: SimulateArgs) -> int:
+    """Blocking entry point of `cachesvc simulate`; prints the table, returns 0."""
+    if args.write_trace_path is not None:
+        if args.workload != "generated":
+            raise ValueError("--write-trace saves a generated trace: use --workload generated")
+        write_trace(generate_rows(args.generated, args.workers), args.write_trace_path)
+    summaries = simulate(args)
     print(format_summaries(summaries))
     write_json(args.json_path, [to_json(s) for s in summaries])
     if args.plot_path:

@@ -19,6 +19,7 @@ from pathlib import Path
 from cachesvc.bench.workloads import (
     MOONCAKE_BLOCK_TOKENS,
     Session,
+    TraceRow,
     TraceScale,
     hot_prefix_workload,
     load_mooncake,
@@ -64,9 +65,14 @@ def load_trace(
 ) -> list[SimRequest]:
     """The first `max_requests` rows of a Mooncake JSONL trace (all by default), arrivals in
     seconds from the first, multiplied by `time_scale` (0.5 replays at twice the rate)."""
+    return trace_requests(load_mooncake(path)[:max_requests], time_scale)
+
+
+def trace_requests(rows: Sequence[TraceRow], time_scale: float = 1.0) -> list[SimRequest]:
+    """Mooncake rows as requests in arrival order, in seconds from the first arrival,
+    multiplied by `time_scale`."""
     if time_scale <= 0:
         raise ValueError(f"--time-scale must be positive, got {time_scale}")
-    rows = load_mooncake(path)[:max_requests]
     t0 = min(r.timestamp_ms for r in rows)
     rows = sorted(rows, key=lambda r: r.timestamp_ms)  # stable: equal times keep file order
     return [

@@ -185,3 +185,108 @@ def test_least_loaded(candidates: list[Candidate], expected: WorkerId) -> None:
 def test_unknown_policy_names_the_choices() -> None:
     with pytest.raises(ValueError, match="least_loaded.*prefix_aware.*round_robin"):
         make_policy("random")
+
+
+# ---- the same figure on any cluster: per-worker means, time decay, seconds of work ----------
+
+HOT = RouteRequest(num_prompt_tokens=64, block_size=16)  # W0 holds 3 of its 4 blocks
+SHARE = "bounded: holder took more than its share of recent requests"
+
+
+def _workers(n: int) -> list[WorkerId]:
+    return [WorkerId(f"w{i}") for i in range(n)]
+
+
+def _give(policy: PrefixAware, counts: dict[WorkerId, int], rounds: int) -> None:
+    """Route `counts[w]` requests to each worker per second for `rounds` seconds (each time the
+    worker's only candidate), so its recent traffic is what the test says."""
+    for second in range(rounds):
+        for worker, count in counts.items():
+            for _ in range(count):
+                policy.choose(RouteRequest(64, 16, float(second)), [_c(worker)])
+
+
+def _hot_choice(policy: PrefixAware, workers: list[WorkerId], now_s: float) -> str:
+    """The reason of a request whose prefix only W0 holds, all workers idle."""
+    candidates = [_c(w, blocks={"hbm": 3} if w == W0 else None) for w in workers]
+    return policy.choose(RouteRequest(64, 16, now_s), candidates).reason
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "holder_rate", "others_rate", "bounded"),
+    [
+        # The holder was given twice the mean of recent requests: bounded on any cluster.
+        (2, 2, 0, True),
+        (128, 2, 1, True),
+        # A fifth above the mean is an ordinary group: left alone on any cluster.
+        (2, 6, 4, False),
+        (128, 6, 5, False),
+    ],
+)
+def test_the_traffic_bound_means_the_same_at_any_size(
+    num_workers: int, holder_rate: int, others_rate: int, bounded: bool
+) -> None:
+    policy = PrefixAware()
+    workers = _workers(num_workers)
+    _give(policy, {w: holder_rate if w == W0 else others_rate for w in workers}, rounds=20)
+    reason = _hot_choice(policy, workers, now_s=19.0)
+    assert (reason == SHARE) is bounded, reason
+
+
+def test_a_departed_worker_weighs_nothing_in_the_mean() -> None:
+    # W3 took a flood of requests, then left routing; W0 took thrice what W1 and W2 did.
+    policy = PrefixAware()
+    _give(policy, {W0: 3, W1: 1, W2: 1, WorkerId("w3"): 20}, rounds=20)
+    assert _hot_choice(policy, [W0, W1, W2], now_s=19.0) == SHARE
+    _give(policy, {W1: 1}, rounds=1)  # time passes (a half-life and more)
+    policy.choose(RouteRequest(64, 16, 60.0), [_c(W1)])
+    assert "w3" not in policy._traffic.known(), "forgotten after a half-life away"
+
+
+@pytest.mark.parametrize(
+    ("quiet_s", "decisions_between", "bounded"),
+    [
+        (0.5, 0, True),  # right after its burst the holder is bounded
+        (0.5, 80, True),  # many decisions (shared evenly) in half a second forget nothing
+        (300.0, 0, False),  # ten half-lives later its burst is forgotten, decisions or not
+    ],
+)
+def test_recent_traffic_decays_by_time(
+    quiet_s: float, decisions_between: int, bounded: bool
+) -> None:
+    policy = PrefixAware(work_half_life_s=30.0)
+    workers = _workers(8)
+    _give(policy, {w: 1 for w in workers}, rounds=10)
+    for _ in range(40):  # a burst for W0's prefix at t = 9
+        policy.choose(RouteRequest(64, 16, 9.0), [_c(W0)])
+    for i in range(decisions_between):  # traffic in between, spread evenly
+        policy.choose(RouteRequest(64, 16, 9.0 + quiet_s / 2), [_c(workers[i % 8])])
+    reason = _hot_choice(policy, workers, now_s=9.0 + quiet_s)
+    assert (reason == SHARE) is bounded, reason
+
+
+CPU = BlockCosts(compute_s=16 * 2.4e-3)  # seconds per 16-token block: a small model on a CPU
+H100 = BlockCosts(compute_s=16 * 32.5e-6)
+
+
+@pytest.mark.parametrize(
+    ("holder_costs", "other_costs", "queued", "bounded"),
+    [
+        # 2000 queued tokens: under a second's work on an H100, ~5 s on a CPU (slack 2 s).
+        (H100, H100, 2000, False),
+        (CPU, CPU, 2000, True),
+        (None, CPU, 2000, True),  # a worker that reports nothing is taken to be like the rest
+        (None, None, 2000, False),  # nobody reports: an H100's speed is assumed
+        (CPU, CPU, 500, False),  # 1.2 s on a CPU: within the slack
+        (H100, H100, 60_000, False),
+        (H100, H100, 70_000, True),  # the old 65 536-token slack, for an H100
+    ],
+)
+def test_queue_slack_is_seconds_of_the_workers_own_work(
+    holder_costs: BlockCosts | None, other_costs: BlockCosts | None, queued: int, bounded: bool
+) -> None:
+    policy = PrefixAware(queue_weight=0.0)  # the bound alone decides against the prefix
+    holder = Candidate(W0, 1, queued, PrefixMatch(W0, 3, {"hbm": 3}), holder_costs)
+    decision = policy.choose(REQ, [holder, Candidate(W1, 0, 0, None, other_costs)])
+    assert (decision.reason == "bounded: holder overloaded") is bounded, decision.reason
+    assert (decision.worker == W1) is bounded

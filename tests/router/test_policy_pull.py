@@ -11,7 +11,7 @@ from workers.protocol import BlockCosts
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 REQ = RouteRequest(num_prompt_tokens=64, block_size=16)  # 4 blocks, the last one computed
-PULLS = BlockCosts(compute_s=1.0, fetch_s={"peer": 0.1})  # a pulled block: a tenth of computing
+PULLS = BlockCosts(compute_s=1e-3, fetch_s={"peer": 1e-4})  # a pulled block: a tenth of computing
 
 
 def _c(

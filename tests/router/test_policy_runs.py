@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from cachesvc.index import PrefixMatch
 from cachesvc.types import WorkerId
-from router.policy import Candidate, PrefixAware, RouteRequest
+from router.policy import UNREPORTED_S_PER_TOKEN, Candidate, PrefixAware, RouteRequest
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 BLOCK = 16
@@ -18,7 +18,8 @@ def _c(worker: WorkerId, queued: int = 0, blocks: int = 0) -> Candidate:
 
 
 def test_a_hot_prefix_stays_until_its_holder_is_overloaded() -> None:
-    policy = PrefixAware(queue_slack_tokens=4096)
+    # No worker reports its speed: the slack of 4096 tokens at the assumed one.
+    policy = PrefixAware(queue_slack_s=4096 * UNREPORTED_S_PER_TOKEN)
     request = RouteRequest(num_prompt_tokens=64 * BLOCK, block_size=BLOCK)  # 63 blocks cached
     picks = []
     for queued in range(0, 8000, 500):  # the holder's queue grows; the other worker is idle

@@ -15,16 +15,17 @@ _POLICY_FIELDS = (
     "balance_abs_threshold",
     "balance_rel_threshold",
     "balance_queue_factor",
-    "balance_queue_slack_tokens",
+    "balance_queue_slack_s",
     "balance_traffic_factor",
     "route_queue_weight",
     "route_tie_fraction",
-    "route_work_half_life",
+    "route_work_half_life_s",
 )
 
 
 def add_simulate_parser(sub: Any) -> None:
     """Register `simulate` (and `simulate calibrate`) on the CLI's subparsers."""
+    from cachesvc.sim.generate import GeneratedTrace
     from cachesvc.sim.trace import HotPrefix
     from router.config import RouterConfig
 
@@ -47,9 +48,11 @@ def add_simulate_parser(sub: Any) -> None:
     sim.add_argument(
         "--workload",
         default="trace",
-        choices=("trace", "hot-prefix"),
+        choices=("trace", "hot-prefix", "generated"),
         help="trace (default): replay --trace; hot-prefix: one long context forked into many "
-        "sub-agent requests, compared by default over affinity only, load only and with pulls",
+        "sub-agent requests, compared by default over affinity only, load only and with pulls; "
+        "generated: conversations and agents drawn at --rate-per-worker, so a sweep over "
+        "workers keeps the load per worker",
     )
     sim.add_argument("--trace", help="a Mooncake JSONL trace (timestamp, lengths, hash_ids)")
     sim.add_argument("--profile", default="h100-llama3-8b", help="stored profile name or a file")
@@ -83,6 +86,14 @@ def add_simulate_parser(sub: Any) -> None:
         default=1.0,
         help="multiply arrival times by this (0.5 replays at twice the trace's rate)",
     )
+    sim.add_argument(
+        "--scale-arrivals",
+        type=int,
+        default=None,
+        metavar="N",
+        help="give every cluster the load per worker N workers get from the trace: arrivals "
+        "compressed by workers/N (on top of --time-scale), e.g. 8 with --sweep workers=8,32,128",
+    )
     sim.add_argument("--max-requests", type=int, default=None, help="replay the first N only")
     sim.add_argument(
         "--like-bench-routing",
@@ -110,6 +121,21 @@ def add_simulate_parser(sub: Any) -> None:
         help="seconds from the parent's end (as the profile predicts it) to the burst",
     )
     shape.add_argument("--rate", type=float, default=hot.rate, help="forks per second in the burst")
+    gen = GeneratedTrace()
+    made = sim.add_argument_group("generated workload")
+    made.add_argument(
+        "--rate-per-worker",
+        type=float,
+        default=gen.rate_per_worker,
+        help="requests per second per worker",
+    )
+    made.add_argument(
+        "--duration", type=float, default=gen.duration_s, help="seconds of session starts"
+    )
+    made.add_argument("--seed", type=int, default=gen.seed, help="the draw")
+    made.add_argument(
+        "--write-trace", default=None, help="also save the trace generated for --workers here"
+    )
     defaults = RouterConfig()
     bounds = sim.add_argument_group("prefix_aware thresholds (RouterConfig fields)")
     for name in _POLICY_FIELDS:
@@ -121,6 +147,7 @@ def add_simulate_parser(sub: Any) -> None:
 def run_simulate_command(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         return _calibrate(args)
+    from cachesvc.sim.generate import GeneratedTrace
     from cachesvc.sim.simulate import SimulateArgs, Size, run_simulate
     from cachesvc.sim.trace import HotPrefix
     from router.config import RouterConfig
@@ -145,6 +172,8 @@ def run_simulate_command(args: argparse.Namespace) -> int:
                 fork_at_s=args.fork_at,
                 rate=args.rate,
             ),
+            generated=GeneratedTrace(args.rate_per_worker, args.duration, args.seed),
+            write_trace_path=args.write_trace,
             profile=args.profile,
             peer_gbps=args.peer_gbps,
             workers=args.workers,
@@ -155,6 +184,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             peer_pull=args.peer_pull,
             policy_options=config.policy_options(),
             time_scale=args.time_scale,
+            scale_arrivals=args.scale_arrivals,
             max_requests=args.max_requests,
             sweep=args.sweep,
             json_path=args.json_path,
