@@ -3,17 +3,20 @@
 Starts a local Ray cluster, worker actors (SmolLM2 unless `--model`), and the gRPC router on a
 free loopback port; sends two assistants' users (each assistant a shared system prompt) through
 the generated gRPC client; prints every answer with its cached / computed prompt tokens and the
-worker that served it; then stops everything.
+worker that served it; asks one more question over the OpenAI-compatible HTTP API, as any
+OpenAI client would; then stops everything.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -114,17 +117,22 @@ def _print_answer(a: DemoAnswer) -> None:
 async def _drive(actors: dict[Any, Any], engine: EngineConfig, max_tokens: int) -> list[DemoAnswer]:
     import grpc
 
+    from cachesvc.app.serve import served_model_name
     from proto.cachesvc.v1 import cachesvc_pb2 as pb
     from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
     from router.bootstrap import build_router
     from router.config import RouterConfig
+    from router.http.server import HttpServer
     from router.server import RouterServer
 
     config = RouterConfig(port=0, policy="prefix_aware")
     router = await build_router(actors, config, engine.model)
     server = RouterServer(router, config)
     await server.start()
+    http = HttpServer(router, config, 0, served_model_name(engine.model))
+    await http.start()
     print(f"router on 127.0.0.1:{server.port}, policy prefix_aware, {len(actors)} workers")
+    print(f"OpenAI-compatible API on http://127.0.0.1:{http.port}/v1")
     answers: list[DemoAnswer] = []
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -140,10 +148,47 @@ async def _drive(actors: dict[Any, Any], engine: EngineConfig, max_tokens: int) 
                 f"{stats.prompt_tokens} prompt tokens from the cache "
                 f"(hit ratio {stats.cache_hit_ratio:.2f})"
             )
+        await _ask_over_http(http.port, http.door.model_name, max_tokens)
     finally:
+        await http.stop(grace_s=1.0)
         await server.stop(grace_s=1.0)
         await router.close()
     return answers
+
+
+async def _ask_over_http(port: int, model: str, max_tokens: int) -> None:
+    """One more travel question, as any OpenAI client sends it: POST /v1/chat/completions."""
+    req = DemoRequest("travel", "grace", "What should I pack for a rainy week in London?")
+    body = {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": SYSTEM_PROMPTS[req.assistant]},
+            {"role": "user", "content": req.question},
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+
+    def post() -> dict[str, Any]:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            answer: dict[str, Any] = json.load(reply)
+            return answer
+
+    answer = await asyncio.to_thread(post)
+    usage = answer["usage"]
+    print(f"\nover HTTP (POST /v1/chat/completions) [{req.assistant}] {req.user}: {req.question}")
+    print(f"  {answer['choices'][0]['message']['content'].strip()}")
+    print(
+        f"  prompt {usage['prompt_tokens']} tokens, "
+        f"{usage['prompt_tokens_details']['cached_tokens']} cached | "
+        f"{usage['completion_tokens']} generated",
+        flush=True,
+    )
 
 
 def _threads_per_worker(engine: EngineConfig, num_workers: int) -> EngineConfig:

@@ -169,6 +169,13 @@ null. cachesvc rejects a key that is not a dataclass field, naming it.
 {{- end -}}
 {{- end -}}
 
+{{/* The router's OpenAI-compatible HTTP port (config.router.http_port); "" when it is off. */}}
+{{- define "cachesvc.httpPort" -}}
+{{- with (.Values.config.router | default dict).http_port -}}
+{{- int . -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The router's env entry for the Redis password (it passes it on to its workers). */}}
 {{- define "cachesvc.redisEnv" -}}
 {{- $r := .Values.redis -}}
