@@ -108,6 +108,7 @@ class WorkerActor:
             device=config.device,
             event_stream=None if self._publisher is None else self._publisher.key,
             actor_name=actor_name,
+            **_ray_node(),
         )
 
     async def info(self) -> WorkerInfo:
@@ -344,6 +345,19 @@ class WorkerActor:
         )
 
 
+def _ray_node() -> dict[str, str | None]:
+    """The id and IP address of the Ray node this process runs on (`WorkerInfo` fields), so an
+    operator sees where a worker landed; None outside Ray (an actor made in-process)."""
+    import ray
+
+    if not ray.is_initialized():
+        return {"node_id": None, "node_ip": None}
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(),
+    }
+
+
 def spawn_worker(
     worker_id: str,
     config: EngineConfig,
@@ -355,13 +369,15 @@ def spawn_worker(
     max_restarts: int = 2,
     max_queued_requests: int = 256,
     event_stream: EventStreamConfig | None = None,
+    scheduling_strategy: Any = None,
 ) -> Any:
     """Start a WorkerActor on the connected Ray cluster and return its handle (not waiting
     for the model to load: the first call does).
 
     `name` names the actor in the Ray `namespace` (default: the driver's), so another router
     can find it; by default a unique name (two pools of one test session never collide). With
-    `event_stream` the worker publishes its KV events to Redis."""
+    `event_stream` the worker publishes its KV events to Redis. `scheduling_strategy` is Ray's
+    (e.g. "SPREAD", or a NodeAffinitySchedulingStrategy); None is Ray's default."""
     import ray
 
     remote_cls = ray.remote(WorkerActor)
@@ -376,4 +392,5 @@ def spawn_worker(
         max_task_retries=0,
         # Streams are long-lived coroutines, not threads: allow many at once.
         max_concurrency=1000,
+        scheduling_strategy=scheduling_strategy,
     ).remote(worker_id, config, max_queued_requests, event_stream, name, namespace)

@@ -4,6 +4,11 @@ Workers are named `cachesvc-worker-<i>` in a Ray namespace, so a second router f
 (`find_workers`). They are not detached actors: named actors are visible to every job of the
 cluster while their owner lives, and tying their lifetime to the process that started them
 means a crashed owner never leaves workers holding GPUs. Ray is imported inside each function.
+
+On a cluster of several nodes the workers are spread over the nodes by default (Ray's SPREAD
+strategy, among the nodes that have what a worker asks for: with GPUs, the GPU nodes only), so
+a node that leaves takes as few workers as possible with it and every node's memory and disk
+hold a tier.
 """
 
 from __future__ import annotations
@@ -13,16 +18,24 @@ import dataclasses
 import logging
 import re
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from cachesvc.config import ConfigError, EngineConfig
 from cachesvc.events_redis import EventStreamConfig
 from cachesvc.types import WorkerId
+from workers.protocol import WorkerInfo
 
 _log = logging.getLogger(__name__)
 _WORKER_NAME = re.compile(r"cachesvc-(worker-\d+)")
+
+# "spread": one node after another (Ray's SPREAD strategy); "any": wherever Ray's default
+# scheduler puts them (it favours the node the router runs on and nodes already busy).
+Placement = Literal["spread", "any"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
+_RAY_STRATEGY = {"spread": "SPREAD", "any": "DEFAULT"}
 
 
 class AttachError(ConfigError):
@@ -32,7 +45,8 @@ class AttachError(ConfigError):
 @dataclass(frozen=True)
 class WorkerGroup:
     """How a group of workers runs; `device="auto"` takes a GPU when the cluster has one, and
-    with `event_stream` the workers publish their KV events to Redis."""
+    with `event_stream` the workers publish their KV events to Redis. `placement` says how the
+    workers are laid over the cluster's nodes (`PLACEMENTS`)."""
 
     engine: EngineConfig
     num_workers: int = 1
@@ -40,6 +54,39 @@ class WorkerGroup:
     device: str = "auto"
     num_cpus_per_worker: float = 1.0
     event_stream: EventStreamConfig | None = None
+    placement: Placement = "spread"
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(
+                f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
+            )
+
+
+@dataclass(frozen=True)
+class WorkerResources:
+    """What each worker of a group asks Ray for, and the engine config it runs."""
+
+    engine: EngineConfig
+    num_cpus: float
+    num_gpus: float
+    scheduling_strategy: str  # Ray's name of the strategy: "SPREAD" or "DEFAULT"
+
+
+def worker_resources(group: WorkerGroup, cluster: Mapping[str, float]) -> WorkerResources:
+    """What each worker of `group` asks for on a cluster of `cluster` resources (as
+    `ray.cluster_resources()` counts them, over every node). Pure.
+
+    `device="auto"` takes a GPU per worker as soon as the cluster has one: Ray then places the
+    workers on GPU nodes only, and a worker for which no GPU is free waits for one (an
+    autoscaler may add a node) rather than running on a CPU beside GPU workers."""
+    engine, num_gpus = group.engine, 0.0
+    wants_gpu = group.device == "cuda" or (group.device == "auto" and cluster.get("GPU", 0) >= 1)
+    if wants_gpu:
+        engine, num_gpus = dataclasses.replace(engine, device="cuda"), 1.0
+    # More workers than CPUs would wait forever for a CPU: share them instead.
+    num_cpus = min(group.num_cpus_per_worker, cluster.get("CPU", 1) / group.num_workers)
+    return WorkerResources(engine, num_cpus, num_gpus, _RAY_STRATEGY[group.placement])
 
 
 def spawn_workers(group: WorkerGroup) -> dict[WorkerId, Any]:
@@ -56,16 +103,17 @@ def spawn_workers(group: WorkerGroup) -> dict[WorkerId, Any]:
             f"({', '.join(sorted(running))}): route over them with `cachesvc serve --attach`, "
             "or start new ones under another --ray-namespace"
         )
-    engine, num_cpus, num_gpus = _placement(group)
+    asks = _resources(group)
     return {
         WorkerId(f"worker-{i}"): spawn_worker(
             f"worker-{i}",
-            engine,
+            asks.engine,
             name=f"cachesvc-worker-{i}",
             namespace=group.namespace,
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
+            num_cpus=asks.num_cpus,
+            num_gpus=asks.num_gpus,
             event_stream=group.event_stream,
+            scheduling_strategy=asks.scheduling_strategy,
         )
         for i in range(group.num_workers)
     }
@@ -82,18 +130,19 @@ def replace_worker(group: WorkerGroup, worker: WorkerId, name_wait_s: float = 10
     name = f"cachesvc-{worker}"
     with contextlib.suppress(ValueError):  # no actor of that name: it is gone already
         ray.kill(ray.get_actor(name, namespace=group.namespace), no_restart=True)
-    engine, num_cpus, num_gpus = _placement(group)
+    asks = _resources(group)
     deadline = time.monotonic() + name_wait_s
     while True:
         try:
             return spawn_worker(
                 worker,
-                engine,
+                asks.engine,
                 name=name,
                 namespace=group.namespace,
-                num_cpus=num_cpus,
-                num_gpus=num_gpus,
+                num_cpus=asks.num_cpus,
+                num_gpus=asks.num_gpus,
                 event_stream=group.event_stream,
+                scheduling_strategy=asks.scheduling_strategy,
             )
         except ValueError:  # the dead actor's name is released a moment after its death
             if time.monotonic() > deadline:
@@ -101,18 +150,55 @@ def replace_worker(group: WorkerGroup, worker: WorkerId, name_wait_s: float = 10
             time.sleep(0.2)
 
 
-def _placement(group: WorkerGroup) -> tuple[EngineConfig, float, float]:
-    """The engine config and the CPUs and GPUs of each worker of the group."""
+def _resources(group: WorkerGroup) -> WorkerResources:
+    """`worker_resources` on the connected cluster; warns when GPU workers outnumber its GPUs."""
     import ray
 
-    resources = ray.cluster_resources()
-    engine, num_gpus = group.engine, 0.0
-    wants_gpu = group.device == "cuda" or (group.device == "auto" and resources.get("GPU", 0) >= 1)
-    if wants_gpu:
-        engine, num_gpus = dataclasses.replace(engine, device="cuda"), 1.0
-    # More workers than CPUs would wait forever for a CPU: share them instead.
-    num_cpus = min(group.num_cpus_per_worker, resources.get("CPU", 1) / group.num_workers)
-    return engine, num_cpus, num_gpus
+    cluster = ray.cluster_resources()
+    asks = worker_resources(group, cluster)
+    num_gpus = cluster.get("GPU", 0)
+    if asks.num_gpus and num_gpus < group.num_workers:
+        _log.warning(
+            "%d workers each take a GPU, the Ray cluster has %g: the others wait for a GPU "
+            "node to join (or pass --device cpu)",
+            group.num_workers,
+            num_gpus,
+        )
+    return asks
+
+
+def placement_report(infos: Mapping[WorkerId, WorkerInfo | None]) -> list[str]:
+    """One line per worker saying which Ray node it runs on (None: it did not say), then how
+    many nodes they span: what an operator reads to see where the workers landed. Pure."""
+    lines = [f"{worker} runs on node {_node_name(info)}" for worker, info in sorted(infos.items())]
+    nodes = Counter(info.node_id for info in infos.values() if info is not None)
+    per_node = " + ".join(str(n) for n in sorted(nodes.values(), reverse=True))
+    lines.append(f"{sum(nodes.values())} workers on {len(nodes)} Ray nodes ({per_node})")
+    return lines
+
+
+def _node_name(info: WorkerInfo | None) -> str:
+    if info is None or info.node_id is None:
+        return "unknown"
+    return f"{info.node_id[:12]} at {info.node_ip} ({info.device})"
+
+
+async def log_placement(actors: Mapping[WorkerId, Any], timeout_s: float = 10.0) -> None:
+    """Log `placement_report` of the workers (asks each for its info: call it once they have
+    started). A worker that does not answer within `timeout_s` is logged as on an unknown
+    node, never raised: the report is for the operator only."""
+    import asyncio
+
+    answers = await asyncio.gather(
+        *(asyncio.wait_for(actor.info.remote(), timeout_s) for actor in actors.values()),
+        return_exceptions=True,
+    )
+    infos = {
+        worker: answer if isinstance(answer, WorkerInfo) else None
+        for worker, answer in zip(actors, answers, strict=True)
+    }
+    for line in placement_report(infos):
+        _log.info("%s", line)
 
 
 def find_workers(namespace: str, ray_address: str | None = None) -> dict[WorkerId, Any]:

@@ -26,6 +26,8 @@ class WorkerInfo:
     device: str
     event_stream: str | None = None  # the Redis Stream it publishes its events to, if any
     actor_name: str | None = None  # its Ray actor's name, for peers to pull blocks from it
+    node_id: str | None = None  # the Ray node it runs on (None outside Ray)
+    node_ip: str | None = None  # that node's IP address
 
 
 @dataclass(frozen=True)

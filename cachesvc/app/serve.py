@@ -24,8 +24,10 @@ from router.config import RouterConfig
 from router.policy import make_policy
 from router.supervisor import Replace
 from workers.cluster import (
+    Placement,
     WorkerGroup,
     find_workers,
+    log_placement,
     replace_worker,
     spawn_workers,
     stop_workers,
@@ -40,6 +42,8 @@ class ServeConfig:
 
     `attach` routes over the workers another serve started in `ray_namespace` (the engine
     fields and `num_workers` are then not used, except `engine.model` for the tokenizer).
+    `placement` lays the workers over the Ray cluster's nodes: "spread" (one node after
+    another) or "any" (where Ray's default scheduler puts them).
     """
 
     engine: EngineConfig
@@ -51,6 +55,7 @@ class ServeConfig:
     ray_namespace: str = "cachesvc"
     attach: bool = False
     close_timeout_s: float = 60.0
+    placement: Placement = "spread"
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -75,6 +80,7 @@ class ServeConfig:
             self.device,
             self.num_cpus_per_worker,
             stream,
+            self.placement,
         )
 
 
@@ -133,5 +139,6 @@ async def _route(
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
         print(f"cachesvc: error: workers failed to start: {first_line}", file=sys.stderr)
         return 1
+    await log_placement(actors)  # where each worker landed: they have all started by now
     await serve_until_signal(router, router_config)
     return 0

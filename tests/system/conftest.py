@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+from local_ray import start_local_ray
 
 from cachesvc.config import EngineConfig
 from cachesvc.types import WorkerId
@@ -52,13 +53,7 @@ def engine_config(tiny_model_dir: Path) -> EngineConfig:
 def ray_cluster() -> Iterator[None]:
     import ray
 
-    ray.init(
-        address="local",  # a cluster of its own, never one another process started
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        object_store_memory=128 * 2**20,
-    )
+    start_local_ray()
     yield
     ray.shutdown()
 

@@ -21,8 +21,17 @@ def add_serve_parser(sub: Any) -> None:
 
 
 def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    from workers.cluster import PLACEMENTS
+
     serve.add_argument("--workers", type=int, default=1, help="worker actors to start")
     serve.add_argument("--ray-address", default=None, help="Ray cluster (default: start one)")
+    serve.add_argument(
+        "--placement",
+        default="spread",
+        choices=PLACEMENTS,
+        help="how workers are laid over the Ray cluster's nodes: spread (one node after "
+        "another) or any (where Ray's default scheduler puts them)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=50051)
     serve.add_argument("--policy", default="prefix_aware", help="routing policy")
@@ -188,7 +197,11 @@ def _router_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _serve_options(args: argparse.Namespace) -> dict[str, Any]:
     """ServeConfig fields from the worker flags `_add_serve_flags` added."""
-    return {"ray_namespace": args.ray_namespace, "attach": args.attach}
+    return {
+        "ray_namespace": args.ray_namespace,
+        "attach": args.attach,
+        "placement": args.placement,
+    }
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
