@@ -57,10 +57,23 @@ def add_bench_parser(sub: Any) -> None:
     codec.add_argument("--quick", action="store_true", help="5 prompts, 16 tokens (else 20, 64)")
     codec.add_argument("--model", default=None)
     codec.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    kv = bench_sub.add_parser(
+        "kv-transfer", help="KV between two workers: each path's GB/s, the holder's decode"
+    )
+    kv.add_argument("--json", dest="json_path", help="also write the results to this file")
+    kv.add_argument("--quick", action="store_true", help="1K/4K tokens; a 512-token context for the holder")
+    kv.add_argument("--model", default=None, help="the holder part's model (default: SmolLM2)")
+    kv.add_argument("--paths-only", action="store_true", help="skip the holder part")
     _add_routing_bench_parser(bench_sub)
     rb = bench_sub.add_parser("router", help="the router's own cost per decision, per stage")
     rb.add_argument("--json", dest="json_path", help="also write the results to this file")
     rb.add_argument("--quick", action="store_true", help="fewer prompts, a few seconds")
+    rb.add_argument(
+        "--doors",
+        action="store_true",
+        help="instead: a live router's CPU per request on each door (gRPC, HTTP), minutes",
+    )
+    rb.add_argument("--model", default=None, help="with --doors: the model (default: SmolLM2)")
     rc = bench_sub.add_parser(
         "response-cache", help="repeated deterministic requests: response-cache hits vs generation"
     )
@@ -78,6 +91,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
     """Run the suite `args.suite`; returns the exit status."""
     if args.suite == "routing":
         return _run_routing_bench_command(args)
+    if args.suite == "router" and args.doors:
+        from cachesvc.bench.door_overhead import run_door_overhead_bench
+
+        return run_door_overhead_bench(args.model, args.quick, args.json_path)
     if args.suite == "router":
         from cachesvc.bench.router_overhead import run_router_overhead_bench
 
@@ -110,6 +127,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from cachesvc.bench.kv_codec import run_kv_codec_bench
 
         return run_kv_codec_bench(args.model, args.quick, args.json_path, args.threads)
+    if args.suite == "kv-transfer":
+        from cachesvc.bench.kv_transfer import run_kv_transfer_bench
+
+        return run_kv_transfer_bench(args.quick, args.json_path, not args.paths_only, args.model)
     if args.suite == "response-cache":
         from cachesvc.bench.response_cache import ResponseCacheBenchArgs, run_response_cache_bench
 

@@ -1,0 +1,269 @@
+"""`cachesvc bench kv-transfer`: how fast KV moves between two workers, and what serving pulls
+costs the holder's own decodes.
+
+Part one, the paths: two Ray actors, each with a KV cache of the default model's shape, and
+pulls of 1K–32K tokens between them. Each path is timed from the first call to the last block
+landed in the puller's cache, and set against this machine's plain memory-copy bandwidth
+measured in the same run:
+
+- `pickled blobs` — the earlier path: the holder encodes block by block into bytes (codec
+  `raw`), a tuple of them is pickled through Ray, the puller decodes and lands each;
+- `chunks (fast)` / `chunks (strict)` — the data plane (`workers.transfer`): the holder gathers a
+  chunk into one buffer and seals it off its loop, the buffer moves out of band as a numpy
+  array, the puller checks the digest and lands the rows. `fast` MACs a 128-bit xxh3 of the
+  payload, `strict` the payload itself.
+
+Part two, the holder (`kv_transfer_holder`): two real workers; the holder decodes a long
+stream while the other worker pulls a context from it again and again, and its inter-token
+gaps are compared with the same stream decoded alone; the puller's planner's predicted pull
+time is set against the measured one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from cachesvc.bench.table import format_table, write_json
+from cachesvc.types import BlockId
+
+# The default model's KV (SmolLM2-135M: 30 layers, 3 KV heads of 64, float32), 16-token blocks.
+BLOCK_SHAPE = (30, 2, 16, 3, 64)
+BLOCK_TOKENS = 16
+CHUNK_BLOCKS = 32  # as a pull asks for them (`PULL_CHUNK_BLOCKS`)
+SIZES = (1024, 4096, 16384, 32768)
+QUICK_SIZES = (1024, 4096)
+PATHS = ("pickled blobs", "chunks (fast)", "chunks (strict)")
+
+
+def _ids(lo: int, hi: int) -> list[BlockId]:
+    return [BlockId(i) for i in range(lo, hi)]
+
+
+@dataclass(frozen=True)
+class PathResult:
+    path: str
+    tokens: int
+    num_bytes: int
+    seconds: float  # the best of the repeats
+
+    @property
+    def gbps(self) -> float:
+        return self.num_bytes / self.seconds / 1e9
+
+
+def memcpy_gbps(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """This machine's plain memory-copy bandwidth now (the best of `repeats` copies)."""
+    import torch
+
+    src = torch.empty(num_bytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - began)
+    return num_bytes / best / 1e9
+
+
+class BenchHolder:
+    """A holder with a KV cache of random blocks; serves both paths as a worker does."""
+
+    def __init__(self, num_blocks: int, digest: str) -> None:
+        import torch
+
+        from workers.transfer.chunk import chunk_key
+
+        self.caches = list(torch.randn(BLOCK_SHAPE[0], num_blocks, *BLOCK_SHAPE[1:]).unbind(0))
+        self.digest = digest
+        self.key = chunk_key(None)
+        self.fingerprint = "0" * 32
+        self._slots = asyncio.Semaphore(2)
+
+    async def ready(self) -> bool:
+        return True
+
+    def hashes(self, token_ids: Sequence[int]) -> list[Any]:
+        from cachesvc.hashing import hash_blocks, root_hash
+
+        return hash_blocks(list(token_ids), BLOCK_TOKENS, root_hash(self.fingerprint, 16, ""))
+
+    async def export_chunk(self, token_ids: list[int], salt: Any, lo: int, hi: int) -> Any:
+        """The data plane's holder: a gather at the 'step boundary', the seal on a thread."""
+        from workers.engine.kv_copy import gather_blocks, kv_to_numpy
+        from workers.engine.peer.export import StagedRun, seal
+
+        async with self._slots:
+            hashes = tuple(self.hashes(token_ids)[lo:hi])
+            payload = kv_to_numpy(gather_blocks(self.caches, _ids(lo, hi)))
+            staged = StagedRun(lo, "float32", payload, hashes)
+            return await asyncio.to_thread(seal, staged, self.key, self.digest, self.fingerprint)
+
+    async def export_blobs(self, token_ids: list[int], lo: int, hi: int) -> tuple[bytes, ...]:
+        """The earlier path, on the holder's loop: a block at a time, encoded into bytes."""
+        from cachesvc.codec import Codec
+        from workers.engine.kv_copy import read_block
+
+        codec = Codec(self.fingerprint, "raw")
+        hashes = self.hashes(token_ids)
+        return tuple(
+            codec.encode(
+                hashes[i],
+                hashes[i - 1] if i else None,
+                "float32",
+                read_block(self.caches, BlockId(i)),
+            )
+            for i in range(lo, hi)
+        )
+
+
+class BenchPuller:
+    """Pulls from a `BenchHolder` over each path and lands the blocks in its own cache."""
+
+    def __init__(self, num_blocks: int, namespace: str) -> None:
+        import torch
+
+        from workers.transfer.ray_link import RayPeerLink
+
+        self.caches = list(torch.zeros(BLOCK_SHAPE[0], num_blocks, *BLOCK_SHAPE[1:]).unbind(0))
+        self.link = RayPeerLink(namespace)
+
+    def pull(self, holder: str, path: str, num_blocks: int) -> float:
+        """Seconds from asking to the last block landed; raises if a block fails to verify."""
+        token_ids = list(range(num_blocks * BLOCK_TOKENS))
+        chunks = [
+            (lo, min(lo + CHUNK_BLOCKS, num_blocks)) for lo in range(0, num_blocks, CHUNK_BLOCKS)
+        ]
+        began = time.perf_counter()
+        if path == "pickled blobs":
+            self._pull_blobs(holder, token_ids, chunks)
+        else:
+            self._pull_chunks(holder, token_ids, chunks, path.split("(")[1].rstrip(")"))
+        return time.perf_counter() - began
+
+    def _pull_chunks(
+        self, holder: str, ids: list[int], chunks: list[tuple[int, int]], mode: str
+    ) -> None:
+        from cachesvc.hashing import hash_blocks, root_hash
+        from workers.engine.kv_copy import write_host
+        from workers.transfer.chunk import chunk_key, verify_chunk
+
+        hashes = hash_blocks(ids, BLOCK_TOKENS, root_hash("0" * 32, 16, ""))
+        key = chunk_key(None)
+        for chunk in self.link.fetch(holder, ids, None, chunks, time.monotonic() + 600):
+            lo = chunk.start_block
+            run = hashes[lo : lo + chunk.num_blocks]
+            if not verify_chunk(chunk, key, mode, "0" * 32, run, BLOCK_SHAPE):
+                raise RuntimeError(f"chunk at block {lo} did not verify")
+            write_host(self.caches, _ids(lo, lo + chunk.num_blocks), list(chunk.payload))
+
+    def _pull_blobs(self, holder: str, ids: list[int], chunks: list[tuple[int, int]]) -> None:
+        import ray
+
+        from cachesvc.codec import Codec
+        from cachesvc.hashing import hash_blocks, root_hash
+        from workers.engine.kv_copy import write_host
+
+        hashes = hash_blocks(ids, BLOCK_TOKENS, root_hash("0" * 32, 16, ""))
+        codec = Codec("0" * 32, "raw")
+        handle = ray.get_actor(holder, namespace=self.link.namespace)
+        refs: list[Any] = [handle.export_blobs.remote(ids, lo, hi) for lo, hi in chunks]
+        for (lo, _), ref in zip(chunks, refs, strict=True):
+            blobs: tuple[bytes, ...] = ray.get(ref)
+            blocks = [codec.decode(b, hashes[lo + i]) for i, b in enumerate(blobs)]
+            if any(b is None for b in blocks):
+                raise RuntimeError(f"a block of the chunk at {lo} did not verify")
+            write_host(self.caches, _ids(lo, lo + len(blocks)), [b.array for b in blocks])  # type: ignore[union-attr]
+
+
+def run_paths(sizes: Sequence[int], repeats: int) -> list[PathResult]:
+    """Every path at every size, between two actors of the connected Ray cluster."""
+    import ray
+
+    namespace = ray.get_runtime_context().namespace
+    max_blocks = max(sizes) // BLOCK_TOKENS
+    results: list[PathResult] = []
+    block_bytes = int(np.prod(BLOCK_SHAPE)) * 4
+    options = {"num_cpus": 0, "max_concurrency": 8, "namespace": namespace}
+    holder_cls: Any = ray.remote(BenchHolder)
+    puller_cls: Any = ray.remote(BenchPuller)
+    holders = {
+        mode: holder_cls.options(name=f"bench-holder-{mode}", **options).remote(max_blocks, mode)
+        for mode in ("fast", "strict")
+    }
+    puller = puller_cls.options(**options).remote(max_blocks, namespace)
+    ray.get([h.ready.remote() for h in holders.values()])
+    for tokens in sizes:
+        n = tokens // BLOCK_TOKENS
+        for path in PATHS:
+            mode = "strict" if "strict" in path else "fast"
+            name = f"bench-holder-{mode}"
+            ray.get(puller.pull.remote(name, path, min(n, CHUNK_BLOCKS)))  # warm up
+            best = min(ray.get(puller.pull.remote(name, path, n)) for _ in range(repeats))
+            results.append(PathResult(path, tokens, n * block_bytes, best))
+            print(f"  {path:16s} {tokens:6d} tokens: {results[-1].gbps:.2f} GB/s", file=sys.stderr)
+    for actor in (*holders.values(), puller):
+        ray.kill(actor)
+    return results
+
+
+def format_paths(results: Sequence[PathResult], copy_gbps: float) -> str:
+    by = {(r.path, r.tokens): r for r in results}
+    rows = []
+    for r in results:
+        base = by.get(("pickled blobs", r.tokens))
+        rows.append(
+            [
+                r.tokens,
+                r.path,
+                f"{r.num_bytes / 2**20:.0f}",
+                f"{r.seconds * 1000:.0f}",
+                f"{r.gbps:.2f}",
+                f"{r.gbps / copy_gbps:.0%}",
+                f"{base.seconds / r.seconds:.1f}x" if base else "-",
+            ]
+        )
+    headers = ["tokens", "path", "MiB", "ms", "GB/s", "of memcpy", "vs pickled"]
+    return f"memory copy here: {copy_gbps:.2f} GB/s\n" + format_table(headers, rows)
+
+
+def run_kv_transfer_bench(
+    quick: bool, json_path: str | None, with_holder: bool = True, model: str | None = None
+) -> int:
+    """Blocking entry point; prints the tables, returns 0."""
+    import ray
+
+    sizes = QUICK_SIZES if quick else SIZES
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    try:
+        copy_gbps = memcpy_gbps()
+        print("pull paths:", file=sys.stderr)
+        paths = run_paths(sizes, repeats=2 if quick else 3)
+        copy_after = memcpy_gbps()
+        copy = max(copy_gbps, copy_after)
+        print("\nKV between two workers, best of the repeats:")
+        print(format_paths(paths, copy))
+        holder: dict[str, Any] = {}
+        if with_holder:
+            from cachesvc.bench.kv_transfer_holder import format_holder, run_holder
+
+            holder = run_holder(quick, model)
+            print("\nthe holder's own decode while it serves pulls:")
+            print(format_holder(holder))
+    finally:
+        ray.shutdown()
+    write_json(
+        json_path,
+        {
+            "memcpy_gbps": copy,
+            "paths": [asdict(p) | {"gbps": p.gbps} for p in paths],
+            "holder": holder,
+        },
+    )
+    return 0

@@ -1,0 +1,153 @@
+"""Part two of `cachesvc bench kv-transfer`: the holder's own decode while it serves pulls.
+
+Two real workers (the default model, or a tiny one). The holder computes a context, then decodes
+a long greedy stream, once alone and once while the other worker — with pulls on — answers
+requests for that context again and again, pulling it from the holder each time (it flushes its
+own cache between them). The stream's inter-token gaps, measured where the router would see
+them, are compared; the puller's planner's predicted pull time is set against the measured one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+from cachesvc.bench.table import format_table
+
+
+async def _stream_gaps(actor: Any, prompt: list[int], max_tokens: int) -> list[float]:
+    """Seconds between the stream's deltas after its first (the decode steps, as seen here)."""
+    from workers.sampling_params import SamplingParams
+
+    params = asdict(SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    gen = actor.generate.options(num_returns="streaming").remote(
+        prompt, params, f"bench-decode-{len(prompt)}-{prompt[-1]}", None
+    )
+    stamps: list[float] = []
+    async for ref in gen:
+        await ref
+        stamps.append(time.perf_counter())
+    return [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
+
+
+async def _pull_again_and_again(
+    puller: Any, holder_name: str, context: list[int], num_blocks: int, stop: asyncio.Event
+) -> int:
+    """Requests for the context on the puller, each pulling it from the holder; returns how
+    many ran."""
+    from workers.protocol import HolderHint
+    from workers.sampling_params import SamplingParams
+
+    params = asdict(SamplingParams(max_tokens=1, temperature=0.0))
+    hint = HolderHint(holder_name, num_blocks)
+    count = 0
+    while not stop.is_set():
+        await puller.flush.remote()
+        prompt = [*context, 7 + count % 50]
+        gen = puller.generate.options(num_returns="streaming").remote(
+            prompt, params, f"bench-pull-{count}", None, hint
+        )
+        async for ref in gen:
+            await ref
+        count += 1
+    return count
+
+
+async def _measure(
+    actors: dict[str, Any], names: dict[str, str], context: list[int], out: int
+) -> dict[str, Any]:
+    holder, puller = actors["holder"], actors["puller"]
+    alone = await _stream_gaps(holder, [*context, 1], out)
+    stop = asyncio.Event()
+    pulls = asyncio.ensure_future(
+        _pull_again_and_again(puller, names["holder"], context, len(context) // 16, stop)
+    )
+    await asyncio.sleep(0.5)  # the first pull under way before the stream starts
+    serving = await _stream_gaps(holder, [*context, 2], out)
+    stop.set()
+    num_pulls = await pulls
+    load = await puller.stats.remote()
+    t = load.tiering
+    return {
+        "context_tokens": len(context),
+        "decode_tokens": out,
+        "alone_p50_ms": p50(alone) * 1000,
+        "alone_p99_ms": percentile(alone, 0.99) * 1000,
+        "serving_p50_ms": p50(serving) * 1000,
+        "serving_p99_ms": percentile(serving, 0.99) * 1000,
+        "pulls": num_pulls,
+        "pulled_blocks": t.get("peer_pulled_blocks", 0.0),
+        "pull_failures": t.get("peer_failures", 0.0),
+        "predicted_s": t.get("peer_predicted_s", 0.0),
+        "measured_s": t.get("peer_measured_s", 0.0),
+    }
+
+
+def run_holder(quick: bool, model: str | None) -> dict[str, Any]:
+    """Two workers on the connected Ray cluster; returns the figures."""
+    import ray
+
+    from cachesvc.config import EngineConfig, TierConfig
+    from workers.actor import spawn_worker
+
+    context_len = 512 if quick else 2048
+    out = 32 if quick else 96
+    namespace = ray.get_runtime_context().namespace
+    names = {role: f"bench-{role}-worker" for role in ("holder", "puller")}
+    actors = {}
+    for role, name in names.items():
+        config = EngineConfig.from_env(
+            model=model,
+            block_size=16,
+            num_blocks=context_len // 16 * 3 + 64,
+            num_threads=1,
+            peer_pull=role == "puller",
+            tiers=TierConfig(calibrate=False, plan="fetch"),
+        )
+        actors[role] = spawn_worker(role, config, name=name, namespace=namespace)
+    try:
+        vocab = ray.get(actors["holder"].info.remote()).vocab_size
+        ray.get(actors["puller"].info.remote())
+        context = [(i * 7919 + 13) % (vocab - 10) + 5 for i in range(context_len)]
+        print(f"holder: {context_len}-token context, {out} decode steps", file=sys.stderr)
+        return asyncio.run(_measure(actors, names, context, out))
+    finally:
+        for actor in actors.values():
+            ray.kill(actor)
+
+
+def format_holder(r: dict[str, Any]) -> str:
+    if not r:
+        return "(not measured)"
+    rows = [
+        ["alone", f"{r['alone_p50_ms']:.1f}", f"{r['alone_p99_ms']:.1f}", "-", "-"],
+        [
+            f"serving {r['pulls']} pulls",
+            f"{r['serving_p50_ms']:.1f}",
+            f"{r['serving_p99_ms']:.1f}",
+            f"{r['serving_p99_ms'] / max(r['alone_p99_ms'], 1e-9):.2f}x",
+            f"{r['predicted_s']:.2f} / {r['measured_s']:.2f}",
+        ],
+    ]
+    headers = ["holder's stream", "gap p50 ms", "gap p99 ms", "p99 vs alone", "pull s pred/meas"]
+    return (
+        f"{r['context_tokens']}-token context, {r['decode_tokens']} decode steps; "
+        f"{r['pulled_blocks']:.0f} blocks pulled, {r['pull_failures']:.0f} failed pulls\n"
+        + format_table(headers, rows)
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The `q` quantile (0..1) of `values`, nearest rank; 0 when empty."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def p50(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
