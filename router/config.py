@@ -80,13 +80,17 @@ class RouterConfig:
     poll_interval_s: float = 0.05
     call_timeout_s: float = 10.0
     max_missed_polls: int = 3
-    # A ping is answered without waiting for the engine: `max_missed_polls` unanswered in a
-    # row make a worker unhealthy, and a stream waiting on it fails over (checked every
-    # `stall_check_s`). Unhealthy for `dead_after_s`, it is dead: killed, and replaced (when
-    # the router owns its workers) at most `max_replacements` times, backing off from
-    # `replace_backoff_s`; a replacement has `start_timeout_s` to load its model.
+    # A ping is answered on a thread of its own, never behind a step: `max_missed_polls`
+    # unanswered (`ping_timeout_s` each) in a row make a worker unhealthy, and a stream waiting
+    # on it fails over (checked every `stall_check_s`); an answered ping clears the count. A
+    # long step is no failure: only one that has run for `hang_after_s` (or an event loop that
+    # has not turned for that long), far longer than any real step, is a hang. A poll that times
+    # out is not a missed ping. Unhealthy for `dead_after_s`, a worker is dead: killed, and
+    # replaced (when the router owns its workers) at most `max_replacements` times, backing off
+    # from `replace_backoff_s`; a replacement has `start_timeout_s` to load its model.
     ping_timeout_s: float = 2.0
     stall_check_s: float = 0.5
+    hang_after_s: float = 120.0
     dead_after_s: float = 60.0
     max_replacements: int = 10
     replace_backoff_s: float = 1.0
@@ -147,6 +151,7 @@ class RouterConfig:
             "call_timeout_s",
             "ping_timeout_s",
             "stall_check_s",
+            "hang_after_s",
             "dead_after_s",
             "replace_backoff_s",
             "start_timeout_s",

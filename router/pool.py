@@ -4,10 +4,12 @@ The supervisor (`router/supervisor.py`) pings and polls every worker (`WorkerAct
 its load. Their KV events, with the polls or from their Redis Streams, reach the prefix index
 through the pool's `IndexSync` (`router/index_sync.py`).
 
-Health: a worker whose call fails with any Ray error, or that stops answering pings, is
+Health: a worker whose call fails with any Ray error, that stops answering pings, or whose
+answered ping says its engine or event loop has made no progress for `hang_after_s`, is
 UNHEALTHY (routed to only when no worker is healthy; its streams fail over); one that Ray says
 is dead for good is DEAD: it leaves routing and the index, and the supervisor may replace it.
-Ray is imported only inside the methods that call it.
+A poll or snapshot that times out is no verdict (the worker may be in a long step): only pings
+count. Ray is imported only inside the methods that call it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from router.index_sync import IndexSync
 from router.ray_failures import Failure, actor_state, classify, ray_error_types
 from router.worker_state import Health, WorkerState
 from workers.protocol import (
+    Heartbeat,
     HolderHint,
     PollResult,
     StreamDelta,
@@ -84,7 +87,7 @@ class WorkerPool:
         self.events = events if events is not None else make_event_source(config)
         self._workers = {w: WorkerState(w, a) for w, a in sorted(actors.items())}
         self._sync = IndexSync(
-            index, self.events, self._workers, config.call_timeout_s, self.missed
+            index, self.events, self._workers, config.call_timeout_s, self._poll_failed
         )
         self._model: ModelInfo | None = None
 
@@ -133,7 +136,7 @@ class WorkerPool:
         async with state.lock:
             state.actor, state.info, state.incarnation = actor, info, info.incarnation
             state.streamed = self.events.follows(worker, info.event_stream)
-            state.load, state.missed_polls = WorkerLoad(), 0
+            state.load, state.missed_polls, state.stalled_s = WorkerLoad(), 0, 0.0
             await self._sync.resync(state)
         await self._sync.follow(state)
         state.num_replacements += 1
@@ -258,6 +261,8 @@ class WorkerPool:
         self._sync.forget(worker)
 
     def _healthy(self, state: WorkerState) -> None:
+        if self._hung(state):
+            return  # it answers, but its engine is stuck: only a ping that says otherwise heals
         if state.health is not Health.HEALTHY:
             _log.warning("worker %s is healthy again", state.worker_id)
         state.health, state.failing_since, state.missed_polls = Health.HEALTHY, None, 0
@@ -285,7 +290,7 @@ class WorkerPool:
                     state.actor.poll.remote(since), self.config.call_timeout_s
                 )
             except ray_error_types() as exc:
-                self.missed(state, exc)
+                self._poll_failed(state, exc)
                 return None
             state.load = result.load
             self._healthy(state)
@@ -297,12 +302,37 @@ class WorkerPool:
             await self.poll(state)  # the index followed this life already: the newer events
 
     def missed(self, state: WorkerState, exc: BaseException) -> None:
-        """A poll or ping that failed; `max_missed_polls` in a row make the worker unhealthy
-        (one that failed with the process gone counts at once)."""
+        """A ping that failed; `max_missed_polls` in a row make the worker unhealthy (one that
+        failed with the process gone counts at once)."""
         state.missed_polls += 1
         gone = classify(exc) is Failure.GONE
         if gone or state.missed_polls >= self.config.max_missed_polls:
-            self.mark_unhealthy(state, f"{state.missed_polls} missed polls: {type(exc).__name__}")
+            self.mark_unhealthy(state, f"{state.missed_polls} missed pings: {type(exc).__name__}")
+
+    def answered(self, state: WorkerState, beat: Heartbeat) -> bool:
+        """A ping that answered: the missed count is cleared (the process lives, however long
+        its step). False, and the worker UNHEALTHY, when its engine or event loop has made no
+        progress for `hang_after_s`: it answers, but it is stuck."""
+        state.missed_polls, state.stalled_s = 0, beat.stalled_s
+        if self._hung(state):
+            self.mark_unhealthy(
+                state,
+                f"no progress for {beat.stalled_s:.0f} s (step {beat.step_s:.0f} s, "
+                f"event loop {beat.loop_stall_s:.0f} s)",
+            )
+            return False
+        return True
+
+    def _hung(self, state: WorkerState) -> bool:
+        return state.stalled_s > self.config.hang_after_s
+
+    def _poll_failed(self, state: WorkerState, exc: BaseException) -> None:
+        """A poll or snapshot that failed: no verdict on a worker that may be busy (its pings
+        decide), unless the failure says its process is gone."""
+        if classify(exc) is Failure.GONE:
+            self.missed(state, exc)
+        else:
+            _log.debug("worker %s did not answer a poll: %s", state.worker_id, exc)
 
 
 def _agree(infos: list[WorkerInfo]) -> ModelInfo:

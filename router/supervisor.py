@@ -3,10 +3,12 @@ worker that stopped answering into UNHEALTHY (so its streams fail over), one tha
 dead, or that failed for `dead_after_s`, into DEAD, and replaces a DEAD worker with a new actor
 when it was given a way to (`replace`), with exponential backoff and a cap.
 
-A ping (`WorkerActor.info`) is answered by the actor's event loop without waiting for the
-engine, so a long step never looks like a hang; a frozen process (SIGSTOP, a stuck node)
-misses `max_missed_polls` pings of `ping_timeout_s` in a row. State changes are logged once
-each (the pool's `mark_*`), never once per failed poll.
+A ping (`WorkerActor.ping`) is answered on a thread of the actor's own, never behind a step
+or the actor's event loop, so a long step never looks like a hang: an answered ping clears the
+missed count. A frozen process (SIGSTOP, a stuck node) misses `max_missed_polls` pings of
+`ping_timeout_s` in a row; a process that answers but whose engine step or event loop has not
+moved for `hang_after_s` is stuck. Either is UNHEALTHY. State changes are logged once each (the
+pool's `mark_*`), never once per failed poll.
 """
 
 from __future__ import annotations
@@ -70,13 +72,15 @@ class Supervisor:
             await asyncio.sleep(self.config.poll_interval_s)
 
     async def _check(self, state: WorkerState) -> None:
-        """Ping, then poll when the ping answered; settle a failing worker's fate."""
+        """Ping, then poll when the ping answered and the worker is not stuck; settle a
+        failing worker's fate."""
         try:
-            await asyncio.wait_for(state.actor.info.remote(), self.config.ping_timeout_s)
+            beat = await asyncio.wait_for(state.actor.ping.remote(), self.config.ping_timeout_s)
         except ray_error_types() as exc:
             self.pool.missed(state, exc)
         else:
-            await self.pool.poll(state)
+            if self.pool.answered(state, beat):
+                await self.pool.poll(state)
         if state.health is Health.UNHEALTHY:
             await self._settle(state)
 

@@ -27,7 +27,8 @@ class WorkerState:
     info: WorkerInfo | None = None
     health: Health = Health.HEALTHY
     load: WorkerLoad = field(default_factory=WorkerLoad)
-    missed_polls: int = 0
+    missed_polls: int = 0  # pings unanswered in a row
+    stalled_s: float = 0.0  # as its last answered ping said (`Heartbeat.stalled_s`)
     failing_since: float | None = None  # monotonic time it became unhealthy
     num_replacements: int = 0
     # Requests this router has sent and not yet seen finish, and their prompt tokens not yet

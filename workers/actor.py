@@ -4,8 +4,14 @@ What crosses the process boundary is defined in `workers/protocol.py` (plain dat
 router imports that, never this module. The engine is imported inside the actor, and ray only
 inside `spawn_worker`.
 
-KV events are numbered by the engine and collected here between steps. They are kept in a
-bounded buffer that `poll` answers from, and, when the worker was given an `EventStreamConfig`,
+Liveness: `ping` runs in a Ray concurrency group of its own (its own thread and event loop), so
+it is answered however long a step runs, and says how long the running step has run and how long
+the actor's event loop has not turned (a tick on the loop every `_TICK_S`): the router tells a
+long step from a hang by that, not by a timeout. `poll` never waits for a step either: it
+answers with the load and events of the last step boundary.
+
+KV events are numbered by the engine and collected here at every step boundary. They are kept
+in a bounded buffer that `poll` answers from, and, when the worker was given an `EventStreamConfig`,
 also handed to a `StreamPublisher` that writes them to the worker's Redis Stream from its own
 thread (collected every few milliseconds, so a router following the stream needs no poll).
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
@@ -26,6 +33,7 @@ from cachesvc.events_redis import EventStreamConfig
 from cachesvc.index import IndexSnapshot
 from cachesvc.types import BlockId
 from workers.protocol import (
+    Heartbeat,
     HolderHint,
     PollResult,
     StreamDelta,
@@ -56,6 +64,8 @@ def _exporter(engine: AsyncEngine, config: EngineConfig) -> ChunkExporter:
 
 _MAX_BUFFERED_EVENTS = 65536
 _PUBLISH_INTERVAL_S = 0.01  # how often new events are looked for, when a stream is configured
+_TICK_S = 0.1  # how often the event loop notes that it turns, for `ping`
+LIVENESS_GROUP = "liveness"  # the Ray concurrency group `ping` runs in
 _log = logging.getLogger(__name__)
 
 
@@ -86,6 +96,8 @@ class WorkerActor:
         self._engine: AsyncEngine = AsyncEngine(engine)
         # Serves peers' pulls of this worker's KV (`export_chunk`), whether or not it pulls.
         self._exporter: ChunkExporter = _exporter(self._engine, config)
+        # What a step changed reaches `poll` at its end: a poll never waits for a step.
+        self._engine.at_boundary(self._collect_events)
         self._max_queued = max_queued_requests
         # Events are kept (not drained away) so that several routers can follow one worker.
         self._events: deque[Event] = deque(maxlen=_MAX_BUFFERED_EVENTS)
@@ -94,6 +106,8 @@ class WorkerActor:
         self._publishing: asyncio.Task[None] | None = None
         self._open: set[str] = set()  # request ids of open `generate` streams
         self._closed = False
+        self._ticking: asyncio.Task[None] | None = None
+        self._last_tick: float | None = None  # monotonic; read by `ping` from its own thread
         if event_stream is not None:
             from cachesvc.events_redis import StreamPublisher
 
@@ -112,13 +126,16 @@ class WorkerActor:
         )
 
     async def info(self) -> WorkerInfo:
-        self._ensure_publishing()
+        self._ensure_tasks()
         return self._info
 
-    async def health(self) -> bool:
-        """True while the engine loop answers."""
-        await self._engine.call(lambda e: None)
-        return True
+    async def ping(self) -> Heartbeat:
+        """Answered in the `LIVENESS_GROUP` concurrency group, on a thread of its own: never
+        waits for a step nor for the actor's event loop, and touches nothing but two numbers
+        (a frozen process, SIGSTOP or a dead node, does not answer at all)."""
+        last = self._last_tick
+        stall = 0.0 if last is None else max(0.0, time.monotonic() - last - _TICK_S)
+        return Heartbeat(self._info.incarnation, self._engine.busy_s, stall)
 
     async def generate(
         self,
@@ -137,7 +154,7 @@ class WorkerActor:
         from workers.engine.engine import PromptError
         from workers.sampling_params import SamplingParams
 
-        self._ensure_publishing()
+        self._ensure_tasks()
         load = self._engine.load
         if self._closed:
             yield StreamError("resource_exhausted", "the worker is shutting down")
@@ -200,9 +217,10 @@ class WorkerActor:
 
     async def poll(self, since_seq: int | None) -> PollResult:
         """Load and KV events numbered `since_seq` and later (a gap tells the caller to
-        resync from `snapshot`); None asks for no events (the caller follows the stream)."""
-        self._ensure_publishing()
-        await self._engine.call(self._collect_events)
+        resync from `snapshot`); None asks for no events (the caller follows the stream).
+        Never waits for a step: while one runs, the answer is as of the last step boundary."""
+        self._ensure_tasks()
+        self._engine.try_call(self._collect_events)
         events = () if since_seq is None else self._events_since(since_seq)
         return PollResult(self._info.incarnation, self._load(), events, self._next_seq)
 
@@ -273,13 +291,21 @@ class WorkerActor:
             newer.append(event)
         return tuple(reversed(newer))
 
-    def _ensure_publishing(self) -> None:
-        """Start the task that collects events for the stream (on the actor's loop, which
-        only exists once a method runs)."""
+    def _ensure_tasks(self) -> None:
+        """Start the loop's tick and the task that collects events for the stream (on the
+        actor's loop, which only exists once a method runs)."""
+        loop = asyncio.get_running_loop()
+        if self._ticking is None or self._ticking.done():
+            self._ticking = loop.create_task(self._tick_forever())
         if self._publisher is None or self._closed:
             return
         if self._publishing is None or self._publishing.done():
-            self._publishing = asyncio.get_running_loop().create_task(self._publish_forever())
+            self._publishing = loop.create_task(self._publish_forever())
+
+    async def _tick_forever(self) -> None:
+        while True:
+            self._last_tick = time.monotonic()
+            await asyncio.sleep(_TICK_S)
 
     async def _publish_forever(self) -> None:
         log = self._engine.engine.pool.events
@@ -380,7 +406,10 @@ def spawn_worker(
     (e.g. "SPREAD", or a NodeAffinitySchedulingStrategy); None is Ray's default."""
     import ray
 
-    remote_cls = ray.remote(WorkerActor)
+    # Pings get a thread and event loop of their own: never queued behind a step or the loop.
+    ray.method(concurrency_group=LIVENESS_GROUP)(WorkerActor.ping)
+    remote = ray.remote(concurrency_groups={LIVENESS_GROUP: 1})  # type: ignore[call-overload]
+    remote_cls = remote(WorkerActor)
     name = name or f"cachesvc-{worker_id}-{uuid.uuid4().hex[:6]}"
     return remote_cls.options(  # type: ignore[attr-defined]
         name=name,

@@ -31,6 +31,22 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class Heartbeat:
+    """A worker's answer to a ping, from a thread of its own (never behind a step): how long
+    its engine has been inside the step running now (`step_s`, 0.0 between steps) and how long
+    its event loop has not turned (`loop_stall_s`). Long steps are normal; a stall far longer
+    than any step is a hang."""
+
+    incarnation: str
+    step_s: float
+    loop_stall_s: float
+
+    @property
+    def stalled_s(self) -> float:
+        return max(self.step_s, self.loop_stall_s)
+
+
+@dataclass(frozen=True)
 class TierBlocks:
     total: int
     used: int  # held by running requests

@@ -5,12 +5,18 @@ The Engine is not thread-safe. A background task runs `engine.step()` in a worke
 and stream. Every other touch of the engine (adding, aborting, reading counters) happens on the
 loop thread *between* steps: when no step is running it happens at once, otherwise it is queued
 and applied as soon as the step returns.
+
+Nothing that only reads waits for a step: the load is measured in the step's own thread at its
+end (its cached-prefix walk over the waiting queue never runs on the loop), and `busy_s` says,
+from any thread, how long the running step has run, so a liveness check can tell a long step
+from a hang.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -29,7 +35,9 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """How busy the engine is, as of the last step boundary.
+    """How busy the engine is. The counts of requests and blocks are those of the last change
+    between steps; `num_queued_tokens` and `tiering` are measured at the last step boundary
+    (off the event loop: the walk over every request's cached prefix is not free).
 
     `num_queued_tokens` counts tokens that still need a forward pass (prompt tokens not yet
     computed, plus one per decoding request): the work ahead of a newly arrived request. A
@@ -98,13 +106,37 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._load = _measure(engine)
+        self._stale = False  # requests came or went since `_load` was measured
+        self._boundary_hooks: list[Callable[[Engine], None]] = []
+        # Written on the loop thread, read from any (a ping's): one attribute, set whole.
+        self._busy_since: float | None = None  # monotonic start of the running step
+
+    # ---- public API -------------------------------------------------------------------------
 
     @property
     def load(self) -> EngineLoad:
-        """Counters as of the last step boundary; never blocks."""
+        """Counters as of the last step boundary (counts: of the last change); never blocks."""
         return self._load
 
-    # ---- public API -------------------------------------------------------------------------
+    @property
+    def busy_s(self) -> float:
+        """How long the running step (or exclusive run) has run, 0.0 between steps: what a
+        hang looks like from outside. Never blocks; may be read from any thread (a ping's)."""
+        since = self._busy_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
+    def at_boundary(self, hook: Callable[[Engine], None]) -> None:
+        """Run `hook(engine)` on the loop thread after every step and exclusive run (e.g. to
+        collect what the step changed); a hook that raises is logged, never fatal."""
+        self._boundary_hooks.append(hook)
+
+    def try_call(self, fn: Callable[[Engine], Any]) -> bool:
+        """Run a short `fn(engine)` now when no step is running, and say whether it ran;
+        never waits (what a running step changes reaches the `at_boundary` hooks)."""
+        if self._busy:
+            return False
+        fn(self.engine)
+        return True
 
     async def generate(
         self,
@@ -196,8 +228,7 @@ class AsyncEngine:
         for rid in rids:
             self._streams[rid] = queue
         self._groups[base] = rids
-        self._refresh()
-        self._wake.set()
+        self._recount()
         return rids
 
     def _abort_all(self, rids: Sequence[RequestId]) -> None:
@@ -206,7 +237,7 @@ class AsyncEngine:
             queue = self._streams.get(rid)
             if queue is not None:
                 queue.put_nowait(_Aborted(rid))
-        self._refresh()
+        self._recount()
 
     def _call_soon(self, fn: Callable[[], Any]) -> None:
         # Used from `finally` blocks, which must not await: run now or right after the step.
@@ -227,11 +258,15 @@ class AsyncEngine:
                 await self._run_one_exclusive(fn, future)
             elif self.engine.has_unfinished():
                 await self._step()
+            elif self._stale:  # requests went while idle: measure what is left, off the loop
+                self._stale = False
+                await self._in_thread(lambda: None)
             else:
                 self._wake.clear()
                 await self._wake.wait()
 
     async def _step(self) -> None:
+        self._stale = False  # the step's thread measures every request added so far
         try:
             outputs = await self._in_thread(self.engine.step)
         except Exception as exc:  # Engine.step undid the step; every stream ends with the error
@@ -242,9 +277,10 @@ class AsyncEngine:
             queue = self._streams.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
-        self._refresh()
+        self._boundary()
 
     async def _run_one_exclusive(self, fn: Callable[[], Any], future: asyncio.Future[Any]) -> None:
+        self._stale = False
         try:
             result = await self._in_thread(fn)
         except Exception as exc:
@@ -253,13 +289,25 @@ class AsyncEngine:
         else:
             if not future.done():
                 future.set_result(result)
+        self._boundary()
 
     async def _in_thread(self, fn: Callable[[], T]) -> T:
-        self._busy = True
+        """Run `fn` in a worker thread, then measure the load there too (the engine is still
+        the thread's alone); when `fn` raises, the load is measured later."""
+
+        def run() -> tuple[T, EngineLoad]:
+            result = fn()
+            return result, _measure(self.engine)
+
+        self._busy, self._busy_since = True, time.monotonic()
         try:
-            return await asyncio.to_thread(fn)
+            result, self._load = await asyncio.to_thread(run)
+            return result
+        except BaseException:
+            self._stale = True
+            raise
         finally:
-            self._busy = False
+            self._busy, self._busy_since = False, None
 
     def _run_deferred(self) -> None:
         while self._deferred:
@@ -284,7 +332,25 @@ class AsyncEngine:
                 self.engine.abort(rid)
         self._streams.clear()
         if abort:
-            self._refresh()
+            self._recount()
 
-    def _refresh(self) -> None:
-        self._load = _measure(self.engine)
+    def _boundary(self) -> None:
+        for hook in self._boundary_hooks:
+            try:
+                hook(self.engine)
+            except Exception:
+                _log.exception("a step-boundary hook failed")
+
+    def _recount(self) -> None:
+        """Requests came or went between steps: count them now (cheap, so admission stays
+        exact) and leave the queued tokens to be measured off the loop."""
+        engine = self.engine
+        self._load = replace(
+            self._load,
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
+            num_free_blocks=engine.pool.num_free,
+            num_cached_blocks=engine.pool.num_cached,
+        )
+        self._stale = True
+        self._wake.set()

@@ -4,6 +4,7 @@ way a stream can end early (break, cancel, abort, bad prompt) frees the request'
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -174,3 +175,72 @@ def test_queued_work_leaves_out_prefixes_the_pool_holds(engine: Engine):
         engine.abort(RequestId("hit"))
         engine.abort(RequestId("cold"))
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_a_running_step_blocks_no_reader_and_shows_in_busy_s(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+):
+    # The step is held in its thread by an event: a step as long as the test wants.
+    release = threading.Event()
+    execute = engine.runner.execute
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        assert release.wait(30), "the test never released the step"
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", held)
+    boundaries: list[int] = []
+
+    async def body(aengine: AsyncEngine) -> None:
+        aengine.at_boundary(lambda e: boundaries.append(len(e.scheduler.running)))
+        stream = aengine.generate(_prompts()[1], GREEDY)
+        first = asyncio.ensure_future(stream.__anext__())
+        while aengine.busy_s == 0.0:  # the step starts (and then stays) in its thread
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)
+        # Read from another thread, as a ping is: the step shows, nothing waits for it.
+        busy_s = await asyncio.to_thread(lambda: aengine.busy_s)
+        assert busy_s > 0.0 and not first.done()
+        assert aengine.try_call(lambda e: None) is False
+        assert aengine.load.num_waiting + aengine.load.num_running == 1
+        assert boundaries == []
+        release.set()
+        assert (await first).token_ids
+        assert boundaries and boundaries[0] == 1  # the hook ran at the step's end
+        await stream.aclose()
+
+    _run(engine, body)
+
+
+def test_the_load_s_cached_prefix_walk_never_runs_on_the_event_loop(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+):
+    threads: set[int] = set()
+    num_free_tokens = engine.kv.num_free_tokens
+
+    def spy(request: Any) -> int:
+        threads.add(threading.get_ident())
+        return num_free_tokens(request)
+
+    monkeypatch.setattr(engine.kv, "num_free_tokens", spy)
+
+    async def body(aengine: AsyncEngine) -> int:
+        loop_thread = threading.get_ident()
+        streams = [_collect(aengine, p, GREEDY) for p in _prompts()]
+        await asyncio.gather(*streams)
+        # An abort while idle leaves the load stale: it is measured off the loop too.
+        stream = aengine.generate(_prompts()[3], LONG, request_id="gone")
+        await stream.__anext__()
+        threads.clear()
+        await aengine.abort("gone")
+        async for _ in stream:
+            pass
+        for _ in range(500):  # the aborted request's tokens leave the load, measured later
+            if aengine.load.num_queued_tokens == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert aengine.load.num_queued_tokens == 0
+        return loop_thread
+
+    loop_thread = _run(engine, body)
+    assert threads and loop_thread not in threads
