@@ -27,7 +27,7 @@ _log = logging.getLogger(__name__)
 # must not add this to every request.
 _READ_YOUR_WRITES_S = 0.5
 
-# Told of a snapshot call that failed (the pool counts it as a missed poll).
+# Told of a snapshot call that failed (the pool judges it: only a process gone counts).
 Missed = Callable[[WorkerState, BaseException], None]
 
 
@@ -134,7 +134,7 @@ class IndexSync:
 
     async def resync(self, state: WorkerState) -> None:
         """Replace what the index says the worker holds with its snapshot; a snapshot call that
-        fails is a missed poll, and leaves the index as it was."""
+        fails is told to the pool, and leaves the index as it was."""
         try:
             snapshot: IndexSnapshot = await asyncio.wait_for(
                 state.actor.snapshot.remote(), self._call_timeout_s

@@ -280,7 +280,7 @@ class WorkerPool:
 
     async def poll(self, state: WorkerState) -> int | None:
         """Load, incarnation check and (unless streamed) events of one worker; returns the
-        worker's next event sequence number, None when the poll failed (a missed poll)."""
+        worker's next event sequence number, None when the poll failed (no verdict: pings judge)."""
         if state.health is Health.DEAD:
             return None
         async with state.lock:  # events of one worker are applied in order
