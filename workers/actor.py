@@ -59,7 +59,8 @@ def _exporter(engine: AsyncEngine, config: EngineConfig) -> ChunkExporter:
     from workers.engine.peer.export import ChunkExporter
     from workers.transfer.chunk import chunk_key
 
-    return ChunkExporter(engine, chunk_key(config.tiers.read_key()), config.peer_digest)
+    key = engine.engine.cache_admin.tier_key  # read once, with the engine's tiers
+    return ChunkExporter(engine, chunk_key(key), config.peer_digest)
 
 
 _MAX_BUFFERED_EVENTS = 65536
@@ -365,6 +366,7 @@ class WorkerActor:
                 ttft_ms=out.ttft_ms or 0.0,
                 decode_tokens_per_s=out.decode_tokens_per_s,
                 worker_id=self._info.worker_id,
+                lossy_kv=out.lossy_kv,
             )
         return StreamDelta(
             index, tuple(out.token_ids[start:]), out.delta_text, out.finish_reason, usage

@@ -2,9 +2,9 @@
 starting the lower tiers, attaching peers, the operations run between steps (flush, purge,
 close), and dropping the tier blocks a failed demotion left unreachable.
 
-`blocks_for_budget` and `start_tiers` run once, at the engine's start; `CacheAdmin` holds the
-device pool and the tiers (None when off), and `Engine`'s cache operations delegate to it. Only
-the engine's thread calls it.
+`blocks_for_budget` and `start_cache` run once, at the engine's start; `CacheAdmin` holds the
+device pool, the tiers (None when off) and the deployment's tier key (read once, there), and
+`Engine`'s cache operations delegate to it. Only the engine's thread calls it.
 """
 
 from __future__ import annotations
@@ -34,36 +34,47 @@ def blocks_for_budget(config: EngineConfig, model: ModelConfig, itemsize: int) -
     return max(1, config.kv_cache_mb * 2**20 // bytes_per_block)
 
 
-def start_tiers(
+def start_cache(
     config: EngineConfig,
     pool: BlockPool,
     kv: KVCacheManager,
     runner: ModelRunner,
     kv_caches: list[torch.Tensor],
     fingerprint: str,
-) -> KVTiering | None:
-    """DRAM / NVMe / Redis below the device pool, when configured (config.tiers), and the
-    load planner they share with pulls from peers (`peer_pull`); hooked into `pool` and `kv`
-    and calibrated when asked. None when neither is on."""
+) -> CacheAdmin:
+    """The tier key (`--tier-key-file`: a bad file fails the start), and DRAM / NVMe / Redis
+    below the device pool when configured (config.tiers), with the load planner they share
+    with pulls from peers (`peer_pull`), hooked into `pool` and `kv` and calibrated when
+    asked; no tiering when neither is on."""
+    key = config.tiers.read_key()
     if not config.tiers.enabled and not config.peer_pull:
-        return None
+        return CacheAdmin(config, pool, None, key)
     from workers.engine.tiering.calibration import calibrate
     from workers.engine.tiering.kv_tiering import KVTiering
 
-    tiering = KVTiering(config.tiers, pool, kv_caches, config.block_size, fingerprint)
+    tiering = KVTiering(config.tiers, pool, kv_caches, config.block_size, fingerprint, key)
     kv.tiering = tiering
     if config.tiers.calibrate:
         calibrate(tiering, runner, config.max_num_batched_tokens)
-    return tiering
+    return CacheAdmin(config, pool, tiering, key)
 
 
 class CacheAdmin:
     """The device pool and the tiers below it, for the operations that span both."""
 
-    def __init__(self, config: EngineConfig, pool: BlockPool, tiering: KVTiering | None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: BlockPool,
+        tiering: KVTiering | None,
+        tier_key: bytes | None,
+    ) -> None:
         self.config = config
         self.pool = pool
         self.tiering = tiering
+        # The deployment's secret (None without one): signs what leaves the process, blocks in
+        # the tiers and chunks to peers alike. Read once, at start.
+        self.tier_key = tier_key
         self._demote_failures_seen = 0  # of pool.num_evict_hook_failures, see after_evictions
 
     def attach_peers(self, link: PeerLink) -> None:

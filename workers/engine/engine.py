@@ -21,7 +21,7 @@ from cachesvc.config import EngineConfig
 from cachesvc.types import RequestId
 from workers.attention.schemes import make_scheme_backend
 from workers.engine.beam_search import BeamSearch
-from workers.engine.cache_admin import CacheAdmin, blocks_for_budget, start_tiers
+from workers.engine.cache_admin import blocks_for_budget, start_cache
 from workers.engine.forking import Forker
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.outputs import RequestOutput
@@ -106,10 +106,10 @@ class Engine:
         self._requests: dict[RequestId, Request] = {}  # every live request, beams included
         self._fork_plans: dict[RequestId, list[tuple[RequestId, SamplingParams]]] = {}
         self._ids = itertools.count()
-        self.tiering = start_tiers(
+        self.cache_admin = start_cache(
             config, self.pool, self.kv, self.runner, kv_caches, self.loaded.fingerprint
         )
-        self.cache_admin = CacheAdmin(config, self.pool, self.tiering)
+        self.tiering = self.cache_admin.tiering
         self.forker = Forker(self.scheduler, self.kv, self.runner)
         self.beams = BeamSearch(self.forker, self._requests, self._drop, self.max_model_len)
 
@@ -301,12 +301,15 @@ class Engine:
     def _tier_usage(self, request_id: RequestId) -> dict[str, int] | None:
         return None if self.tiering is None else self.tiering.usage(request_id)
 
+    def _lossy_kv(self, request_id: RequestId) -> bool:
+        return self.tiering is not None and self.tiering.lossy_kv(request_id)
+
     def _beam_output(self, request: Request) -> RequestOutput:
         tracked = self._track(request)
         if self.tokenizer is not None:
             tracked.text = self.tokenizer.decode(request.output_token_ids)
         tracked.num_computed = request.num_prompt_tokens - request.num_cached_tokens
-        return snapshot(tracked, tracked.text)
+        return snapshot(tracked, tracked.text, lossy_kv=self._lossy_kv(request.request_id))
 
     def _on_token(self, tracked: Tracked, token_id: int, now: float) -> RequestOutput:
         request = tracked.request
@@ -325,7 +328,8 @@ class Engine:
             self._drop(request)
             request.finish(decision.reason, now, decision.stop_reason)
             del self._tracked[request.request_id]
-        return snapshot(tracked, delta, self._tier_usage(request.request_id))
+        rid = request.request_id
+        return snapshot(tracked, delta, self._tier_usage(rid), self._lossy_kv(rid))
 
     def score(
         self,

@@ -31,3 +31,5 @@ class RequestOutput:
     num_preemptions: int
     # Cached prompt tokens by the tier they came from ("hbm" is the device pool).
     cached_tokens_by_tier: Mapping[str, int] = field(default_factory=dict)
+    # Some of the KV it was computed over came from a lossy (quantized) tier.
+    lossy_kv: bool = False

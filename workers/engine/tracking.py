@@ -27,11 +27,15 @@ class Tracked:
 
 
 def snapshot(
-    tracked: Tracked, delta: str, tier_usage: Mapping[str, int] | None = None
+    tracked: Tracked,
+    delta: str,
+    tier_usage: Mapping[str, int] | None = None,
+    lossy_kv: bool = False,
 ) -> RequestOutput:
     """The caller-facing view of a tracked request after a step.
 
     `tier_usage` splits the cached prompt tokens by tier; without it they all count as "hbm".
+    `lossy_kv`: some of its KV came from a lossy tier (`KVTiering.lossy_kv`).
     """
     r = tracked.request
     ttft = None if r.first_token_time is None else (r.first_token_time - r.arrival_time) * 1e3
@@ -57,6 +61,7 @@ def snapshot(
         num_computed_tokens=tracked.num_computed,
         num_preemptions=r.num_preemptions,
         cached_tokens_by_tier=_by_tier(r.num_cached_tokens, tier_usage),
+        lossy_kv=lossy_kv,
     )
 
 

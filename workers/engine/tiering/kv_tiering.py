@@ -15,7 +15,9 @@ them, and answer the KV manager's and the step loop's hooks (it sets the pool's 
 Beside it: `startup` builds the tiers and the cost model's priors, `pending_loads` holds the
 loads under way, `landing` writes fetched blocks into the device, `writes` copies
 blocks down (demoted on eviction, shared once popular), `usage` counts each request's
-prompt tokens per tier, `metrics` keeps the counters and flattens them for an endpoint.
+prompt tokens per tier, `lossy` marks the device KV that came from a quantized tier (or was
+computed over it) and the requests that used it, `metrics` keeps the counters and flattens them
+for an endpoint.
 
 Only the engine's thread touches the device tensors and the manager's state; the background
 thread only reads tiers.
@@ -42,6 +44,7 @@ from workers.engine.peer.pull import ChunkCheck, PeerLink, PeerPuller, is_peer
 from workers.engine.request import Request
 from workers.engine.scheduler import SchedulerOutput
 from workers.engine.tiering.landing import borrowed, land_blocks, trim_blocks
+from workers.engine.tiering.lossy import LossyKV
 from workers.engine.tiering.metrics import TieringStats, tiering_metrics
 from workers.engine.tiering.pending_loads import (
     PendingLoad,
@@ -81,7 +84,10 @@ class KVTiering:
         kv_caches: list[torch.Tensor],
         block_size: int,
         fingerprint: str,
+        key: bytes | None,
     ) -> None:
+        """`key`: the deployment's tier key (`TierConfig.read_key`, read once at the engine's
+        start), signing what leaves the process."""
         self.config = config
         self.pool = pool
         self.kv_caches = kv_caches
@@ -89,7 +95,6 @@ class KVTiering:
         self.fingerprint = fingerprint
         self.dtype = _DTYPE_NAMES[kv_caches[0].dtype]
         self.block_shape = (len(kv_caches), *kv_caches[0].shape[1:])
-        key = config.read_key()  # before building tiers: a bad key file fails the start
         self.manager = build_manager(config, pool, fingerprint, self.dtype, self.block_shape, key)
         self.costs = prior_costs(config, self.manager, self.dtype, self.block_shape)
         self.mode = config.plan  # "auto", or forced (tests, benchmarks)
@@ -101,6 +106,7 @@ class KVTiering:
         self._usage = TierUsage(block_size)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-fetch")
         self._key = key
+        self.lossy = LossyKV(pool)
         self.peers: PeerPuller | None = None  # see `attach_peers`
         self._writer = TierWriter(self.manager, pool, kv_caches, self.dtype)
         pool.on_evict = self._writer.on_evict
@@ -248,6 +254,7 @@ class KVTiering:
     def on_computed(self, request: Request) -> None:
         self.timer.on_computed(request)
         self._land_due(request, wait=True)
+        self.lossy.computed(request)
 
     def land_ready(self, request: Request) -> None:
         """Land the request's fetch if it is due and has arrived (a pull, which the engine
@@ -297,6 +304,7 @@ class KVTiering:
             request.num_cached_tokens -= missed * self.block_size  # computed after all
 
     def release(self, request: Request) -> None:
+        self.lossy.released(request)
         self.timer.drop(request.request_id)
         self.manager.unpin(self._pending.drop(request.request_id))
 
@@ -339,6 +347,10 @@ class KVTiering:
     def usage(self, request_id: RequestId) -> dict[str, int]:
         """Prompt tokens served from each tier ("hbm" for the device) for a request."""
         return self._usage.get(request_id)
+
+    def lossy_kv(self, request_id: RequestId) -> bool:
+        """Whether the request's answer came from lossy KV (a quantized tier's)."""
+        return self.lossy.used(request_id)
 
     # ---- shutdown ---------------------------------------------------------------------------
 

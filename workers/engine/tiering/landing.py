@@ -31,13 +31,16 @@ def land_blocks(
     dtype: str,
 ) -> float:
     """Write `blocks` into the request's blocks from index `first`, register them under their
-    hashes and move the request's computed tokens past them. Returns the seconds the copy into
-    the device caches took (what the cost model learns; registering is not counted)."""
+    hashes, mark the lossy ones (`BlockPool.mark_lossy`; a block whose hash another holds
+    stays the request's own, marked all the same) and move the request's computed tokens past
+    them. Returns the seconds the copy into the device caches took (what the cost model learns;
+    registering is not counted)."""
     n = len(blocks)
     ids = request.block_ids[first : first + n]
     start = time.perf_counter()
     write_blocks(kv_caches, ids, [b.array for b in blocks], dtype)
     land_s = time.perf_counter() - start
+    pool.mark_lossy(i for i, b in zip(ids, blocks, strict=True) if b.lossy)
     tokens = request.all_token_ids
     for i, (block_id, block) in enumerate(zip(ids, blocks, strict=True)):
         idx = first + i

@@ -34,6 +34,7 @@ def tiering_metrics(
         demoted=m.demoted,
         dropped=m.dropped,
         shared=m.shared,
+        lossy_refused=m.lossy_refused,
         loaded_blocks=stats.loaded_blocks,
         failed_blocks=stats.failed_blocks,
     )

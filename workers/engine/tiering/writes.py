@@ -8,6 +8,8 @@ them, shared once they are popular.
   holds is shared from there at once; one only on the device is queued and copied out after the
   step's compute (`share_queued`), since a block matched in the step it is computed in has no KV
   yet.
+* A block the pool marks lossy (`BlockPool.is_lossy`) leaves as lossy KV: the manager stores it
+  only under a quantized codec (and is not even copied out for a lossless shared tier).
 
 Only the engine's thread calls it.
 """
@@ -62,6 +64,8 @@ class TierWriter:
                 self.manager.share_held(h)
                 continue
             i = where[h]
+            if self.pool.is_lossy(block_ids[i]) and not self.manager.shares_lossy:
+                continue  # the shared tier would refuse it: not worth the copy
             self._queue.append((h, block_ids[i], hashes[i - 1] if i else parent))
 
     @torch.inference_mode()
@@ -76,5 +80,6 @@ class TierWriter:
     def _kv_block(
         self, block_id: BlockId, block_hash: BlockHash, parent: BlockHash | None
     ) -> KVBlock:
+        """A copy of a device block's KV, lossy when the pool marks it so."""
         array = read_block(self.kv_caches, block_id, self._whole)
-        return KVBlock(block_hash, parent, self.dtype, array)
+        return KVBlock(block_hash, parent, self.dtype, array, self.pool.is_lossy(block_id))
