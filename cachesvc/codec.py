@@ -36,10 +36,8 @@ values are quantized against the stored scale itself.
 Decoding gives the block back in its own dtype. A codec serves quantized blocks only of its own
 mode: a tier configured lossless never hands out lossy KV another configuration wrote.
 
-Lossy KV stays lossy: a block decoded from a quantized blob says so (`KVBlock.lossy`), and so
-does device KV computed over it (the engine marks it). No codec of a lossless mode encodes a
-lossy block (`LossyKVError`), `transcode` included: once stored losslessly it would read back as
-exact KV on every tier, worker and deployment that reads it.
+A block decoded from a quantized blob is lossy (`KVBlock.lossy`), and no lossless codec encodes
+lossy KV (`LossyKVError`, `transcode` included): stored losslessly it would read back as exact.
 """
 
 from __future__ import annotations
@@ -91,8 +89,7 @@ class CodecError(ValueError):
 
 
 class LossyKVError(ValueError):
-    """Lossy KV handed to a codec of a lossless mode: it would be stored as exact. Callers
-    check `KVBlock.lossy` / `Codec.lossless` first; this guards the rule."""
+    """Lossy KV handed to a lossless codec (callers check `Codec.lossless` first)."""
 
 
 class AuthError(CodecError):

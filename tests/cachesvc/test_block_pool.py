@@ -245,3 +245,27 @@ def test_unregister_forgets_blocks_in_use_without_the_hook() -> None:
     pool.allocate(4)
     assert calls == []  # nothing left to demote: their hashes were gone
     pool.check_integrity()
+
+
+def test_a_lossy_mark_holds_through_the_evict_hook_and_goes_with_reuse() -> None:
+    """The hook demoting an evicted block still sees its mark (so its lossy KV is not stored
+    as exact); the block handed out for new KV carries none, nor does one whose hash is reset."""
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    for blk, h in ((a, b"a"), (b, b"b"), (c, b"c")):
+        pool.register(blk, BlockHash(h), [int(blk)])
+    pool.mark_lossy([a, b])
+    assert pool.is_lossy(a) and not pool.is_lossy(c)
+    assert pool.any_lossy([c, b]) and not pool.any_lossy([c])
+    pool.free([a, b, c])  # still cached, still marked: a request matching them reads lossy KV
+    assert pool.lookup(BlockHash(b"a"), [int(a)]) == a and pool.is_lossy(a)
+    seen: list[tuple[bytes, bool]] = []
+    pool.on_evict = lambda blk, h, tokens, parent: seen.append((h, pool.is_lossy(blk)))
+    [taken] = pool.allocate(1)
+    assert taken == a and seen == [(b"a", True)] and not pool.is_lossy(a)
+    pool.check_integrity()
+    pool.free([taken])
+    assert pool.reset_cache() == 2  # b and c, with the hook
+    assert seen[1:] == [(b"b", True), (b"c", False)]
+    assert not pool.any_lossy([a, b, c])
+    pool.check_integrity()
