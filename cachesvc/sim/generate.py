@@ -78,7 +78,7 @@ def write_trace(rows: Sequence[TraceRow], path: str | Path) -> None:
     lines = (
         json.dumps(
             {
-                "timestamp": round(r.timestamp_ms, 3),
+                "timestamp": r.timestamp_ms,
                 "input_length": r.input_length,
                 "output_length": r.output_length,
                 "hash_ids": list(r.hash_ids),
