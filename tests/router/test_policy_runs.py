@@ -18,8 +18,9 @@ def _c(worker: WorkerId, queued: int = 0, blocks: int = 0) -> Candidate:
 
 
 def test_a_hot_prefix_stays_until_its_holder_is_overloaded() -> None:
-    # No worker reports its speed: the slack of 4096 tokens at the assumed one.
-    policy = PrefixAware(queue_slack_s=4096 * UNREPORTED_S_PER_TOKEN)
+    # No worker reports its speed: the slack of 4096 tokens at the assumed one. The traffic
+    # bound is off: every request going to one of two workers would trip it on its own.
+    policy = PrefixAware(queue_slack_s=4096 * UNREPORTED_S_PER_TOKEN, traffic_factor=0.0)
     request = RouteRequest(num_prompt_tokens=64 * BLOCK, block_size=BLOCK)  # 63 blocks cached
     picks = []
     for queued in range(0, 8000, 500):  # the holder's queue grows; the other worker is idle
