@@ -43,11 +43,11 @@ class RayNodes:
         return NodeAffinitySchedulingStrategy(node.node_id, soft=False)
 
 
-def node_of(actor: Any) -> str:
+def node_of(actor: Any, timeout_s: float = 120) -> str:
     """The id of the Ray node a worker actor runs on, as it reports it (`WorkerInfo`)."""
     import ray
 
-    node_id: str = ray.get(actor.info.remote(), timeout=120).node_id
+    node_id: str = ray.get(actor.info.remote(), timeout=timeout_s).node_id
     return node_id
 
 
