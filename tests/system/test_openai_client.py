@@ -126,7 +126,9 @@ def test_async_streaming_reports_cached_prompt_tokens(door: tuple[Any, Any]) -> 
     async def run() -> list[tuple[str, Any]]:
         client = openai.AsyncOpenAI(base_url=base_url(door[1]), api_key=OPERATOR, max_retries=0)
         first = await ask(client, "what is the cache hit ratio")
-        rest = await asyncio.gather(*(ask(client, f"question {i}?") for i in range(3)))
+        # The same prompt again, three at once: the router sends them where it is cached,
+        # unless that worker took more than its share lately (then one goes to the other).
+        rest = await asyncio.gather(*(ask(client, "what is the cache hit ratio") for _ in range(3)))
         await client.close()
         return [first, *rest]
 
@@ -134,8 +136,12 @@ def test_async_streaming_reports_cached_prompt_tokens(door: tuple[Any, Any]) -> 
     for _, usage in answers:
         assert usage is not None and usage.completion_tokens <= 6
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    # The later requests share the first one's system prompt: served from the KV cache.
-    assert all(u.prompt_tokens_details.cached_tokens >= 4 for _, u in answers[1:])
+    # The later requests repeat the first one's prompt: served from the KV cache (all but at
+    # most one, which the balance may send to the other worker), with the same text.
+    cached = [u.prompt_tokens_details.cached_tokens for _, u in answers]
+    assert all(0 <= c <= u.prompt_tokens for c, (_, u) in zip(cached, answers, strict=True))
+    assert sum(c >= 4 for c in cached[1:]) >= 2, cached
+    assert all(text == answers[0][0] for text, _ in answers[1:])
 
 
 def test_n_samples_seeded_stream_as_they_return_whole(door: tuple[Any, Any]) -> None:
