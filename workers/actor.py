@@ -58,9 +58,10 @@ if TYPE_CHECKING:
 def _exporter(engine: AsyncEngine, config: EngineConfig) -> ChunkExporter:
     from workers.engine.peer.export import ChunkExporter
     from workers.transfer.chunk import chunk_key
+    from workers.transfer.ray_link import put_payload
 
     key = engine.engine.cache_admin.tier_key  # read once, with the engine's tiers
-    return ChunkExporter(engine, chunk_key(key), config.peer_digest)
+    return ChunkExporter(engine, chunk_key(key), config.peer_digest, put_payload)
 
 
 _MAX_BUFFERED_EVENTS = 65536

@@ -59,17 +59,22 @@ def read_block(
     return kv_to_numpy(torch.stack([cache[block_id] for cache in kv_caches]))
 
 
-def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[BlockId]) -> torch.Tensor:
-    """A copy of blocks `block_ids` across the layers as one `[len(block_ids), layers, ...]` host
-    tensor, in one batched gather (one per layer for separate caches): what a holder stages for
-    a pull. On a device the gather runs there and one copy brings the run to the host."""
+def gather_blocks(
+    kv_caches: Sequence[torch.Tensor], block_ids: Sequence[BlockId], out: torch.Tensor
+) -> None:
+    """Copy blocks `block_ids` across the layers into `out` (a host tensor `[len(block_ids),
+    layers, ...]`), in one batched gather (one per layer for separate caches): what a holder
+    stages for a pull. `out` is best a reused buffer: fresh host memory costs its page faults,
+    which on a CPU are most of the copy. On a device the gather runs there, then one copy."""
     index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches[0].device)
     whole = layered(kv_caches)
-    if whole is not None:
-        run = torch.index_select(whole.transpose(0, 1), 0, index)
+    if whole is not None and kv_caches[0].is_cpu:
+        torch.index_select(whole.transpose(0, 1), 0, index, out=out)
+    elif whole is not None:
+        out.copy_(torch.index_select(whole.transpose(0, 1), 0, index))
     else:
-        run = torch.stack([torch.index_select(cache, 0, index) for cache in kv_caches], dim=1)
-    return run if run.is_cpu else run.to("cpu")
+        for layer, cache in enumerate(kv_caches):
+            out[:, layer].copy_(torch.index_select(cache, 0, index))
 
 
 def copy_blocks(kv_caches: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -25,6 +25,7 @@ import hmac
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -48,6 +49,9 @@ class KVChunk:
     payload: np.ndarray
     digest: bytes
     lossy: bool = False  # decoded from a quantized tier: land it marked, never as exact KV
+    # On the wire the payload may travel apart, as a Ray object of its own (`ray_link`): the
+    # holder puts it off its loop, the puller reads it in place.
+    payload_ref: Any = None
 
     @property
     def num_blocks(self) -> int:

@@ -14,6 +14,7 @@ Called from the engine's pull threads, never from the actor's event loop.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Generator, Sequence
 from typing import Any
@@ -49,11 +50,13 @@ class RayPeerLink:
             for ref in refs:
                 # A future, not `ray.get`: this thread is not the actor's event loop (Ray warns
                 # about any `ray.get` inside an async actor), and the wait is the same.
-                left = max(deadline - time.monotonic(), 0.0)
-                sent = ref.future().result(timeout=left)
+                sent = ref.future().result(timeout=_left(deadline))
                 done += 1
                 if not isinstance(sent, KVChunk):
                     raise TypeError(f"peer {peer} answered {type(sent).__name__}, not KVChunk")
+                if sent.payload_ref is not None:
+                    payload = sent.payload_ref.future().result(timeout=_left(deadline))
+                    sent = dataclasses.replace(sent, payload=payload, payload_ref=None)
                 yield sent
         except BaseException:
             self._handles.pop(peer, None)
@@ -69,6 +72,20 @@ class RayPeerLink:
             handle = ray.get_actor(peer, namespace=self.namespace)  # ValueError: no such actor
             self._handles[peer] = handle
         return handle
+
+
+def put_payload(chunk: KVChunk) -> KVChunk:
+    """The chunk with its payload copied into Ray's object store (out of band: a numpy array is
+    one copy there, and read in place by the puller), so the staging buffer it was read from can
+    serve the next chunk. Blocking: the holder calls it off its event loop."""
+    import ray
+
+    ref = ray.put(chunk.payload)
+    return dataclasses.replace(chunk, payload=chunk.payload[:0].copy(), payload_ref=ref)
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.0)
 
 
 def _cancel(ray: Any, refs: Sequence[Any]) -> None:

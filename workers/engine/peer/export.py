@@ -14,12 +14,14 @@ its own tenant. The puller's side is `workers.engine.peer.pull`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import xxhash
 
 from cachesvc.codec import KVBlock
 from cachesvc.hashing import hash_blocks, root_hash
@@ -30,6 +32,9 @@ from workers.transfer.chunk import KVChunk, chunk_digest
 if TYPE_CHECKING:  # the engine imports this package (its pull side): a type, not a cycle
     from workers.engine.async_engine import AsyncEngine
     from workers.engine.engine import Engine
+
+
+_HASHED_PROMPTS = 8  # prompts whose hashes an exporter keeps: the pulls it serves now
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,16 @@ def block_shape(engine: Engine) -> tuple[int, ...]:
     return (len(caches), *caches[0].shape[1:])
 
 
+def staging_buffer(engine: Engine, max_bytes: int) -> torch.Tensor:
+    """A host buffer for runs of at most `max_bytes` (one block at least), in the caches'
+    dtype: pinned when the caches are on a GPU, so the gather's copy to the host is one DMA."""
+    caches = engine.runner.kv_caches
+    shape = block_shape(engine)
+    per_block = int(np.prod(shape)) * caches[0].element_size()
+    num = max(1, max_bytes // per_block)
+    return torch.empty((num, *shape), dtype=caches[0].dtype, pin_memory=caches[0].is_cuda)
+
+
 @torch.inference_mode()
 def stage_run(
     engine: Engine,
@@ -81,38 +96,37 @@ def stage_run(
     cache_salt: str | None,
     start_block: int,
     end_block: int,
-    max_bytes: int,
+    buffer: torch.Tensor,
+    hashes: Sequence[BlockHash] | None = None,
 ) -> StagedRun:
     """Copy blocks `start_block .. end_block - 1` of a prompt under `cache_salt` that this engine
-    holds, up to the first it lacks and at most `max_bytes`: the device pool's run in one
-    gather, then what its local tiers hold after it. Run it between steps; does not mutate the
-    cache (tier reads count as reads)."""
-    hashes = prompt_hashes(engine, token_ids, cache_salt)[: max(0, end_block)]
-    caches = engine.runner.kv_caches
-    storage = kv_to_numpy(caches[0][:1]).dtype
-    shape = block_shape(engine)
-    max_blocks = max(1, max_bytes // (int(np.prod(shape)) * storage.itemsize))
-    end = min(len(hashes), max(0, start_block) + max_blocks)
-    device = _device_run(engine, hashes, token_ids, max(0, start_block), end)
-    parts = [kv_to_numpy(gather_blocks(caches, device))] if device else []
+    holds, up to the first it lacks and at most as many as `buffer` (`staging_buffer`) holds,
+    into `buffer`: the device pool's run in one gather, then what its local tiers hold after
+    it. The run's payload is a view of `buffer`. `hashes`: the prompt's under `cache_salt`,
+    when the caller has them already. Run it between steps; does not mutate the cache (tier
+    reads count as reads)."""
+    if hashes is None:
+        hashes = prompt_hashes(engine, token_ids, cache_salt)
+    hashes = hashes[: max(0, end_block)]
+    first = max(0, start_block)
+    end = min(len(hashes), first + buffer.shape[0])
+    device = _device_run(engine, hashes, token_ids, first, end)
+    if device:
+        gather_blocks(engine.runner.kv_caches, device, buffer[: len(device)])
+    rows = kv_to_numpy(buffer)  # a view: writing it writes the buffer
     # Lossy KV (dequantized, or computed over it) travels marked: the puller lands it marked,
     # so it never reaches a lossless tier there either.
     lossy = engine.pool.any_lossy(device)
-    tier_arrays: list[np.ndarray] = []
-    for i in range(max(0, start_block) + len(device), end):
+    num = len(device)
+    for i in range(first + num, end):
         block = held_in_tier(engine, hashes, i)
         if block is None:
             break
-        tier_arrays.append(block.array)
+        rows[num] = block.array
         lossy = lossy or block.lossy
-    if tier_arrays:
-        parts.append(np.stack(tier_arrays))
-    payload = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else None
-    if payload is None:
-        payload = np.empty((0, *shape), dtype=storage)
-    first = max(0, start_block)
-    run = tuple(hashes[first : first + payload.shape[0]])
-    return StagedRun(first, engine.config.dtype, payload, run, lossy)
+        num += 1
+    run = tuple(hashes[first : first + num])
+    return StagedRun(first, engine.config.dtype, rows[:num], run, lossy)
 
 
 def _device_run(
@@ -146,16 +160,28 @@ def seal(staged: StagedRun, key: bytes, mode: str, fingerprint: str) -> KVChunk:
 
 class ChunkExporter:
     """Serves a holder's chunks: at most `max_exports` at once (the rest wait their turn, and a
-    cancelled one leaves the queue), each staged between two steps and sealed on a thread.
-    Create and use it on the actor's event loop."""
+    cancelled one leaves the queue), each staged between two steps into a reused buffer, then
+    sealed and shipped on a thread. `ship` moves a sealed chunk's payload out of the buffer (the
+    actor's puts it into Ray's object store: `workers.transfer.ray_link.put_payload`); once it
+    returns, the buffer serves the next chunk. Create and use it on the actor's event loop."""
 
-    def __init__(self, engine: AsyncEngine, key: bytes, digest: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        key: bytes,
+        digest: str,
+        ship: Callable[[KVChunk], KVChunk],
+    ) -> None:
         config = engine.engine.config
         self.engine = engine
         self.key = key
         self.digest = digest
+        self.ship = ship
         self.max_bytes = config.peer_stage_mb << 20
         self._slots = asyncio.Semaphore(config.peer_max_exports)
+        self._hashes: OrderedDict[tuple[str | None, int, bytes], list[BlockHash]] = OrderedDict()
+        self._buffers: list[torch.Tensor] = []  # free staging buffers (page faults cost more
+        # than the copy itself on a CPU: fresh host memory for every chunk halves the rate)
         self.num_exported_chunks = 0
         self.num_exported_bytes = 0
 
@@ -163,15 +189,44 @@ class ChunkExporter:
         self, token_ids: Sequence[int], cache_salt: str | None, start_block: int, end_block: int
     ) -> KVChunk:
         """The chunk of blocks `start_block .. end_block - 1` this worker holds (its leading
-        run, maybe empty). Never waits on a step for more than one staging copy."""
+        run, maybe empty). Waits on the engine's loop for one staging copy, no more."""
+        hashes = await self._prompt_hashes(token_ids, cache_salt)
         async with self._slots:
+            buffer = self._buffers.pop() if self._buffers else self._new_buffer()
             staged = await self.engine.call(
                 lambda e: stage_run(
-                    e, token_ids, cache_salt, start_block, end_block, self.max_bytes
+                    e, token_ids, cache_salt, start_block, end_block, buffer, hashes
                 )
             )
             fingerprint = self.engine.engine.loaded.fingerprint
-            chunk = await asyncio.to_thread(seal, staged, self.key, self.digest, fingerprint)
+            shipping = asyncio.ensure_future(
+                asyncio.to_thread(self._seal_and_ship, staged, fingerprint)
+            )
+            # The buffer is free again once the payload left it, even if this call is cancelled.
+            shipping.add_done_callback(lambda _: self._buffers.append(buffer))
+            chunk = await asyncio.shield(shipping)
         self.num_exported_chunks += 1
-        self.num_exported_bytes += chunk.payload.nbytes
+        self.num_exported_bytes += staged.payload.nbytes
         return chunk
+
+    async def _prompt_hashes(
+        self, token_ids: Sequence[int], cache_salt: str | None
+    ) -> list[BlockHash]:
+        """The prompt's hashes under `cache_salt`, computed once per pull (every chunk of it
+        asks) and off the loop: a long prompt's hashing is milliseconds."""
+        ids = np.asarray(token_ids, dtype=np.uint32)
+        key = (cache_salt, len(ids), xxhash.xxh3_128_digest(ids.tobytes()))
+        hashes = self._hashes.get(key)
+        if hashes is None:
+            engine = self.engine.engine
+            hashes = await asyncio.to_thread(prompt_hashes, engine, token_ids, cache_salt)
+            self._hashes[key] = hashes
+            while len(self._hashes) > _HASHED_PROMPTS:
+                self._hashes.popitem(last=False)
+        return hashes
+
+    def _new_buffer(self) -> torch.Tensor:
+        return staging_buffer(self.engine.engine, self.max_bytes)
+
+    def _seal_and_ship(self, staged: StagedRun, fingerprint: str) -> KVChunk:
+        return self.ship(seal(staged, self.key, self.digest, fingerprint))

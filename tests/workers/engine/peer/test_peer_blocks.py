@@ -22,7 +22,7 @@ from cachesvc.calibration import DEFAULT_TIER_COSTS
 from cachesvc.config import ConfigError, EngineConfig, TierConfig
 from cachesvc.planner import TierCost
 from workers.engine.engine import Engine
-from workers.engine.peer.export import seal, stage_run
+from workers.engine.peer.export import seal, stage_run, staging_buffer
 from workers.engine.peer.pull import peer_tier
 from workers.engine.request import PeerSource
 from workers.model.loader import LoadedModel, load_model
@@ -41,7 +41,7 @@ KEY = chunk_key(None)
 
 def export(engine: Engine, prompt: Sequence[int], salt: str | None, lo: int, hi: int) -> KVChunk:
     """What the holder's actor sends for a chunk: staged, then sealed."""
-    staged = stage_run(engine, prompt, salt, lo, hi, max_bytes=1 << 30)
+    staged = stage_run(engine, prompt, salt, lo, hi, staging_buffer(engine, 1 << 30))
     return seal(staged, KEY, "fast", engine.loaded.fingerprint)
 
 
@@ -387,13 +387,13 @@ def test_staging_gathers_what_read_block_reads_and_keeps_to_its_cap(loaded: Load
 
     holder = _engine(loaded)
     _run(holder, PROMPT)
-    full = stage_run(holder, PROMPT, None, 2, NUM_FULL, max_bytes=1 << 30)
+    full = stage_run(holder, PROMPT, None, 2, NUM_FULL, staging_buffer(holder, 1 << 30))
     assert full.start_block == 2 and full.payload.shape[0] == NUM_FULL - 2
     block_id = holder.pool.lookup(full.hashes[0], PROMPT[2 * BS : 3 * BS])
     assert block_id is not None
     assert np.array_equal(full.payload[0], read_block(holder.runner.kv_caches, block_id))
     one_block = full.payload[0].nbytes
-    capped = stage_run(holder, PROMPT, None, 2, NUM_FULL, max_bytes=3 * one_block)
+    capped = stage_run(holder, PROMPT, None, 2, NUM_FULL, staging_buffer(holder, 3 * one_block))
     assert capped.payload.shape[0] == 3 and capped.hashes == full.hashes[:3]
 
 
@@ -403,7 +403,7 @@ def test_a_strict_digest_covers_the_payload(loaded: LoadedModel) -> None:
     holder = _engine(loaded)
     _run(holder, PROMPT)
     fp = holder.loaded.fingerprint
-    staged = stage_run(holder, PROMPT, None, 0, NUM_FULL, max_bytes=1 << 30)
+    staged = stage_run(holder, PROMPT, None, 0, NUM_FULL, staging_buffer(holder, 1 << 30))
     shape = staged.payload.shape[1:]
     for mode in ("fast", "strict"):
         chunk = seal(staged, KEY, mode, fp)
@@ -420,7 +420,7 @@ def test_a_strict_digest_covers_the_payload(loaded: LoadedModel) -> None:
 def test_lossy_kv_travels_marked_and_lands_marked(loaded: LoadedModel) -> None:
     holder = _engine(loaded)
     _run(holder, PROMPT)
-    staged = stage_run(holder, PROMPT, None, 0, NUM_FULL, max_bytes=1 << 30)
+    staged = stage_run(holder, PROMPT, None, 0, NUM_FULL, staging_buffer(holder, 1 << 30))
     assert not staged.lossy
     ids = [
         holder.pool.lookup(h, PROMPT[i * BS : (i + 1) * BS]) for i, h in enumerate(staged.hashes)
