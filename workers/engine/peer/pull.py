@@ -18,6 +18,7 @@ this interface.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,6 +78,9 @@ class PeerStats:
     pulled_bytes: int = 0
     predicted_s: float = 0.0  # of the pulls that answered
     measured_s: float = 0.0
+    # Blocks of the pulls planned and not yet arrived (or failed): work on its way to this
+    # worker, in its load report beside the queued tokens a pull is not.
+    in_flight_blocks: int = 0
 
     def as_dict(self) -> dict[str, float]:
         return {f"peer_{k}": float(v) for k, v in self.__dict__.items()}
@@ -119,6 +123,7 @@ class PeerPuller:
         self.timeout_s = timeout_s
         self.chunk_blocks = PULL_CHUNK_BLOCKS
         self.stats = PeerStats()
+        self._lock = threading.Lock()
         # Pulls wait on the network, not the cores: a few at once, apart from the tiers' reads.
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-peer")
 
@@ -133,9 +138,18 @@ class PeerPuller:
         """Start a pull (`read`) on a pull thread; its deadline runs from now, the moment it
         is planned, however long it waits for a thread."""
         deadline = time.monotonic() + self.timeout_s
-        return self._executor.submit(
+        num = len(hashes)
+        with self._lock:
+            self.stats.in_flight_blocks += num
+        future = self._executor.submit(
             self.read, source, token_ids, cache_salt, hashes, start_block, deadline
         )
+        future.add_done_callback(lambda _: self._arrived(num))
+        return future
+
+    def _arrived(self, num_blocks: int) -> None:
+        with self._lock:  # a pull thread's callback, beside the engine's thread
+            self.stats.in_flight_blocks -= num_blocks
 
     def cost(self, source: PeerSource) -> str:
         """The peer's tier name, its cost known to the planner (the prior until measured)."""

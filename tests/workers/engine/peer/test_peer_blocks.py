@@ -278,6 +278,7 @@ def test_engine_keeps_stepping_while_a_pull_waits(
         if busy in done:
             break
     assert busy in done and waiting not in done  # the other request ran to its end meanwhile
+    assert _stats(puller)["peer_in_flight_blocks"] == NUM_FULL  # in the load report
     # What the pull is to bring is not work the engine reports as queued.
     [request] = [r for r in puller.scheduler.running if r.request_id == waiting]
     assert puller.kv.num_free_tokens(request) == NUM_FULL * BS
@@ -288,6 +289,7 @@ def test_engine_keeps_stepping_while_a_pull_waits(
                 done[out.request_id] = list(out.token_ids)
     assert done[waiting] == reference
     assert _stats(puller)["peer_pulled_blocks"] == NUM_FULL
+    assert _stats(puller)["peer_in_flight_blocks"] == 0
     _check_pool(puller)
 
 
