@@ -4,6 +4,7 @@ with the HTTP status an OpenAI client expects (its SDK picks the exception class
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from router.domain import Exhausted, InvalidInput, RouterError, Unavailable, Unimplemented
@@ -52,8 +53,22 @@ def from_router_error(exc: BaseException) -> HttpError:
         return exc
     if isinstance(exc, RouterError):
         status, kind, code = _STATUSES.get(type(exc), (500, "server_error", None))
-        return HttpError(status, str(exc), kind, code)
+        param = param_of(str(exc)) if status == 400 else None
+        return HttpError(status, str(exc), kind, code, param)
     return HttpError(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+# A refusal's message starts with the field it is about ("max_tokens must be >= 1",
+# "messages[0].role must be ...", "logprobs is not supported ..."): OpenAI's `param`.
+_FIELD = re.compile(
+    r"^([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*)(?: is | are | must |: )"
+)
+
+
+def param_of(message: str) -> str | None:
+    """The request field a refusal's message names first, None when it names none."""
+    match = _FIELD.match(message)
+    return match.group(1) if match else None
 
 
 def error_body(err: HttpError) -> bytes:
