@@ -68,6 +68,9 @@ class CostProfile:
     land_s_per_byte: float = 0.0
     # A pull of a run of blocks from a holder.
     peer: TierReadCost = TierReadCost(*DEFAULT_TIER_COSTS["peer"])
+    # What serving a pull costs the holder: its engine stages each byte sent between two steps
+    # (a gather into a host buffer), so its next step takes that much longer.
+    stage_s_per_byte: float = 0.0
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     source: str = ""  # where the numbers come from: a measurement, or published figures
@@ -126,6 +129,7 @@ class CostProfile:
                 peer=TierReadCost(**{k: float(v) for k, v in data["peer"].items()})
                 if "peer" in data
                 else TierReadCost(*DEFAULT_TIER_COSTS["peer"]),
+                stage_s_per_byte=float(data.get("stage_s_per_byte", 0.0)),
                 max_num_batched_tokens=int(data.get("max_num_batched_tokens", 8192)),
                 max_num_seqs=int(data.get("max_num_seqs", 256)),
                 source=str(data.get("source", "")),

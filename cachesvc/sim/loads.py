@@ -10,10 +10,11 @@ the split (nothing, for a plain fetch) and then waits for the pull, but the engi
 the worker's other requests keep stepping; the pull's time never occupies the worker's compute.
 Landed blocks are registered in the pool, so the index learns that the puller holds them.
 
-The holder is not slowed by what it sends: exporting a run costs its engine a copy between
-steps, which the simulator leaves out. It sends what it holds when the pull is planned,
-including blocks registered by a step still computing them (the live holder exports between
-steps, so at most a step later).
+The holder pays for what it sends: its engine stages the run between two steps (a gather into
+a host buffer), so its next step takes `stage_s_per_byte` per byte sent longer (the profile's,
+measured by `cachesvc bench kv-transfer`); an idle holder pays nothing anyone waits for. It
+sends what it holds when the pull is planned, including blocks registered by a step still
+computing them (the live holder exports between steps, so at most a step later).
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ class SimLoads:
         cost: CostModel,
         block_size: int,
         peer_pull: bool = False,
+        stage_s_per_byte: float = 0.0,
     ) -> None:
         self.pool = pool
         self.tiers = tiers
         self.cost = cost
         self.block_size = block_size
         self.peer_pull = peer_pull
+        self.stage_s_per_byte = stage_s_per_byte  # what the holder pays per byte it sends
         self.plans: Counter[str] = Counter()
         self.pulled_blocks = 0  # landed from holders, preempted requests' included
         self.pulled_bytes = 0
@@ -157,6 +160,7 @@ class SimLoads:
         local_s = self._read_s([(name, len(h)) for name, h in _local(ranges)])
         sent = seq.peer.holder.num_held(dict(ranges)[PEER])
         peer = self.cost.tiers[PEER]
+        seq.peer.holder.charge(sent * peer.bytes_per_block * self.stage_s_per_byte)
         pull_s = peer.fetch_s(sent) if sent else peer.latency_s  # an empty answer: a round trip
         ready = now + max(local_s, pull_s)
         return PendingLoad(plan.split_block * self.block_size, ranges, ready, sent)

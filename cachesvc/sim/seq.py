@@ -24,6 +24,10 @@ class Holder(Protocol):
         would send); does not touch its cache."""
         ...
 
+    def charge(self, seconds: float) -> None:
+        """Add `seconds` to its next step: what staging a pull's blocks costs its engine."""
+        ...
+
 
 @dataclass(frozen=True)
 class SimPeer:

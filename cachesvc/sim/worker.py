@@ -54,10 +54,13 @@ class SimWorker:
             self.pool.on_evict = self._demote
         self.peer_pull = peer_pull  # plan pulls from the holders the router names
         self.cost = profile.cost_model(self.block_size, peer_pull)
-        self.loads = SimLoads(self.pool, self.tiers, self.cost, block_size, peer_pull)
+        self.loads = SimLoads(
+            self.pool, self.tiers, self.cost, block_size, peer_pull, profile.stage_s_per_byte
+        )
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
         self.busy_s = 0.0
+        self.export_s = 0.0  # of it, staging pulls for other workers
         self.num_steps = 0
         self._step: list[tuple[SimSeq, int]] = []
         # Landing a load after a step (and waiting for a split's read) delays the next one.
@@ -110,6 +113,15 @@ class SimWorker:
                 break
             n += 1
         return n
+
+    def charge(self, seconds: float) -> None:
+        """Serving a pull: its staging lengthens this worker's next step; an idle worker's
+        staging delays nobody, but it is busy all the same."""
+        self.export_s += seconds
+        if self.has_work:
+            self._carry_s += seconds  # counted in busy_s with the step it lengthens
+        else:
+            self.busy_s += seconds
 
     def add(self, seq: SimSeq) -> None:
         self.waiting.append(seq)

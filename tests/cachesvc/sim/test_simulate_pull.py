@@ -90,6 +90,21 @@ def test_pulls_give_least_loaded_more_hits_and_a_lower_ttft_p99_on_hot_prefix() 
         w.pool.check_integrity()
 
 
+def test_a_holder_pays_for_staging_what_it_sends() -> None:
+    # Each byte sent costs the holder's engine a microsecond between two of its steps (a
+    # block here is a few hundred bytes): its busy time grows by what it staged while busy.
+    requests = hot_prefix_requests(SMALL)
+    free = replay(requests, UNIT, SPEC, "least_loaded", peer_pull=True)
+    staging = dataclasses.replace(UNIT, stage_s_per_byte=1e-6)
+    paid = replay(requests, staging, SPEC, "least_loaded", peer_pull=True)
+    sent = sum(w.loads.pulled_bytes for w in paid.workers)
+    export_s = sum(w.export_s for w in paid.workers)
+    assert sent > 0 and 0 < export_s <= sent * 1e-6 + 1e-9
+    assert all(w.export_s == 0 for w in free.workers)
+    assert sum(w.busy_s for w in paid.workers) > sum(w.busy_s for w in free.workers)
+    assert CostProfile.from_json(staging.to_json()) == staging
+
+
 def test_a_peer_slower_than_recomputing_is_never_pulled() -> None:
     # Each pull would wait 10 s, longer than recomputing any prompt here: a plan has no pull,
     # not even a split, and the replay is the one without pulls.
