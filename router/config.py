@@ -54,10 +54,15 @@ class RouterConfig:
     `balance_abs_threshold` requests above the least-loaded one *and* more than
     `balance_rel_threshold` times its count, nor (while another is not) one given more than
     `balance_traffic_factor` times the candidates' mean number of recent requests, which grows a
-    second holder for a hot prefix (0 turns it off). Workers scoring within `route_tie_fraction`
-    of the prompt's length of the best are near ties: the one given the least work lately
-    (decayed with a half-life of `route_work_half_life_s` seconds) wins, which spreads new
-    prefix groups. Being per worker and in seconds, the defaults hold for any cluster size.
+    second holder for a hot prefix (0 turns it off; recent requests decay with a half-life of
+    `route_work_half_life_s` seconds). The router measures each worker's busy seconds lately
+    (time with requests, half-life `route_busy_half_life_s`); a worker with work now that was
+    busier than the mean scores `route_busy_weight` times its excess worse, as tokens of the
+    work the cluster did per busy second lately, so a cached prefix keeps a request on a busy
+    worker only while recomputing it elsewhere would cost more. Workers scoring within
+    `route_tie_fraction` of the prompt's length of the best are near ties: the least busy
+    lately (plus its queued seconds) wins, which spreads new prefix groups. Being per worker
+    and in seconds, the defaults hold for any cluster size.
 
     With `peer_pull` (and workers started with `engine.peer_pull`), a worker's score counts
     the prefix another worker holds at the worker's calibrated cost of pulling it, not of
@@ -103,6 +108,8 @@ class RouterConfig:
     route_queue_weight: float = 0.25
     route_tie_fraction: float = 0.1
     route_work_half_life_s: float = 30.0
+    route_busy_weight: float = 1.0
+    route_busy_half_life_s: float = 120.0
     peer_pull: bool = True
     # A worker with this many requests (running, waiting or in flight from this router) gets no
     # more: when every worker is that full, a call fails with RESOURCE_EXHAUSTED. None: no limit.
@@ -191,6 +198,8 @@ class RouterConfig:
             "queue_weight": self.route_queue_weight,
             "tie_fraction": self.route_tie_fraction,
             "work_half_life_s": self.route_work_half_life_s,
+            "busy_weight": self.route_busy_weight,
+            "busy_half_life_s": self.route_busy_half_life_s,
         }
 
     def _check_routing(self) -> None:
@@ -219,6 +228,16 @@ class RouterConfig:
             raise ConfigError(
                 f"route_tie_fraction must be in [0, 1] (a fraction of the prompt's length), got "
                 f"{self.route_tie_fraction}"
+            )
+        if self.route_busy_weight < 0:
+            raise ConfigError(
+                f"route_busy_weight must be >= 0 (0: busy seconds only break near ties), got "
+                f"{self.route_busy_weight}"
+            )
+        if self.route_busy_half_life_s <= 0:
+            raise ConfigError(
+                f"route_busy_half_life_s must be positive (seconds), got "
+                f"{self.route_busy_half_life_s}"
             )
         if self.route_work_half_life_s <= 0:
             raise ConfigError(

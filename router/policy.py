@@ -2,62 +2,59 @@
 
 A policy sees, per live worker, its load, its cached prefix of the request and its calibrated
 per-block costs (`Candidate`), and returns a `RouteDecision` that says why. Policies keep only a
-little state of their own (who was chosen when, the work routed lately), so they are tested with
-tables of cases and short runs of decisions.
+little state of their own (who was chosen when, the requests routed lately, how busy each
+worker was), so they are tested with tables of cases and short runs of decisions.
 """
 
 from __future__ import annotations
 
 import itertools
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from cachesvc.index import PrefixMatch
 from cachesvc.types import WorkerId
-from router.recent import RecentAmounts
-from workers.protocol import BlockCosts
+from router.costs import (
+    PEER,
+    TIER_FETCH_COST,
+    UNREPORTED_S_PER_TOKEN,
+    Candidate,
+    RouteRequest,
+    can_pull,
+    estimated_cost,
+    fetch_weights,
+    prefill_cost,
+    pull_blocks,
+    seconds_per_token,
+)
+from router.recent import BusySeconds, RecentAmounts
 
-# Cost of bringing one cached token into the device pool, relative to recomputing it (1.0), for
-# a worker that does not report its own (`BlockCosts`: only workers with lower tiers do).
-TIER_FETCH_COST: Mapping[str, float] = {"hbm": 0.0, "dram": 0.05, "nvme": 0.2, "redis": 0.3}
-_UNKNOWN_TIER_COST = 0.5
-PEER = "peer"  # the pseudo-tier of a pull from another worker, in `BlockCosts.fetch_s`
+# What a policy sees and what a request costs live in `router.costs`; named here too, where
+# policies are looked for.
+__all__ = [
+    "PEER",
+    "TIER_FETCH_COST",
+    "UNREPORTED_S_PER_TOKEN",
+    "Candidate",
+    "Policy",
+    "PrefixAware",
+    "RouteDecision",
+    "RouteRequest",
+    "can_pull",
+    "estimated_cost",
+    "fetch_weights",
+    "make_policy",
+    "policy_names",
+    "prefill_cost",
+    "pull_blocks",
+    "seconds_per_token",
+]
+
 # Requests a worker may always take above the mean, so that the first few decisions after a
 # start (or an idle spell) bound nobody; once the mean is larger, `traffic_factor` times it is
 # the bound, whatever the cluster's size (an absolute slack on top would loosen it by 2 / mean:
 # 13% at 15 recent requests a worker).
 _TRAFFIC_SLACK = 2.0
-# Seconds of prefill per token of a worker that reports no costs while no other candidate does
-# either (workers without lower tiers or pulls report none): an H100's for an 8B model
-# (`h100-llama3-8b`), so such a cluster keeps the slack it always had (2 s: 65 536 tokens).
-UNREPORTED_S_PER_TOKEN = 32.5e-6
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One live worker as a policy sees it."""
-
-    worker: WorkerId
-    num_requests: int  # running + waiting
-    num_queued_tokens: int  # tokens still to compute ahead of a new request
-    match: PrefixMatch | None = None  # its cached prefix of this request; None: nothing
-    costs: BlockCosts | None = None  # its calibrated per-block costs, when it reports them
-    # The longest prefix of this request another worker holds, that this one may pull (it
-    # counts only when the worker reports a pull cost: `BlockCosts.fetch_s["peer"]`).
-    peer_blocks: int = 0
-
-
-@dataclass(frozen=True)
-class RouteRequest:
-    """What a policy knows of the request itself."""
-
-    num_prompt_tokens: int
-    block_size: int
-    # When it is routed, in seconds on a clock that never goes back (the router's monotonic
-    # clock, the simulator's): the policies' memory of recent work decays by it.
-    now_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -144,57 +141,6 @@ class LongestPrefix:
         return RouteDecision(pick.worker, self.name, _matched(pick), reason=reason)
 
 
-def fetch_weights(candidate: Candidate) -> Mapping[str, float]:
-    """Cost of bringing one cached token into the device, relative to recomputing it, per
-    tier: the worker's own calibrated costs when it reports them, else `TIER_FETCH_COST`.
-    Never above 1: the worker's planner recomputes rather than fetch slower than that."""
-    costs = candidate.costs
-    if costs is None or costs.compute_s <= 0:
-        return TIER_FETCH_COST
-    weights = {tier: min(1.0, max(0.0, s / costs.compute_s)) for tier, s in costs.fetch_s.items()}
-    return {**TIER_FETCH_COST, **weights, "hbm": 0.0}
-
-
-def estimated_cost(request: RouteRequest, candidate: Candidate) -> float:
-    """Tokens of work before the request's first token on `candidate`: its queue, the
-    uncached part of the prompt to recompute, and the cached part to fetch from slower tiers."""
-    return candidate.num_queued_tokens + prefill_cost(request, candidate)
-
-
-def prefill_cost(request: RouteRequest, candidate: Candidate) -> float:
-    """Tokens of work of the request itself on `candidate`: the uncached part of the prompt,
-    the cached part in slower tiers weighted by its fetch cost (`fetch_weights`), and the part
-    it can pull from a holder weighted by its pull cost."""
-    match = candidate.match
-    cached_blocks = 0 if match is None else match.num_blocks
-    # The engine always computes the last prompt token itself, so a full match still costs one.
-    most = max(request.num_prompt_tokens - 1, 0)
-    matched = min(cached_blocks * request.block_size, most)
-    weights = fetch_weights(candidate)
-    fetch = 0.0
-    if match is not None:
-        for tier, num_blocks in match.blocks_by_tier.items():
-            fetch += weights.get(tier, _UNKNOWN_TIER_COST) * num_blocks * request.block_size
-    pulled = pull_blocks(request, candidate) * request.block_size
-    pulled = min(pulled, most - matched)
-    return (request.num_prompt_tokens - matched - pulled) + fetch + weights.get(PEER, 1.0) * pulled
-
-
-def can_pull(costs: BlockCosts | None) -> bool:
-    """Whether a worker with these reported costs pulls blocks from others: it reports a pull
-    cost only when its pulls are on (`BlockCosts.fetch_s["peer"]`)."""
-    return costs is not None and PEER in costs.fetch_s
-
-
-def pull_blocks(request: RouteRequest, candidate: Candidate) -> int:
-    """Blocks `candidate` would pull from the worker holding the longest prefix: what that one
-    holds beyond its own, when it pulls at all (`can_pull`)."""
-    if not can_pull(candidate.costs):
-        return 0
-    own = 0 if candidate.match is None else candidate.match.num_blocks
-    return max(0, candidate.peer_blocks - own)
-
-
 class PrefixAware:
     """Cache affinity that survives moderate load, within a bound on queued work.
 
@@ -206,23 +152,34 @@ class PrefixAware:
     makes the cluster compute the prefix again: under load that extra work delays everyone.
 
     Real overload is the bound's job, not the score's: a worker whose queued work, in seconds
-    at its own reported speed (`queued_seconds`), exceeds `queue_factor` times the least-queued
+    at its own reported speed (`seconds_per_token`), exceeds `queue_factor` times the least-queued
     worker's plus `queue_slack_s` gets no request, however well its cache matches, and neither
     does one whose request count exceeds the least-loaded worker's by more than `abs_threshold`
     *and* by a factor above `rel_threshold` (a backstop for load signals that lag). A hot prefix
     then grows a second holder instead of a queue. A worker that was given more than
-    `traffic_factor` times the mean number of recent requests over the candidates (plus two;
-    decayed like the work below) is left out too, while others are not: a prefix hot enough to
-    bring one worker that much more traffic than the rest is worth a copy elsewhere even before
-    queues grow, and an ordinary group never gets there.
+    `traffic_factor` times the mean number of recent requests over the candidates (or the mean
+    plus two while it is small; decayed with a half-life of `work_half_life_s` seconds) is left
+    out too, while others are not: a prefix hot enough to bring one worker that much more
+    traffic than the rest is worth a copy elsewhere even before queues grow, and an ordinary
+    group never gets there.
+
+    What makes a worker the busiest over minutes is rarely its queue of one instant: it is the
+    answers it decodes (whose lengths the router cannot know), the long prompts and the hot
+    prefix it holds. So the policy measures each worker's busy seconds lately (time with work,
+    seen at every decision, decayed with a half-life of `busy_half_life_s` seconds:
+    `BusySeconds`), and a worker that has work now and was busier than the candidates' mean
+    scores `busy_weight` times its excess worse, as tokens of the work the cluster did per busy
+    second lately. A cached prefix holds a request against that only while recomputing it
+    elsewhere would cost more: a short shared prompt (a system or tool prompt) spills to an
+    idler worker soon, a long conversation stays unless its holder is far busier than the rest.
+    The memory is longer than the traffic bound's (`work_half_life_s`): it evens out busy time
+    over minutes, where the bound reacts to a burst.
 
     Among the workers within bound whose score is within `tie_fraction` of the prompt's length
-    of the best, the request goes to the one that was given the least work lately (prefill
-    tokens routed to it, decayed with a half-life of `work_half_life_s` seconds). So a request
-    that nobody holds much of (a new conversation, or one whose only match is a system prompt
-    every worker holds) starts its group where work has been lightest, and groups spread by
-    the work they bring rather than by the queues of one instant; a request that a worker holds
-    a real part of stays there.
+    of the best, the request goes to the one with the fewest busy seconds lately plus queued
+    seconds to come. So a request that nobody holds much of (a new conversation, or one whose
+    only match is a system prompt every worker holds) starts its group where there has been
+    least to do; a request that a worker holds a real part of stays there.
 
     Every figure is per worker or in seconds, so one setting means the same on 2 workers and on
     128, on a CPU and on an H100.
@@ -240,6 +197,8 @@ class PrefixAware:
         tie_fraction: float = 0.1,
         work_half_life_s: float = 30.0,
         traffic_factor: float = 1.5,
+        busy_weight: float = 1.0,
+        busy_half_life_s: float = 120.0,
     ) -> None:
         self.abs_threshold = abs_threshold
         self.rel_threshold = rel_threshold
@@ -249,26 +208,30 @@ class PrefixAware:
         self.tie_fraction = tie_fraction
         self.work_half_life_s = work_half_life_s
         self.traffic_factor = traffic_factor
+        self.busy_weight = busy_weight
+        self.busy_half_life_s = busy_half_life_s
         self._recency = _Recency()
-        self._work = RecentAmounts(work_half_life_s)  # prefill tokens routed lately
         self._traffic = RecentAmounts(work_half_life_s)  # requests routed lately
+        # Seconds each worker had work lately, and the prefill tokens routed to it meanwhile.
+        self._busy = BusySeconds(busy_half_life_s)
+        self._work = RecentAmounts(busy_half_life_s)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
-        for recent in (self._work, self._traffic):
+        for recent in (self._traffic, self._work):
             recent.advance(request.now_s, (c.worker for c in candidates))
-        loaded = self._within_load_bound(request, candidates)
+        self._busy.observe(request.now_s, ((c.worker, c.num_requests > 0) for c in candidates))
+        rates = seconds_per_token(request, candidates)
+        queued = {c.worker: c.num_queued_tokens * rates[c.worker] for c in candidates}
+        loaded = self._within_load_bound(candidates, queued)
         eligible = self._within_traffic_bound(loaded, candidates)
-        scores = {
-            c.worker: self.queue_weight * c.num_queued_tokens + prefill_cost(request, c)
-            for c in eligible
-        }
+        scores = self._scores(request, candidates, eligible)
         best = min(scores.values())
         limit = best + self.tie_fraction * request.num_prompt_tokens
         near = [c for c in eligible if scores[c.worker] <= limit]
         pick = min(
             near,
             key=lambda c: (
-                self._work.get(c.worker),
+                self._busy.get(c.worker) + queued[c.worker],
                 scores[c.worker],
                 self._recency.age_key(c.worker),
                 c.worker,
@@ -279,10 +242,38 @@ class PrefixAware:
         if pulled:
             reason += f"; pulls {pulled} blocks from the holder"
         self._recency.chosen(pick.worker)
-        self._work.add(pick.worker, prefill_cost(request, pick))
+        self._busy.given(pick.worker, request.now_s)
         self._traffic.add(pick.worker, 1.0)
+        self._work.add(pick.worker, prefill_cost(request, pick))
         cost = estimated_cost(request, pick)
         return RouteDecision(pick.worker, self.name, _matched(pick), cost, reason, pulled)
+
+    def _scores(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        eligible: Sequence[Candidate],
+    ) -> dict[WorkerId, float]:
+        """Each eligible worker's score in tokens of work: its prefill of the request, a share
+        of its queue, and, while it has work, its busy seconds above the candidates' mean as
+        tokens: at the rate the candidates were given prefill tokens per busy second lately.
+
+        That rate is measured, not reported: it holds on a CPU as on an H100, with or without
+        reported costs, and it counts the decoding that a prompt brings along. An idle worker
+        serves the request at once, so its past is no reason to send its prefix elsewhere."""
+        mean_busy = self._busy.mean(c.worker for c in candidates)
+        busy_s = mean_busy * len(candidates)
+        work = sum(self._work.get(c.worker) for c in candidates)
+        tokens_per_s = work / busy_s if busy_s > 0 else 0.0
+        scores = {}
+        for c in eligible:
+            excess_s = max(0.0, self._busy.get(c.worker) - mean_busy) if c.num_requests else 0.0
+            scores[c.worker] = (
+                prefill_cost(request, c)
+                + self.queue_weight * c.num_queued_tokens
+                + self.busy_weight * excess_s * tokens_per_s
+            )
+        return scores
 
     def _within_traffic_bound(
         self, loaded: list[Candidate], candidates: Sequence[Candidate]
@@ -298,10 +289,10 @@ class PrefixAware:
         return light or loaded
 
     def _within_load_bound(
-        self, request: RouteRequest, candidates: Sequence[Candidate]
+        self, candidates: Sequence[Candidate], queued: Mapping[WorkerId, float]
     ) -> list[Candidate]:
+        """The `candidates` within both load bounds (`queued`: seconds of queued work each)."""
         least_requests = min(c.num_requests for c in candidates)
-        queued = queued_seconds(request, candidates)
         ceiling = self.queue_factor * min(queued.values()) + self.queue_slack_s
         within = [
             c
@@ -317,20 +308,6 @@ class PrefixAware:
         return within or [min(candidates, key=lambda c: (queued[c.worker], c.worker))]
 
 
-def queued_seconds(request: RouteRequest, candidates: Sequence[Candidate]) -> dict[WorkerId, float]:
-    """Each candidate's queued work in seconds: its queued tokens at its own reported prefill
-    speed (`BlockCosts.compute_s` per block). One that reports none is taken to be as fast as
-    the median of those that do (the same model, most likely the same hardware), or as
-    `UNREPORTED_S_PER_TOKEN` when none does."""
-    rates = {
-        c.worker: c.costs.compute_s / request.block_size
-        for c in candidates
-        if c.costs is not None and c.costs.compute_s > 0
-    }
-    fallback = statistics.median(rates.values()) if rates else UNREPORTED_S_PER_TOKEN
-    return {c.worker: c.num_queued_tokens * rates.get(c.worker, fallback) for c in candidates}
-
-
 def _reason(
     pick: Candidate,
     candidates: Sequence[Candidate],
@@ -339,9 +316,9 @@ def _reason(
     lowest: bool,
 ) -> str:
     """Why `pick`: what it holds compared with the longest cached prefix anywhere, which bound
-    left the holders out if one did, and how it won (the lowest score, or the least recent
-    work among near ties)."""
-    how = "lowest estimated ttft" if lowest else "least recent work among near ties"
+    left the holders out if one did, and how it won (the lowest score, or the least busy
+    among near ties)."""
+    how = "lowest estimated ttft" if lowest else "least busy lately among near ties"
     longest = max(_matched(c) for c in candidates)
     if longest == 0:
         return f"no cached prefix: {how}"

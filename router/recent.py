@@ -1,5 +1,5 @@
-"""What each worker was given lately, forgotten by time: the memory behind `prefix_aware`'s
-traffic bound and its tie-break on recent work.
+"""What each worker was given lately, and how long it was busy lately, forgotten by time: the
+memory behind `prefix_aware`'s traffic bound and its balance of busy seconds.
 
 Amounts decay with a half-life in seconds, not in decisions, so a worker's share means the same
 in a cluster of 2 workers and one of 128 with the same load per worker (with a half-life in
@@ -55,3 +55,46 @@ class RecentAmounts:
     def known(self) -> set[WorkerId]:
         """The workers remembered (seen within a half-life)."""
         return set(self._seen_s)
+
+
+class BusySeconds:
+    """Per worker, the seconds it had work lately (running or waiting requests), as seen at each
+    decision and decayed like `RecentAmounts`: from one sighting of a worker to the next, it
+    counts as busy for the whole interval when it had work at the first.
+
+    This is what a worker's accelerator spent stepping, whatever made it: long answers the
+    router cannot foresee, long prompts, or many requests. A worker's share of it is the
+    balance the router can measure, where counting requests or prompt tokens only guesses.
+    """
+
+    def __init__(self, half_life_s: float) -> None:
+        self._seconds = RecentAmounts(half_life_s)
+        self._last: dict[WorkerId, tuple[float, bool]] = {}  # when last seen, and busy then
+
+    def observe(self, now_s: float, loads: Iterable[tuple[WorkerId, bool]]) -> None:
+        """Note each worker of `loads` as seen at `now_s`, busy or not; credit the interval
+        since its last sighting to those busy then. Workers forgotten by the decay (unseen for
+        a half-life) start afresh."""
+        seen = list(loads)
+        self._seconds.advance(now_s, (w for w, _ in seen))
+        known = self._seconds.known()
+        for worker, busy in seen:
+            last = self._last.get(worker)
+            # Credited at full weight though decay began mid-interval: intervals between
+            # decisions are far shorter than a half-life.
+            if last is not None and last[1]:
+                self._seconds.add(worker, max(0.0, now_s - last[0]))
+            self._last[worker] = (now_s, busy)
+        for worker in [w for w in self._last if w not in known]:
+            del self._last[worker]
+
+    def given(self, worker: WorkerId, now_s: float) -> None:
+        """`worker` was just given a request: busy from now on, whatever its last load said."""
+        self._last[worker] = (now_s, True)
+
+    def get(self, worker: WorkerId) -> float:
+        return self._seconds.get(worker)
+
+    def mean(self, workers: Iterable[WorkerId]) -> float:
+        """The mean over `workers` (0 for none)."""
+        return self._seconds.mean(workers)

@@ -20,6 +20,7 @@ from typing import Any
 
 from cachesvc.bench.routing import Variant, variants_for
 from cachesvc.bench.table import write_json
+from cachesvc.bench.workloads import load_mooncake
 from cachesvc.sim.cost_profile import CostProfile, TierReadCost, load_profile
 from cachesvc.sim.generate import GeneratedTrace, generate_rows, write_trace
 from cachesvc.sim.loop import ClusterSpec, replay
@@ -38,6 +39,7 @@ from cachesvc.sim.trace import (
     hot_prefix_requests,
     load_trace,
     num_unique_blocks,
+    replicate_users,
     trace_requests,
 )
 
@@ -113,6 +115,9 @@ class SimulateArgs:
     # Give every cluster the load per worker this many workers get from a trace: arrivals
     # compressed by workers / scale_arrivals (None: as recorded, times `time_scale`).
     scale_arrivals: int | None = None
+    # Or give it that load by replaying workers / scale_users copies of the trace's users, each
+    # with hash ids of its own (`replicate_users`): more sessions per cluster, not faster ones.
+    scale_users: int | None = None
     max_requests: int | None = None
     sweep: str | None = None  # "workers=2,4,8" or "device-blocks=5%,20%"
     json_path: str | None = None
@@ -228,6 +233,8 @@ def load_requests(args: SimulateArgs) -> list[SimRequest]:
     if args.trace is None:
         raise ValueError("a trace workload needs --trace FILE (a Mooncake JSONL trace)")
     time_scale = args.time_scale
+    if args.scale_users is not None:
+        return _replicated_requests(args)
     if args.scale_arrivals is not None:
         if args.scale_arrivals < 1:
             raise ValueError(
@@ -240,16 +247,45 @@ def load_requests(args: SimulateArgs) -> list[SimRequest]:
     return load_trace(args.trace, time_scale, args.max_requests)
 
 
+def user_copies(args: SimulateArgs) -> int:
+    """How many copies of the trace's users a cluster of `args` replays (1 without
+    `scale_users`)."""
+    if args.scale_users is None or args.workload != "trace":
+        return 1
+    return max(1, round(args.workers / max(1, args.scale_users)))
+
+
+def _replicated_requests(args: SimulateArgs) -> list[SimRequest]:
+    """The trace's users copied to give the cluster the load per worker `scale_users` workers
+    get from it: workers / scale_users copies, rounded; what rounding leaves (32 workers at
+    --scale-users 12: 3 copies for 2.67) is made up by scaling the arrivals."""
+    per = args.scale_users
+    if per is None or per < 1:
+        raise ValueError(f"--scale-users must be a number of workers, not {per}")
+    if args.scale_arrivals is not None or args.like_bench_routing:
+        raise ValueError("--scale-users replaces --scale-arrivals and --like-bench-routing")
+    assert args.trace is not None
+    copies = user_copies(args)
+    rows = replicate_users(load_mooncake(args.trace)[: args.max_requests], copies)
+    return trace_requests(rows, args.time_scale * copies * per / args.workers)
+
+
+def cluster_spec(args: SimulateArgs, requests: Sequence[SimRequest]) -> ClusterSpec:
+    """The cluster of `args` for its `requests`. A share of the trace's blocks is a share of one
+    copy's (`user_copies`): copies of the users bring more workers of the same size."""
+    unique = num_unique_blocks(requests) // user_copies(args)
+    return spec_for(args, unique, requests[0].block_size)
+
+
 def simulate(args: SimulateArgs) -> list[SimSummary]:
     """Every policy of `args` on every cluster of `args`, each over its requests."""
     profile = profile_for(args)
     summaries = []
     for label, run_args in clusters(args):
         requests = load_requests(run_args)
-        unique = num_unique_blocks(requests)
         oracle = oracle_ratio(requests)
-        spec = spec_for(run_args, unique, requests[0].block_size)
-        _describe(run_args, label, requests, spec, unique)
+        spec = cluster_spec(run_args, requests)
+        _describe(run_args, label, requests, spec, num_unique_blocks(requests))
         for v in variants(args):
             options = args.policy_options if v.policy == "prefix_aware" else {}
             run = replay(requests, profile, spec, v.policy, options, v.peer_pull)

@@ -68,6 +68,31 @@ def load_trace(
     return trace_requests(load_mooncake(path)[:max_requests], time_scale)
 
 
+def replicate_users(rows: Sequence[TraceRow], copies: int) -> list[TraceRow]:
+    """`copies` copies of the trace's users: each copy's hash ids are its own (a copy shares no
+    block with another), so a bigger cluster sees more sessions of the same shapes rather than
+    the same sessions faster. Copy c arrives c / copies of the trace's mean gap between requests
+    after the original: the copies keep the trace's own rhythm (its bursts, per worker, stay as
+    big as in the original on `copies` times the workers) without arriving at the same instant.
+    """
+    if copies < 1:
+        raise ValueError(f"a trace needs at least one copy of its users, got {copies}")
+    if copies == 1 or not rows:
+        return list(rows)
+    stride = max(max(r.hash_ids) for r in rows) + 1
+    times = [r.timestamp_ms for r in rows]
+    gap_ms = (max(times) - min(times)) / len(rows)
+    return [
+        dataclasses.replace(
+            r,
+            timestamp_ms=r.timestamp_ms + c * gap_ms / copies,
+            hash_ids=tuple(h + c * stride for h in r.hash_ids),
+        )
+        for c in range(copies)
+        for r in rows
+    ]
+
+
 def trace_requests(rows: Sequence[TraceRow], time_scale: float = 1.0) -> list[SimRequest]:
     """Mooncake rows as requests in arrival order, in seconds from the first arrival,
     multiplied by `time_scale`."""

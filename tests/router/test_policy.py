@@ -239,7 +239,7 @@ def test_a_departed_worker_weighs_nothing_in_the_mean() -> None:
     _give(policy, {W0: 3, W1: 1, W2: 1, WorkerId("w3"): 20}, rounds=20)
     assert _hot_choice(policy, [W0, W1, W2], now_s=19.0) == SHARE
     _give(policy, {W1: 1}, rounds=1)  # time passes (a half-life and more)
-    policy.choose(RouteRequest(64, 16, 60.0), [_c(W1)])
+    policy.choose(RouteRequest(64, 16, 20.0 + policy.work_half_life_s), [_c(W1)])
     assert "w3" not in policy._traffic.known(), "forgotten after a half-life away"
 
 

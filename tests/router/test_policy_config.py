@@ -19,6 +19,8 @@ def test_the_config_reaches_the_policy() -> None:
         route_queue_weight=0.5,
         route_tie_fraction=0.2,
         route_work_half_life_s=10.0,
+        route_busy_weight=0.5,
+        route_busy_half_life_s=60.0,
     )
     policy = make_policy("prefix_aware", **config.policy_options())
     assert isinstance(policy, PrefixAware)
@@ -26,6 +28,7 @@ def test_the_config_reaches_the_policy() -> None:
     assert (policy.queue_factor, policy.queue_slack_s) == (1.5, 3.0)
     assert (policy.queue_weight, policy.tie_fraction) == (0.5, 0.2)
     assert (policy.work_half_life_s, policy.traffic_factor) == (10.0, 0.0)
+    assert (policy.busy_weight, policy.busy_half_life_s) == (0.5, 60.0)
     for name in ("round_robin", "least_loaded"):  # they take no thresholds and ignore them
         assert make_policy(name, **config.policy_options()).name == name
 
@@ -39,6 +42,8 @@ def test_the_config_reaches_the_policy() -> None:
         ("route_queue_weight", 1.5, r"route_queue_weight must be in \[0, 1\]"),
         ("route_tie_fraction", -0.1, r"route_tie_fraction must be in \[0, 1\]"),
         ("route_work_half_life_s", 0.0, "route_work_half_life_s must be positive"),
+        ("route_busy_weight", -0.1, "route_busy_weight must be >= 0"),
+        ("route_busy_half_life_s", 0.0, "route_busy_half_life_s must be positive"),
         ("balance_rel_threshold", 0.5, "balance_rel_threshold must be >= 1"),
     ],
 )

@@ -1,6 +1,6 @@
 """prefix_aware over runs of decisions: affinity survives a growing queue until the bound,
-groups spread by the work routed lately, a prefix everyone holds pins nothing, and one that
-takes most requests grows a copy."""
+groups spread by how busy the workers were lately, a prefix everyone holds pins nothing, and
+one that takes most requests grows a copy."""
 
 from __future__ import annotations
 
@@ -31,16 +31,20 @@ def test_a_hot_prefix_stays_until_its_holder_is_overloaded() -> None:
     assert {r for q, _, r in picks if q > 4096} == {"bounded: holder overloaded"}
 
 
-def test_new_groups_go_where_work_was_lightest() -> None:
+def test_new_groups_go_where_workers_were_least_busy() -> None:
+    # W0 keeps its requests (long answers, say), W1 and W2 finish theirs within a second; new
+    # groups arrive every second. Counted in prefill tokens given, W0 would get every third.
     policy = PrefixAware()
-    big, small = RouteRequest(4096, BLOCK), RouteRequest(256, BLOCK)
-    assert policy.choose(big, [_c(W0), _c(W1), _c(W2)]).worker == W0
-    # W0 was given 4096 tokens: the next groups start elsewhere, smallest work first.
-    assert policy.choose(small, [_c(W0), _c(W1), _c(W2)]).worker == W1
-    assert policy.choose(small, [_c(W0), _c(W1), _c(W2)]).worker == W2
-    assert policy.choose(small, [_c(W0), _c(W1), _c(W2)]).worker == W1
+    picks = []
+    for second in range(12):
+        candidates = [Candidate(W0, 3, 0), _c(W1), _c(W2)]
+        picks.append(policy.choose(RouteRequest(256, BLOCK, float(second)), candidates).worker)
+    assert picks[0] == W0, "all idle at first"
+    assert W0 not in picks[1:], "busy ever since: no new group"
+    assert picks[1:] == [W1, W2] * 5 + [W1], "the idle ones take turns"
     # ... unless that worker would start it much later than the fastest.
-    decision = policy.choose(small, [_c(W0, queued=50_000), _c(W1, queued=50_000), _c(W2)])
+    late = RouteRequest(256, BLOCK, 12.0)
+    decision = policy.choose(late, [_c(W0, queued=50_000), _c(W1, queued=50_000), _c(W2)])
     assert decision.worker == W2
 
 

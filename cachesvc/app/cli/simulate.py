@@ -20,6 +20,8 @@ _POLICY_FIELDS = (
     "route_queue_weight",
     "route_tie_fraction",
     "route_work_half_life_s",
+    "route_busy_weight",
+    "route_busy_half_life_s",
 )
 
 
@@ -94,7 +96,21 @@ def add_simulate_parser(sub: Any) -> None:
         help="give every cluster the load per worker N workers get from the trace: arrivals "
         "compressed by workers/N (on top of --time-scale), e.g. 8 with --sweep workers=8,32,128",
     )
-    sim.add_argument("--max-requests", type=int, default=None, help="replay the first N only")
+    sim.add_argument(
+        "--scale-users",
+        type=int,
+        default=None,
+        metavar="N",
+        help="give every cluster the load per worker N workers get from the trace by replaying "
+        "workers/N copies of its users, each with its own hash ids (more sessions, each at the "
+        "trace's pace), e.g. 8 with --sweep workers=8,32,128; instead of --scale-arrivals",
+    )
+    sim.add_argument(
+        "--max-requests",
+        type=int,
+        default=None,
+        help="replay the first N only (of the original trace, before --scale-users copies it)",
+    )
     sim.add_argument(
         "--like-bench-routing",
         action="store_true",
@@ -185,6 +201,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             policy_options=config.policy_options(),
             time_scale=args.time_scale,
             scale_arrivals=args.scale_arrivals,
+            scale_users=args.scale_users,
             max_requests=args.max_requests,
             sweep=args.sweep,
             json_path=args.json_path,
