@@ -30,7 +30,7 @@ from cachesvc.config import EngineConfig, TierConfig
 from cachesvc.tiers.tier_manager import TierManager
 from cachesvc.types import BlockId
 from workers.engine.engine import Engine
-from workers.engine.peer.export import seal, stage_run
+from workers.engine.peer.export import seal, stage_run, staging_buffer
 from workers.engine.request import PeerSource
 from workers.sampling_params import SamplingParams
 from workers.transfer.chunk import KVChunk, chunk_key
@@ -187,7 +187,8 @@ class _Holder:
     ) -> Iterator[KVChunk]:
         for lo, hi in chunks:
             assert time.monotonic() < deadline
-            staged = stage_run(self.engine, token_ids, cache_salt, lo, hi, max_bytes=1 << 30)
+            buffer = staging_buffer(self.engine, 1 << 30)
+            staged = stage_run(self.engine, token_ids, cache_salt, lo, hi, buffer)
             yield seal(staged, chunk_key(None), "fast", self.engine.loaded.fingerprint)
 
 
