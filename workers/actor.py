@@ -32,6 +32,7 @@ from cachesvc.events import TIER_HBM, Event
 from cachesvc.events_redis import EventStreamConfig
 from cachesvc.index import IndexSnapshot
 from cachesvc.types import BlockId
+from workers.deltas import ray_node, stream_delta
 from workers.protocol import (
     Heartbeat,
     HolderHint,
@@ -39,7 +40,6 @@ from workers.protocol import (
     StreamDelta,
     StreamError,
     TierBlocks,
-    Usage,
     WorkerInfo,
     WorkerLoad,
 )
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from cachesvc.events_redis import StreamPublisher
     from workers.engine.async_engine import AsyncEngine
     from workers.engine.engine import Engine
-    from workers.engine.outputs import RequestOutput
     from workers.engine.peer.export import ChunkExporter
     from workers.transfer.chunk import KVChunk
 
@@ -124,7 +123,7 @@ class WorkerActor:
             device=config.device,
             event_stream=None if self._publisher is None else self._publisher.key,
             actor_name=actor_name,
-            **_ray_node(),
+            **ray_node(),
         )
 
     async def info(self) -> WorkerInfo:
@@ -179,7 +178,7 @@ class WorkerActor:
         try:
             stream = self._engine.generate(prompt_ids, sampling, request_id, cache_salt, peer)
             async for out in stream:
-                yield self._delta(out, request_id, sampling.n, sent)
+                yield stream_delta(out, request_id, sampling.n, sent, self._info.worker_id)
         except PromptError as exc:
             yield StreamError("invalid_argument", f"prompt: {exc}")
         finally:
@@ -350,41 +349,6 @@ class WorkerActor:
             dict(load.tiering),
             costs,
         )
-
-    def _delta(
-        self, out: RequestOutput, request_id: str, n: int, sent: dict[int, int]
-    ) -> StreamDelta:
-        index = 0 if n == 1 else int(out.request_id[len(request_id) + 1 :])
-        start = sent.get(index, 0)
-        sent[index] = len(out.token_ids)
-        usage = None
-        if out.finished:
-            usage = Usage(
-                prompt_tokens=len(out.prompt_token_ids),
-                completion_tokens=len(out.token_ids),
-                cached_tokens=dict(out.cached_tokens_by_tier) or {TIER_HBM: out.num_cached_tokens},
-                computed_tokens=out.num_computed_tokens,
-                ttft_ms=out.ttft_ms or 0.0,
-                decode_tokens_per_s=out.decode_tokens_per_s,
-                worker_id=self._info.worker_id,
-                lossy_kv=out.lossy_kv,
-            )
-        return StreamDelta(
-            index, tuple(out.token_ids[start:]), out.delta_text, out.finish_reason, usage
-        )
-
-
-def _ray_node() -> dict[str, str | None]:
-    """The id and IP address of the Ray node this process runs on (`WorkerInfo` fields), so an
-    operator sees where a worker landed; None outside Ray (an actor made in-process)."""
-    import ray
-
-    if not ray.is_initialized():
-        return {"node_id": None, "node_ip": None}
-    return {
-        "node_id": ray.get_runtime_context().get_node_id(),
-        "node_ip": ray.util.get_node_ip_address(),
-    }
 
 
 def spawn_worker(

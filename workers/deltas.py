@@ -1,0 +1,50 @@
+"""What a worker actor sends: stream deltas built from the engine's snapshots, and where it runs.
+Plain translation, no state: the actor (`workers.actor`) stays a thin edge."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cachesvc.events import TIER_HBM
+from workers.protocol import StreamDelta, Usage
+
+if TYPE_CHECKING:
+    from workers.engine.outputs import RequestOutput
+
+
+def stream_delta(
+    out: RequestOutput, request_id: str, n: int, sent: dict[int, int], worker_id: str
+) -> StreamDelta:
+    """The delta of one sample's snapshot `out` of request `request_id` (of `n` samples): the
+    tokens not sent yet (`sent` counts them per sample, updated), and its usage at its end."""
+    index = 0 if n == 1 else int(out.request_id[len(request_id) + 1 :])
+    start = sent.get(index, 0)
+    sent[index] = len(out.token_ids)
+    usage = None
+    if out.finished:
+        usage = Usage(
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=len(out.token_ids),
+            cached_tokens=dict(out.cached_tokens_by_tier) or {TIER_HBM: out.num_cached_tokens},
+            computed_tokens=out.num_computed_tokens,
+            ttft_ms=out.ttft_ms or 0.0,
+            decode_tokens_per_s=out.decode_tokens_per_s,
+            worker_id=worker_id,
+            lossy_kv=out.lossy_kv,
+        )
+    return StreamDelta(
+        index, tuple(out.token_ids[start:]), out.delta_text, out.finish_reason, usage
+    )
+
+
+def ray_node() -> dict[str, str | None]:
+    """The id and IP address of the Ray node this process runs on (`WorkerInfo` fields), so an
+    operator sees where a worker landed; None outside Ray (an actor made in-process)."""
+    import ray
+
+    if not ray.is_initialized():
+        return {"node_id": None, "node_ip": None}
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(),
+    }
