@@ -61,7 +61,7 @@ def add_bench_parser(sub: Any) -> None:
         "kv-transfer", help="KV between two workers: each path's GB/s, the holder's decode"
     )
     kv.add_argument("--json", dest="json_path", help="also write the results to this file")
-    kv.add_argument("--quick", action="store_true", help="1K/4K tokens; a 512-token context for the holder")
+    kv.add_argument("--quick", action="store_true", help="1K/4K tokens, a 512-token holder")
     kv.add_argument("--model", default=None, help="the holder part's model (default: SmolLM2)")
     kv.add_argument("--paths-only", action="store_true", help="skip the holder part")
     _add_routing_bench_parser(bench_sub)
