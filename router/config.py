@@ -56,8 +56,8 @@ class RouterConfig:
     `balance_traffic_factor` times the candidates' mean number of recent requests, which grows a
     second holder for a hot prefix (0 turns it off; recent requests decay with a half-life of
     `route_work_half_life_s` seconds). The router measures each worker's busy seconds lately
-    (time with requests, half-life `route_busy_half_life_s`); a worker with work now that was
-    busier than the mean scores `route_busy_weight` times its excess worse, as tokens of the
+    (time with requests, half-life `route_busy_half_life_s`); a worker that was busier than
+    the mean scores `route_busy_weight` times its excess worse, as tokens of the
     work the cluster did per busy second lately, so a cached prefix keeps a request on a busy
     worker only while recomputing it elsewhere would cost more. Workers scoring within
     `route_tie_fraction` of the prompt's length of the best are near ties: the least busy

@@ -47,9 +47,9 @@ def _keep_busy(policy: PrefixAware, seconds: int, blocks_each: int = 10) -> None
         policy.choose(RouteRequest(blocks_each * BLOCK, BLOCK, float(second)), candidates)
 
 
-def _held_by_w0(cached_blocks: int, w0_requests: int = 1) -> list[Candidate]:
+def _held_by_w0(cached_blocks: int) -> list[Candidate]:
     match = PrefixMatch(W0, cached_blocks, {"hbm": cached_blocks})
-    return [Candidate(W0, w0_requests, 0, match), Candidate(W1, 0, 0), Candidate(W2, 0, 0)]
+    return [Candidate(W0, 1, 0, match), Candidate(W1, 0, 0), Candidate(W2, 0, 0)]
 
 
 @pytest.mark.parametrize(
@@ -73,13 +73,6 @@ def test_a_busy_holder_keeps_what_would_cost_more_to_recompute(
     unweighted = PrefixAware(busy_weight=0.0)
     _keep_busy(unweighted, 30)
     assert unweighted.choose(request, _held_by_w0(cached_blocks)).worker == W0
-
-
-def test_an_idle_holder_keeps_its_prefix_whatever_its_past() -> None:
-    policy = PrefixAware()
-    _keep_busy(policy, 30)
-    request = RouteRequest(14 * BLOCK, BLOCK, 30.0)
-    assert policy.choose(request, _held_by_w0(4, w0_requests=0)).worker == W0
 
 
 def test_busy_seconds_weigh_as_the_work_the_cluster_did_in_them() -> None:

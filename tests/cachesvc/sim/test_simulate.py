@@ -182,7 +182,11 @@ def test_affinity_keeps_families_together(write_trace: WriteTrace) -> None:
     spec = ClusterSpec(3, device_blocks=64)  # round robin does not line up with 4 families
     aware = summarize(replay(requests, UNIT, spec, "prefix_aware"), requests)
     blind = summarize(replay(requests, UNIT, spec, "round_robin"), requests)
-    assert aware.ratio_to_oracle == pytest.approx(1.0)
+    # Four families on three workers: the one holding two is the busiest, and balancing busy
+    # time moves a family once (its next request recomputes what it had).
+    assert aware.ratio_to_oracle > 0.95
+    pinned = summarize(replay(requests, UNIT, spec, "prefix_aware", {"busy_weight": 0}), requests)
+    assert pinned.ratio_to_oracle == pytest.approx(1.0)
     assert blind.hit_ratio < aware.hit_ratio
     assert "no cached prefix" in " ".join(aware.decisions)
 
