@@ -1,5 +1,5 @@
 """A request on a simulated worker: its counters, the load pending on it, the holder it may pull
-from. The engine's `Request` without tokens; `simulate_worker` schedules it, `simulate_load`
+from. The engine's `Request` without tokens; `worker` schedules it, `loads`
 plans and lands what its tiers and a holder add to it."""
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 the router's own policies, prefix index and block pools, without a model; time comes from a
 cost profile.
 
-Pieces, one file each: `simulate_trace` (the requests and the oracle), `simulate_profile` (the
-clock), `simulate_tier`, `simulate_seq`, `simulate_load` and `simulate_worker` (one worker's
-tiers, requests, loads and scheduler), `simulate_loop` (the event loop and the router),
-`simulate_report` (what is printed), `simulate_calibrate` (a profile measured here). This module
+Pieces, one file each in this package: `trace` (the requests and the oracle), `generate` (a
+generated trace), `cost_profile` (the clock), `tier`, `seq`, `loads` and `worker` (one worker's
+tiers, requests, loads and scheduler), `loop` (the event loop and the router), `report` (what
+is printed), `calibrate` (a profile measured here). This module
 runs policies (each with or without pulls between workers: "least_loaded+pull") over one
 cluster, or a sweep of clusters.
 """

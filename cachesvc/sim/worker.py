@@ -6,7 +6,7 @@ waiting ones in arrival order within the token budget; blocks are allocated per 
 request's full prompt blocks are registered when scheduled (so a request admitted in the same
 step shares them); when blocks run out the newest running request is preempted and recomputed
 later. A waiting request's match walks the pool, then, with lower tiers or pulls from other
-workers, the real `TierManager` and planner decide what to load (`simulate_load`). A request
+workers, the real `TierManager` and planner decide what to load (`loads`). A request
 whose pull has not arrived computes nothing but holds its place among the running ones, as in
 the engine; the event loop wakes an idle worker when its first pull arrives (`next_pull_s`).
 
