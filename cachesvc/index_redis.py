@@ -31,9 +31,17 @@ from typing import Any
 
 from cachesvc.events import BlockMoved, BlockRemoved, BlockStored, Cleared, Event
 from cachesvc.index import TIER_ORDER, IndexSnapshot, PrefixMatch
+from cachesvc.tiers.breaker import CircuitBreaker
 from cachesvc.types import BlockHash, WorkerId
 
 _log = logging.getLogger(__name__)
+# The request path's reads (a prompt's prefix, the purge epoch) give Redis this long, on the
+# router's event loop; updates from the workers' events (a resync's script can be long) get
+# UPDATE_TIMEOUT_S, on that loop too.
+LOOKUP_TIMEOUT_S = 0.05
+UPDATE_TIMEOUT_S = 0.25
+_MAX_FAILURES = 3  # failures in a row that open the breaker
+_COOLDOWN_S = 5.0  # then one probe every this often
 
 # Shared by every script: tier bit helpers over the block entries of one worker.
 _LUA_HELPERS = """
@@ -190,8 +198,21 @@ class RedisPrefixIndex:
     the same namespace, and two deployments whose worker ids overlap must not.
     """
 
-    def __init__(self, client: Any, namespace: str = "cachesvc") -> None:
+    def __init__(
+        self,
+        client: Any,
+        namespace: str = "cachesvc",
+        lookup_client: Any = None,
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
         self._client = client
+        # The reads every request makes (its prefix, the purge epoch) go through a client with a
+        # short timeout, and every call through one breaker: a Redis that stops answering costs
+        # a few timeouts, then none until a probe, however many requests arrive (these calls
+        # run on the router's event loop).
+        self._lookup_client = lookup_client or client
+        self._breaker = breaker or CircuitBreaker(_MAX_FAILURES, _COOLDOWN_S)
+        self.num_skipped = 0  # calls not made while the breaker was open
         self._prefix = f"{namespace}:{{index}}:"
         self._apply = client.register_script(_APPLY)
         self._resync = client.register_script(_RESYNC)
@@ -211,18 +232,21 @@ class RedisPrefixIndex:
         from redis.retry import Retry
 
         # No retries with backoff: a router must not stall its requests on a Redis outage.
-        client = redis.Redis.from_url(
-            url,
-            decode_responses=True,
-            socket_timeout=1.0,
-            socket_connect_timeout=1.0,
-            retry=Retry(NoBackoff(), 0),
-        )
+        def connect(timeout_s: float) -> Any:
+            return redis.Redis.from_url(
+                url,
+                decode_responses=True,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),
+            )
+
+        client = connect(UPDATE_TIMEOUT_S)
         try:
             client.ping()
         except redis.RedisError as exc:
             raise ConnectionError(f"--redis-url {url}: Redis is not reachable: {exc}") from exc
-        return cls(client, namespace)
+        return cls(client, namespace, lookup_client=connect(LOOKUP_TIMEOUT_S))
 
     # ---- updates ----------------------------------------------------------------------------
 
@@ -246,7 +270,7 @@ class RedisPrefixIndex:
         if not hashes:
             return {}
         args = [self._prefix, len(TIER_ORDER), *(h.hex() for h in hashes)]
-        flat = self._call(self._lookup, args, default=[])
+        flat = self._call(self._lookup, args, default=[], client=self._lookup_client)
         width = len(TIER_ORDER) + 1
         out: dict[WorkerId, PrefixMatch] = {}
         for i in range(0, len(flat), width):
@@ -273,7 +297,8 @@ class RedisPrefixIndex:
     def purge_epoch(self) -> int:
         # Read on every request: another router's purge must take effect at once here too. On
         # a Redis error, the last value read (a purge cannot have started without Redis).
-        raw = self._run(lambda: self._client.get(f"{self._prefix}purge-epoch"), default=None)
+        key = f"{self._prefix}purge-epoch"
+        raw = self._run(lambda: self._lookup_client.get(key), default=None)
         if raw is not None:
             self._known_epoch = max(self._known_epoch, int(raw))
         return self._known_epoch
@@ -311,18 +336,24 @@ class RedisPrefixIndex:
 
     # ---- errors -----------------------------------------------------------------------------
 
-    def _call(self, script: Any, args: list[Any], default: Any) -> Any:
-        return self._run(lambda: script(keys=[], args=args), default)
+    def _call(self, script: Any, args: list[Any], default: Any, client: Any = None) -> Any:
+        return self._run(lambda: script(keys=[], args=args, client=client), default)
 
     def _run(self, fn: Any, default: Any) -> Any:
         import redis
 
+        if not self._breaker.allow():
+            self.num_skipped += 1
+            return default
         try:
-            return fn()
+            result = fn()
         except redis.RedisError as exc:
+            self._breaker.failed()
             self.num_errors += 1
             now = time.monotonic()
             if now - self._last_warning > 10.0:  # one line per outage, not one per call
                 self._last_warning = now
                 _log.warning("Redis prefix index unavailable, routing without it: %s", exc)
             return default
+        self._breaker.succeeded()
+        return result

@@ -93,7 +93,8 @@ def test_redis_down_is_a_miss_not_an_error() -> None:
     assert index.apply(A, "inc", [_stored(0, H[:1])])  # dropped: fetched again later
     index.resync(A, IndexSnapshot("inc", 0, {}))
     assert index.next_seq(A) is None and index.num_blocks(A) == 0
-    assert index.num_errors == 5
+    # Three failures open the breaker: the later calls are not made at all.
+    assert index.num_errors == 3 and index.num_skipped == 2
     with pytest.raises(ConnectionError, match="not reachable"):
         RedisPrefixIndex.from_url("redis://127.0.0.1:1/0")
 
@@ -154,3 +155,39 @@ def test_random_streams_match_memory_index(make_index: MakeIndex, ops: list[Any]
         assert redis_index.num_blocks(w) == memory.num_blocks(w)
         assert redis_index.next_seq(w) == memory.next_seq(w)
     redis_index.check_integrity()
+
+
+def test_a_frozen_redis_costs_a_few_short_timeouts_then_none(own_redis: Any) -> None:
+    """Redis frozen (SIGSTOP): the request path's reads time out after LOOKUP_TIMEOUT_S as
+    misses (the last purge epoch read stays), three failures open the breaker and the calls
+    stop; thawed, a probe after the cool-down finds it again."""
+    import os
+    import signal
+
+    from cachesvc.index_redis import LOOKUP_TIMEOUT_S
+    from cachesvc.tiers.breaker import OPEN, CircuitBreaker
+
+    now = [0.0]
+    breaker = CircuitBreaker(3, 5.0, clock=lambda: now[0])
+    index = RedisPrefixIndex.from_url(own_redis.url, namespace="frozen")
+    index._breaker = breaker
+    assert index._lookup_client.connection_pool.connection_kwargs["socket_timeout"] == (
+        LOOKUP_TIMEOUT_S
+    )
+    index.resync(A, IndexSnapshot("inc", 0, {}))
+    assert index.apply(A, "inc", [_stored(0, H[:3])])
+    index.advance_purge_epoch()
+    assert index.longest_prefix(H)[A].num_blocks == 3 and index.purge_epoch() == 1
+    os.kill(own_redis.proc.pid, signal.SIGSTOP)
+    try:
+        assert index.longest_prefix(H) == {} and index.purge_epoch() == 1
+        assert index.longest_prefix(H) == {}
+        assert breaker.state == OPEN and index.num_errors == 3
+        for _ in range(10):
+            assert index.longest_prefix(H) == {} and index.purge_epoch() == 1
+        assert index.num_errors == 3 and index.num_skipped == 20
+    finally:
+        os.kill(own_redis.proc.pid, signal.SIGCONT)
+    now[0] += 5.0  # the cool-down passed: one probe, which finds Redis again
+    assert index.longest_prefix(H)[A].num_blocks == 3
+    assert index.purge_epoch() == 1
