@@ -104,7 +104,9 @@ def test_a_lossy_prefix_is_not_spilled_into_a_lossless_nvme_tier_at_a_graceful_s
     down to NVMe, where a restarted worker (and its peers) would read it as exact KV. The
     request's own exact blocks on the device were quantized in DRAM only."""
     folder = tmp_path / "nvme"
-    tiers = TierConfig(dram_mb=1, dram_codec="int8", nvme_path=str(folder), nvme_mb=4)
+    # A pinned plan: with the calibrated one a loaded machine may recompute B's prefix instead
+    # of reading it back from DRAM, and then nothing lossy is on the device.
+    tiers = TierConfig(dram_mb=1, dram_codec="int8", nvme_path=str(folder), nvme_mb=4, plan="fetch")
     engine = make_engine(tiny_llama_dir, tiers)
     run(engine, A)
     engine.pool.reset_cache()
