@@ -14,6 +14,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachesvc.byte_planes import shuffle
 from cachesvc.codec import (
     DTYPES,
     LOSSLESS_MODES,
@@ -25,7 +26,6 @@ from cachesvc.codec import (
     LossyKVError,
     header_size,
     is_lossy,
-    shuffle,
 )
 from cachesvc.types import BlockHash
 
