@@ -19,8 +19,9 @@ from typing import Any
 import grpc
 
 from cachesvc.hashing import PURGE_SALT_PREFIX
-from router.config import RouterConfig, TenantToken
+from router.config import RouterConfig
 from router.domain import InvalidInput
+from router.tenants import TenantToken
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 OPERATOR_METHOD_PREFIXES = ("/cachesvc.v1.Admin/",)

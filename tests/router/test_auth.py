@@ -13,8 +13,9 @@ import pytest
 
 from cachesvc.config import ConfigError
 from router.auth import BearerTokenInterceptor, TokenTable, parse_bearer, tenant_cache_salt
-from router.config import RouterConfig, TenantToken, load_tenant_tokens, parse_tenant_tokens
+from router.config import RouterConfig
 from router.domain import InvalidInput
+from router.tenants import TenantToken, load_tenant_tokens, parse_tenant_tokens
 
 TENANTS = (TenantToken("acme", "acme-tok"), TenantToken("umbrella", "umb-tok"))
 PEM = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"

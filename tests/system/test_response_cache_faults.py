@@ -15,7 +15,7 @@ import pytest
 from cachesvc.bench.local_redis import LocalRedis
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
-from router.config import TenantToken
+from router.tenants import TenantToken
 
 pytestmark = pytest.mark.system
 STEM = "acme-corporation-production-eu-west-1-inference-cluster-team-"

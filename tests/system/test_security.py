@@ -20,8 +20,9 @@ from cachesvc.config import ConfigError
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
 from router.client import ClientTls, RemoteError, RemoteSampling, RouterClient
-from router.config import ServerTls, TenantToken
+from router.config import ServerTls
 from router.server import listen
+from router.tenants import TenantToken
 
 pytestmark = pytest.mark.system
 HEALTHCHECK = Path(__file__).resolve().parents[2] / "deploy" / "docker" / "healthcheck.py"

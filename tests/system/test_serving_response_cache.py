@@ -9,7 +9,7 @@ import pytest
 
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
-from router.config import TenantToken
+from router.tenants import TenantToken
 
 pytestmark = pytest.mark.system
 TENANTS = (TenantToken("acme", "acme-tok"), TenantToken("umbrella", "umbrella-tok"))

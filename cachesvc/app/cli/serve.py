@@ -175,7 +175,7 @@ def _response_cache_options(args: argparse.Namespace) -> dict[str, Any]:
 def _router_options(args: argparse.Namespace) -> dict[str, Any]:
     """RouterConfig fields from the flags `_add_serve_flags` added (reads the tenant tokens
     file)."""
-    from router.config import load_tenant_tokens
+    from router.tenants import load_tenant_tokens
 
     tenants = args.tenant_tokens_file
     return {

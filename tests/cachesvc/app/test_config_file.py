@@ -20,7 +20,7 @@ from cachesvc.app.config_file import (
 )
 from cachesvc.app.serve import ServeConfig
 from cachesvc.config import ConfigError, EngineConfig
-from router.config import TenantToken
+from router.tenants import TenantToken
 
 
 class Color(enum.Enum):
