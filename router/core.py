@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import asdict, fields
 
 from cachesvc.types import WorkerId
+from router.admin import flush_workers, purge, worker_statuses
 from router.config import RouterConfig
 from router.domain import (
     Exhausted,
@@ -33,7 +34,7 @@ from router.domain import (
 from router.metrics import RequestOutcome, RouterMetrics
 from router.placement import Placement
 from router.policy import Policy, RouteDecision
-from router.pool import Health, WorkerDied, WorkerPool, raise_stream_error
+from router.pool import WorkerDied, WorkerPool, raise_stream_error
 from router.prompts import Prompts
 from router.response_cache import (
     EntryShape,
@@ -343,19 +344,7 @@ class Router:
         return stats
 
     def workers(self) -> list[WorkerStatus]:
-        return [
-            WorkerStatus(
-                worker_id=s.worker_id,
-                health=s.health.value,
-                num_running=s.load.num_running,
-                num_waiting=s.load.num_waiting,
-                num_queued_tokens=s.load.num_queued_tokens,
-                blocks={t: (b.total, b.used, b.cached) for t, b in s.load.blocks.items()},
-                num_inflight=s.num_inflight,
-                num_indexed_blocks=self.pool.index.num_blocks(s.worker_id),
-            )
-            for s in self.pool.states()
-        ]
+        return worker_statuses(self.pool)
 
     def is_serving(self) -> bool:
         """True while some worker is healthy (the gRPC health service's overall status)."""
@@ -363,43 +352,13 @@ class Router:
 
     async def flush(self) -> int:
         """Drop every unused cached block from every live worker's device pool (not moved to
-        its lower tiers); returns how many."""
-        dropped = 0
-        for state in self.pool.states():
-            if state.health is Health.DEAD:
-                continue
-            with contextlib.suppress(WorkerDied):
-                dropped += int(await self.pool.call(state.worker_id, "flush"))
-                await self.pool.sync(state.worker_id)
-        if self.responses is not None:
-            await self.responses.clear()
-        return dropped
+        its lower tiers) and empty the response cache; returns how many blocks."""
+        return await flush_workers(self.pool, self.responses)
 
     async def purge(self) -> dict[str, int]:
-        """Make everything cached so far unreachable at once, then drop it; blocks per tier.
-
-        First a new purge epoch (in the index, so routers sharing it agree): every request
-        that arrives from then on hashes its blocks anew, so no worker, peer or shared tier
-        can serve an old block, not even one a request already under way caches after its
-        worker was purged. Then every live worker drops what it holds in every tier (to free
-        the room), and the response cache is emptied. Raises Unavailable, purging nothing,
-        when the epoch cannot be stored."""
-        try:
-            self.pool.index.advance_purge_epoch()
-        except ConnectionError as exc:
-            raise Unavailable(f"{exc}; nothing was purged, retry") from exc
-        purged: dict[str, int] = {}
-        for state in self.pool.states():
-            if state.health is Health.DEAD:
-                continue
-            with contextlib.suppress(WorkerDied):
-                counts = await self.pool.call(state.worker_id, "purge")
-                for tier, num in counts.items():
-                    purged[tier] = purged.get(tier, 0) + int(num)
-                await self.pool.sync(state.worker_id)
-        if self.responses is not None:
-            purged["response"] = await self.responses.clear()
-        return purged
+        """Make everything cached so far unreachable at once, then drop it (`admin.purge`);
+        blocks per tier. Raises Unavailable, purging nothing, when the epoch cannot be stored."""
+        return await purge(self.pool, self.responses)
 
 
 def _part_id(request_id: str, part: Part) -> str:

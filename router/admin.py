@@ -1,0 +1,72 @@
+"""The operator's calls over every worker: what each holds, flush and purge (`Admin`).
+
+The router (`core.Router`) delegates here; the gRPC servicer reaches them through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from router.domain import Unavailable, WorkerStatus
+from router.pool import WorkerDied, WorkerPool
+from router.response_cache import ResponseCache
+from router.worker_state import Health
+
+
+def worker_statuses(pool: WorkerPool) -> list[WorkerStatus]:
+    """Each worker's health, load and indexed blocks, as Admin.ListWorkers reports them."""
+    return [
+        WorkerStatus(
+            worker_id=s.worker_id,
+            health=s.health.value,
+            num_running=s.load.num_running,
+            num_waiting=s.load.num_waiting,
+            num_queued_tokens=s.load.num_queued_tokens,
+            blocks={t: (b.total, b.used, b.cached) for t, b in s.load.blocks.items()},
+            num_inflight=s.num_inflight,
+            num_indexed_blocks=pool.index.num_blocks(s.worker_id),
+        )
+        for s in pool.states()
+    ]
+
+
+async def flush_workers(pool: WorkerPool, responses: ResponseCache | None) -> int:
+    """Drop every unused cached block from every live worker's device pool (not moved to
+    its lower tiers); returns how many."""
+    dropped = 0
+    for state in pool.states():
+        if state.health is Health.DEAD:
+            continue
+        with contextlib.suppress(WorkerDied):
+            dropped += int(await pool.call(state.worker_id, "flush"))
+            await pool.sync(state.worker_id)
+    if responses is not None:
+        await responses.clear()
+    return dropped
+
+
+async def purge(pool: WorkerPool, responses: ResponseCache | None) -> dict[str, int]:
+    """Make everything cached so far unreachable at once, then drop it; blocks per tier.
+
+    First a new purge epoch (in the index, so routers sharing it agree): every request
+    that arrives from then on hashes its blocks anew, so no worker, peer or shared tier
+    can serve an old block, not even one a request already under way caches after its
+    worker was purged. Then every live worker drops what it holds in every tier (to free
+    the room), and the response cache is emptied. Raises Unavailable, purging nothing,
+    when the epoch cannot be stored."""
+    try:
+        pool.index.advance_purge_epoch()
+    except ConnectionError as exc:
+        raise Unavailable(f"{exc}; nothing was purged, retry") from exc
+    purged: dict[str, int] = {}
+    for state in pool.states():
+        if state.health is Health.DEAD:
+            continue
+        with contextlib.suppress(WorkerDied):
+            counts = await pool.call(state.worker_id, "purge")
+            for tier, num in counts.items():
+                purged[tier] = purged.get(tier, 0) + int(num)
+            await pool.sync(state.worker_id)
+    if responses is not None:
+        purged["response"] = await responses.clear()
+    return purged
