@@ -34,6 +34,7 @@ from typing import Any
 
 from cachesvc.config import ConfigError
 from cachesvc.events import BlockMoved, BlockRemoved, BlockStored, Cleared, Event
+from cachesvc.redis_client import redis_client
 from cachesvc.types import BlockHash
 
 _log = logging.getLogger(__name__)
@@ -173,17 +174,8 @@ class StreamPublisher:
     def from_config(cls, config: EventStreamConfig, worker_id: str) -> StreamPublisher:
         """A publisher for `worker_id`; connects lazily, so a Redis that is down at start only
         delays the events."""
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        client = redis.Redis.from_url(
-            config.redis_url,
-            decode_responses=True,
-            socket_timeout=2.0,
-            socket_connect_timeout=2.0,
-            retry=Retry(NoBackoff(), 0),  # the thread retries whole batches itself
-        )
+        # The thread retries whole batches itself.
+        client = redis_client(config.redis_url, 2.0, decode_responses=True)
         key = stream_key(config.namespace, worker_id)
         return cls(client, key, config.maxlen, closed_ttl_s=config.closed_ttl_s)
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from cachesvc.events import BlockMoved, BlockRemoved, BlockStored, Cleared, Event
 from cachesvc.index import TIER_ORDER, IndexSnapshot, PrefixMatch
+from cachesvc.redis_client import redis_client
 from cachesvc.tiers.breaker import CircuitBreaker
 from cachesvc.types import BlockHash, WorkerId
 
@@ -228,25 +229,15 @@ class RedisPrefixIndex:
         """Connect to `url` (redis://host:port/db); raises ConnectionError when it is not
         reachable, so a misconfigured router fails at start rather than routing blind."""
         import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
         # No retries with backoff: a router must not stall its requests on a Redis outage.
-        def connect(timeout_s: float) -> Any:
-            return redis.Redis.from_url(
-                url,
-                decode_responses=True,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                retry=Retry(NoBackoff(), 0),
-            )
-
-        client = connect(UPDATE_TIMEOUT_S)
+        client = redis_client(url, UPDATE_TIMEOUT_S, decode_responses=True)
         try:
             client.ping()
         except redis.RedisError as exc:
             raise ConnectionError(f"--redis-url {url}: Redis is not reachable: {exc}") from exc
-        return cls(client, namespace, lookup_client=connect(LOOKUP_TIMEOUT_S))
+        lookup = redis_client(url, LOOKUP_TIMEOUT_S, decode_responses=True)
+        return cls(client, namespace, lookup_client=lookup)
 
     # ---- updates ----------------------------------------------------------------------------
 

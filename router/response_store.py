@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from cachesvc.redis_client import async_redis_client
 from cachesvc.tiers.breaker import HALF_OPEN, CircuitBreaker
 
 _log = logging.getLogger(__name__)
@@ -99,21 +100,6 @@ class MemoryResponseStore:
         return None
 
 
-def redis_client(url: str, timeout_s: float) -> Any:
-    """A redis.asyncio client of `url` that never retries a call: a Redis that does not answer
-    costs one `timeout_s`, and the breaker (not the client) decides when to try again."""
-    import redis.asyncio  # lazy: only routers with a Redis response store need it
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
-
-    return redis.asyncio.Redis.from_url(
-        url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
-    )
-
-
 class RedisResponseStore:
     """Entries in Redis under `<namespace>:response:<key hex>`, each with a TTL (Redis evicts
     by its own policy; this router counts no evictions). Any Redis error is a miss."""
@@ -129,8 +115,8 @@ class RedisResponseStore:
         timeout_s: float = 0.05,
     ) -> None:
         """`reader` serves lookups and `writer` the rest: redis.asyncio clients whose socket
-        timeouts bound each call (see `redis_client`); a whole lookup (a connect and the
-        client's handshake included) is also bounded by `timeout_s`."""
+        timeouts bound each call (`cachesvc.redis_client`: no client retries); a whole lookup
+        (a connect and the client's handshake included) is also bounded by `timeout_s`."""
         import redis
 
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError, TimeoutError)
@@ -155,8 +141,8 @@ class RedisResponseStore:
     ) -> RedisResponseStore:
         """A store of `url` whose lookups wait at most `timeout_s` and writes `write_timeout_s`
         (connects lazily: an unreachable Redis is a miss, not an error at start)."""
-        reader = redis_client(url, timeout_s)
-        writer = redis_client(url, write_timeout_s)
+        reader = async_redis_client(url, timeout_s)
+        writer = async_redis_client(url, write_timeout_s)
         return cls(reader, writer, namespace, ttl_s, stats, breaker, timeout_s)
 
     def _name(self, name: bytes) -> str:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
+from cachesvc.redis_client import redis_client
 from cachesvc.tiers.base import Tier, TierItem, register_tier
 from cachesvc.tiers.breaker import CLOSED, OPEN, CircuitBreaker
 from cachesvc.types import BlockHash
@@ -59,20 +60,13 @@ class _Job:
 
 
 def _client(url: str, timeout_s: float, password: str | None, tls_ca_file: str | None) -> Any:
-    import redis  # lazy: only workers configured with Redis need the client
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    options: dict[str, Any] = {
-        "socket_timeout": timeout_s,
-        "socket_connect_timeout": timeout_s,
-        "retry": Retry(NoBackoff(), 0),  # one call costs at most one timeout; the breaker retries
-    }
+    # One call costs at most one timeout; the breaker retries.
+    options: dict[str, Any] = {}
     if password is not None:
         options["password"] = password
     if tls_ca_file is not None:
         options["ssl_ca_certs"] = tls_ca_file
-    return redis.Redis.from_url(url, **options)
+    return redis_client(url, timeout_s, **options)
 
 
 @register_tier("redis")

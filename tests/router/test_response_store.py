@@ -12,10 +12,11 @@ from typing import TypeVar
 import pytest
 
 from cachesvc.bench.local_redis import LocalRedis
+from cachesvc.redis_client import async_redis_client
 from cachesvc.tiers.breaker import CLOSED, OPEN, CircuitBreaker
 from router.response_cache import CachedResponse, CachedSample, EntryShape, ResponseCache
 from router.response_entry import EntryCodec
-from router.response_store import RedisResponseStore, StoreStats, redis_client
+from router.response_store import RedisResponseStore, StoreStats
 from workers.protocol import Usage
 
 USAGE = Usage(3, 2, {"hbm": 2}, 1, 5.0, 100.0, "worker-0")
@@ -72,7 +73,7 @@ def test_routers_of_one_key_share_entries_and_other_keys_are_refused(redis_url: 
 def test_entries_written_into_redis_by_others_are_counted_misses(redis_url: str) -> None:
     async def run() -> None:
         cache = _cache(redis_url, "rc-forged")
-        raw = redis_client(redis_url, 0.5)
+        raw = async_redis_client(redis_url, 0.5)
         name = "rc-forged:response:"
         genuine = EntryCodec(SECRET).encode(KEY, ANSWER)
         other = b"o" * 16
