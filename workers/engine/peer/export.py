@@ -14,6 +14,7 @@ its own tenant. The puller's side is `workers.engine.peer.pull`.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -180,6 +181,7 @@ class ChunkExporter:
         self.max_bytes = config.peer_stage_mb << 20
         self._slots = asyncio.Semaphore(config.peer_max_exports)
         self._hashes: OrderedDict[tuple[str | None, int, bytes], list[BlockHash]] = OrderedDict()
+        self._hashes_lock = threading.Lock()  # its threads key and fill it
         self._buffers: list[torch.Tensor] = []  # free staging buffers (page faults cost more
         # than the copy itself on a CPU: fresh host memory for every chunk halves the rate)
         self.num_exported_chunks = 0
@@ -213,16 +215,20 @@ class ChunkExporter:
         self, token_ids: Sequence[int], cache_salt: str | None
     ) -> list[BlockHash]:
         """The prompt's hashes under `cache_salt`, computed once per pull (every chunk of it
-        asks) and off the loop: a long prompt's hashing is milliseconds."""
+        asks), off the loop: keying a long prompt alone is a millisecond, hashing it more."""
+        return await asyncio.to_thread(self._hashes_of, token_ids, cache_salt)
+
+    def _hashes_of(self, token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
         ids = np.asarray(token_ids, dtype=np.uint32)
         key = (cache_salt, len(ids), xxhash.xxh3_128_digest(ids.tobytes()))
-        hashes = self._hashes.get(key)
+        with self._hashes_lock:
+            hashes = self._hashes.get(key)
         if hashes is None:
-            engine = self.engine.engine
-            hashes = await asyncio.to_thread(prompt_hashes, engine, token_ids, cache_salt)
-            self._hashes[key] = hashes
-            while len(self._hashes) > _HASHED_PROMPTS:
-                self._hashes.popitem(last=False)
+            hashes = prompt_hashes(self.engine.engine, token_ids, cache_salt)
+            with self._hashes_lock:
+                self._hashes[key] = hashes
+                while len(self._hashes) > _HASHED_PROMPTS:
+                    self._hashes.popitem(last=False)
         return hashes
 
     def _new_buffer(self) -> torch.Tensor:
