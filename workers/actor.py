@@ -346,7 +346,7 @@ class WorkerActor:
             load.num_waiting,
             load.num_queued_tokens,
             {TIER_HBM: hbm},
-            dict(load.tiering),
+            {**load.tiering, **self._exporter.counters()},
             costs,
         )
 

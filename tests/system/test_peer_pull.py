@@ -77,6 +77,8 @@ def _stats(worker: Any) -> dict[str, int]:
 
 
 def test_pulled_prefix_gives_the_same_tokens(pair: dict[str, Any]) -> None:
+    import ray
+
     prompt = _prompt(1)
     expected, _ = _generate(pair["holder"], prompt, "tenant:a")
     hint = HolderHint(pair["names"]["holder"], NUM_BLOCKS)
@@ -84,6 +86,9 @@ def test_pulled_prefix_gives_the_same_tokens(pair: dict[str, Any]) -> None:
     assert tokens == expected
     assert last.usage is not None and last.usage.computed_tokens == len(prompt) - NUM_BLOCKS * 4
     assert _stats(pair["puller"])["pulled_blocks"] == NUM_BLOCKS
+    # The holder reports what it sent: the chunk with the pulled blocks.
+    sent = ray.get(pair["holder"].stats.remote()).tiering
+    assert sent["peer_exported_chunks"] >= 1 and sent["peer_exported_bytes"] > 0
 
 
 def test_another_tenant_is_not_served(pair: dict[str, Any]) -> None:

@@ -211,6 +211,13 @@ class ChunkExporter:
         self.num_exported_bytes += staged.payload.nbytes
         return chunk
 
+    def counters(self) -> dict[str, float]:
+        """What this worker sent to pullers, for its load report (`cachesvc_worker_tiering`)."""
+        return {
+            "peer_exported_chunks": float(self.num_exported_chunks),
+            "peer_exported_bytes": float(self.num_exported_bytes),
+        }
+
     async def _prompt_hashes(
         self, token_ids: Sequence[int], cache_salt: str | None
     ) -> list[BlockHash]:
