@@ -1,0 +1,150 @@
+"""Prefill/decode disaggregation, decided per request: serve it where it is (colocated), or
+compute its prompt on a prefill worker and hand the KV to a decode worker (disaggregated).
+
+The decision weighs, in seconds from each worker's calibrated costs and current load, what the
+request itself waits and what it makes the streams already decoding wait:
+
+- **colocated** on the decode-side worker `policy` chose: its first token after the work queued
+  there and its own uncached prefill; every stream decoding there loses that prefill's time
+  (a prefill shares the worker's steps with the decodes, chunked or not, so each running
+  stream's tokens come that much later in all).
+- **disaggregated**: its first token after the prefill worker's queue and uncached prefill; its
+  second after the pull of the prompt's blocks (the decode worker's calibrated pull cost), the
+  decode worker's queue and the tail it computes itself (the last partial block and the first
+  token); the decode worker's running streams lose that tail and the landing of the pulled
+  blocks (`LANDING_SHARE` of the pull).
+
+Disaggregated wins when its total (the request's wait plus `stall_weight` times the others'
+loss) is lower. No fixed prompt-length threshold: a long prompt arriving at an idle decode
+worker stays colocated (nobody to disturb, no transfer to pay); a short one lands on a prefill
+worker when the decode batch is large enough that even it hurts. Pure: the router
+(`router.disagg`) and the simulator (`cachesvc.sim`) both call `decide`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cachesvc.types import WorkerId
+
+MIXED, PREFILL, DECODE = "mixed", "prefill", "decode"
+ROLES = (MIXED, PREFILL, DECODE)
+
+# Of a pull's measured time, the part the decode worker's own steps wait on: it lands the
+# blocks between steps (a copy into its KV cache at ~4 GB/s here) while the gather, the transfer
+# and the digest check run on the holder and on threads (`docs/benchmarks.md`, "KV between
+# workers": landing ~0.3 of the pull's time at 1.3 GB/s end to end).
+LANDING_SHARE = 0.3
+
+
+@dataclass(frozen=True)
+class PrefillSide:
+    """The prefill worker the policy chose, as the decision sees it."""
+
+    worker: WorkerId
+    uncached_tokens: int  # prompt tokens it must compute (what it does not hold)
+    queued_tokens: int  # prefill work ahead of the request there
+    token_s: float  # its seconds of prefill per token (calibrated)
+
+
+@dataclass(frozen=True)
+class DecodeSide:
+    """The decode-side worker: where the request runs colocated, or its decode runs."""
+
+    worker: WorkerId
+    uncached_tokens: int  # prompt tokens it would compute itself, colocated
+    queued_tokens: int  # prefill work ahead of the request there
+    num_running: int  # streams it is decoding (their tokens wait on any prefill it runs)
+    token_s: float  # its seconds of prefill per token (calibrated)
+    pull_block_s: float | None  # its calibrated seconds per pulled block; None: it never pulls
+
+
+@dataclass(frozen=True)
+class PDDecision:
+    """Colocated or disaggregated, why, and what each mode was predicted to cost (seconds)."""
+
+    disaggregate: bool
+    reason: str
+    colocated_ttft_s: float = 0.0
+    disaggregated_ttft_s: float = 0.0
+    handoff_s: float = 0.0  # disaggregated: the first token to the second (pull + tail)
+    colocated_stall_s: float = 0.0  # decode time the decode worker's streams lose, colocated
+    disaggregated_stall_s: float = 0.0  # the same, disaggregated (the tail and the landing)
+    pull_blocks: int = 0  # disaggregated: blocks the decode worker pulls
+
+    @property
+    def predicted_ttft_s(self) -> float:
+        return self.disaggregated_ttft_s if self.disaggregate else self.colocated_ttft_s
+
+    @property
+    def mode(self) -> str:
+        return "disaggregated" if self.disaggregate else "colocated"
+
+
+def decide(
+    num_prompt_tokens: int,
+    block_size: int,
+    colocated: DecodeSide,
+    prefill: PrefillSide | None,
+    decode: DecodeSide | None = None,
+    stall_weight: float = 1.0,
+) -> PDDecision:
+    """Colocated on `colocated.worker`, or prefill on `prefill.worker` and decode on
+    `decode.worker` (default: the colocated one). `None` for `prefill` (no prefill worker) or a
+    decode worker that cannot pull is colocated."""
+    decode = colocated if decode is None else decode
+    local_s = colocated.uncached_tokens * colocated.token_s
+    colocated_ttft = colocated.queued_tokens * colocated.token_s + local_s
+    colocated_stall = colocated.num_running * local_s
+    stay = PDDecision(False, "", colocated_ttft, colocated_stall_s=colocated_stall)
+    if prefill is None:
+        return dataclasses.replace(stay, reason="colocated: no prefill worker")
+    if decode.pull_block_s is None:
+        return dataclasses.replace(stay, reason="colocated: the decode worker does not pull")
+    if prefill.worker == decode.worker:
+        return dataclasses.replace(stay, reason="colocated: one worker for both")
+    full_blocks = num_prompt_tokens // block_size
+    # The decode worker pulls the prompt's full blocks it does not hold, and computes the rest.
+    held = max(0, num_prompt_tokens - decode.uncached_tokens) // block_size
+    pull_blocks = max(0, full_blocks - held)
+    tail = num_prompt_tokens - full_blocks * block_size + 1  # the partial block and the token
+    pull_s = pull_blocks * decode.pull_block_s
+    tail_s = tail * decode.token_s
+    ttft = (prefill.queued_tokens + prefill.uncached_tokens) * prefill.token_s
+    handoff = pull_s + decode.queued_tokens * decode.token_s + tail_s
+    stall = decode.num_running * (tail_s + LANDING_SHARE * pull_s)
+    stays = colocated_ttft + stall_weight * colocated_stall
+    moves = ttft + handoff + stall_weight * stall
+    disaggregate = moves < stays
+    reason = (
+        f"{'disaggregated' if disaggregate else 'colocated'}: moved {moves * 1e3:.0f} ms "
+        f"(prefill {ttft * 1e3:.0f} + handoff {handoff * 1e3:.0f} + stall {stall * 1e3:.0f}) "
+        f"vs kept {stays * 1e3:.0f} ms (prefill {colocated_ttft * 1e3:.0f} + stall "
+        f"{colocated_stall * 1e3:.0f} over {colocated.num_running} streams)"
+    )
+    return PDDecision(
+        disaggregate, reason, colocated_ttft, ttft, handoff, colocated_stall, stall, pull_blocks
+    )
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """What `pick_decode` sees of a decode-side worker."""
+
+    worker: WorkerId
+    num_running: int
+    num_waiting: int
+    free_blocks: int
+    num_queued_tokens: int
+
+
+def pick_decode(loads: Sequence[DecodeLoad]) -> WorkerId:
+    """The decode worker for a disaggregated request, by decode load: the fewest streams
+    (running and waiting), then the least queued prefill work, then the most free KV blocks
+    (never empty). Ties go to the first."""
+    best = min(
+        loads, key=lambda w: (w.num_running + w.num_waiting, w.num_queued_tokens, -w.free_blocks)
+    )
+    return best.worker
