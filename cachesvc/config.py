@@ -8,6 +8,8 @@ from pathlib import Path
 
 _DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_SCHEMES = ("auto", "naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
+# What a worker is for under prefill/decode disaggregation (`EngineConfig.role`).
+WORKER_ROLES = ("mixed", "prefill", "decode")
 
 
 class ConfigError(ValueError):
@@ -182,8 +184,15 @@ class EngineConfig:
     peer_stage_mb: int = 64
     peer_max_exports: int = 2
     peer_digest: str = "fast"
+    # A preference the router honours, not a restriction this worker enforces: a "prefill"
+    # worker computes prompts whose KV a decode worker then pulls; a "decode" worker decodes
+    # (and may still compute a short prompt itself, when pulling would cost more); a "mixed"
+    # worker does both. Any worker runs whatever it is sent.
+    role: str = "mixed"
 
     def __post_init__(self) -> None:
+        if self.role not in WORKER_ROLES:
+            raise ConfigError(f"role must be one of {WORKER_ROLES}, got {self.role!r}")
         if self.peer_pull_timeout_s <= 0:
             raise ConfigError(f"peer_pull_timeout_s must be > 0, got {self.peer_pull_timeout_s}")
         if self.peer_stage_mb < 1 or self.peer_max_exports < 1:

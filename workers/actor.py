@@ -124,6 +124,7 @@ class WorkerActor:
             event_stream=None if self._publisher is None else self._publisher.key,
             actor_name=actor_name,
             **ray_node(),
+            role=config.role,
         )
 
     async def info(self) -> WorkerInfo:

@@ -30,6 +30,7 @@ from workers.protocol import WorkerInfo
 
 _log = logging.getLogger(__name__)
 _WORKER_NAME = re.compile(r"cachesvc-(worker-\d+)")
+_WORKER_INDEX = re.compile(r"worker-(\d+)")
 
 # "spread": one node after another (Ray's SPREAD strategy); "any": wherever Ray's default
 # scheduler puts them (it favours the node the router runs on and nodes already busy).
@@ -46,7 +47,11 @@ class AttachError(ConfigError):
 class WorkerGroup:
     """How a group of workers runs; `device="auto"` takes a GPU when the cluster has one, and
     with `event_stream` the workers publish their KV events to Redis. `placement` says how the
-    workers are laid over the cluster's nodes (`PLACEMENTS`)."""
+    workers are laid over the cluster's nodes (`PLACEMENTS`).
+
+    Of the `num_workers`, the first `num_prefill` are prefill workers, the next `num_decode`
+    decode workers and the rest mixed (`role_of`; `EngineConfig.role` says what a role means).
+    """
 
     engine: EngineConfig
     num_workers: int = 1
@@ -55,12 +60,50 @@ class WorkerGroup:
     num_cpus_per_worker: float = 1.0
     event_stream: EventStreamConfig | None = None
     placement: Placement = "spread"
+    num_prefill: int = 0
+    num_decode: int = 0
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ConfigError(
                 f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
             )
+        if self.num_prefill < 0 or self.num_decode < 0:
+            raise ConfigError(
+                f"num_prefill and num_decode must be >= 0, got {self.num_prefill} and "
+                f"{self.num_decode}"
+            )
+        if self.num_prefill + self.num_decode > self.num_workers:
+            raise ConfigError(
+                f"num_prefill + num_decode ({self.num_prefill} + {self.num_decode}) must not "
+                f"exceed num_workers ({self.num_workers})"
+            )
+
+    @property
+    def uses_roles(self) -> bool:
+        """Whether any worker of the group is a prefill or a decode worker."""
+        return self.num_prefill + self.num_decode > 0
+
+    def role_of(self, index: int) -> str:
+        """The role of worker `index` (0-based): prefill workers first, then decode, then
+        mixed. Pure."""
+        if not 0 <= index < self.num_workers:
+            raise IndexError(f"worker index {index} out of range for {self.num_workers} workers")
+        if index < self.num_prefill:
+            return "prefill"
+        if index < self.num_prefill + self.num_decode:
+            return "decode"
+        return "mixed"
+
+    def engine_of(self, index: int, engine: EngineConfig) -> EngineConfig:
+        """`engine` (the group's, as `worker_resources` adapted it) for worker `index`: its
+        role, and peer pulls on in a group with roles, for decode workers pull the KV that
+        prefill workers computed (and any worker may be asked for a prefix it lacks). Pure."""
+        return dataclasses.replace(
+            engine,
+            role=self.role_of(index),
+            peer_pull=engine.peer_pull or self.uses_roles,
+        )
 
 
 @dataclass(frozen=True)
@@ -107,7 +150,7 @@ def spawn_workers(group: WorkerGroup) -> dict[WorkerId, Any]:
     return {
         WorkerId(f"worker-{i}"): spawn_worker(
             f"worker-{i}",
-            asks.engine,
+            group.engine_of(i, asks.engine),
             name=f"cachesvc-worker-{i}",
             namespace=group.namespace,
             num_cpus=asks.num_cpus,
@@ -121,22 +164,24 @@ def spawn_workers(group: WorkerGroup) -> dict[WorkerId, Any]:
 
 def replace_worker(group: WorkerGroup, worker: WorkerId, name_wait_s: float = 10.0) -> Any:
     """Start a new actor for `worker` of a group `spawn_workers` started (under the same
-    name, once the old actor is gone: it is killed first) and return its handle. Blocks until
-    Ray has taken the name; raises ValueError when it is still taken after `name_wait_s`."""
+    name, once the old actor is gone: it is killed first) and return its handle; the new
+    actor keeps the old one's role. Blocks until Ray has taken the name; raises ValueError when
+    it is still taken after `name_wait_s`."""
     import ray
 
     from workers.actor import spawn_worker
 
     name = f"cachesvc-{worker}"
+    asks = _resources(group)
+    engine = group.engine_of(worker_index(worker), asks.engine)
     with contextlib.suppress(ValueError):  # no actor of that name: it is gone already
         ray.kill(ray.get_actor(name, namespace=group.namespace), no_restart=True)
-    asks = _resources(group)
     deadline = time.monotonic() + name_wait_s
     while True:
         try:
             return spawn_worker(
                 worker,
-                asks.engine,
+                engine,
                 name=name,
                 namespace=group.namespace,
                 num_cpus=asks.num_cpus,
@@ -148,6 +193,15 @@ def replace_worker(group: WorkerGroup, worker: WorkerId, name_wait_s: float = 10
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def worker_index(worker: WorkerId) -> int:
+    """The index `spawn_workers` gave `worker` ("worker-3" -> 3); ValueError for an id it
+    did not make. Pure."""
+    match = _WORKER_INDEX.fullmatch(worker)
+    if match is None:
+        raise ValueError(f"{worker!r} is not a worker id spawn_workers made (worker-<index>)")
+    return int(match.group(1))
 
 
 def _resources(group: WorkerGroup) -> WorkerResources:
@@ -168,13 +222,22 @@ def _resources(group: WorkerGroup) -> WorkerResources:
 
 
 def placement_report(infos: Mapping[WorkerId, WorkerInfo | None]) -> list[str]:
-    """One line per worker saying which Ray node it runs on (None: it did not say), then how
-    many nodes they span: what an operator reads to see where the workers landed. Pure."""
-    lines = [f"{worker} runs on node {_node_name(info)}" for worker, info in sorted(infos.items())]
+    """One line per worker saying which Ray node it runs on (None: it did not say) and its
+    role unless mixed, then how many nodes they span: what an operator reads to see where the
+    workers landed. Pure."""
+    lines = [
+        f"{worker}{_role_tag(info)} runs on node {_node_name(info)}"
+        for worker, info in sorted(infos.items())
+    ]
     nodes = Counter(info.node_id for info in infos.values() if info is not None)
     per_node = " + ".join(str(n) for n in sorted(nodes.values(), reverse=True))
     lines.append(f"{sum(nodes.values())} workers on {len(nodes)} Ray nodes ({per_node})")
     return lines
+
+
+def _role_tag(info: WorkerInfo | None) -> str:
+    # Mixed is the default and says nothing: a deployment without roles reads as before.
+    return "" if info is None or info.role == "mixed" else f" ({info.role})"
 
 
 def _node_name(info: WorkerInfo | None) -> str:

@@ -28,6 +28,7 @@ class WorkerInfo:
     actor_name: str | None = None  # its Ray actor's name, for peers to pull blocks from it
     node_id: str | None = None  # the Ray node it runs on (None outside Ray)
     node_ip: str | None = None  # that node's IP address
+    role: str = "mixed"  # its engine config's role (`EngineConfig.role`): a routing preference
 
 
 @dataclass(frozen=True)
