@@ -41,14 +41,18 @@ class ServeConfig:
     """Everything `cachesvc serve` needs; `device="auto"` takes a GPU when the cluster has one.
 
     `attach` routes over the workers another serve started in `ray_namespace` (the engine
-    fields and `num_workers` are then not used, except `engine.model` for the tokenizer).
+    fields and the worker counts are then not used, except `engine.model` for the tokenizer).
     `placement` lays the workers over the Ray cluster's nodes: "spread" (one node after
     another) or "any" (where Ray's default scheduler puts them).
+
+    `num_workers` counts the mixed workers (prefill and decode both); None means one, or none
+    when prefill or decode workers are asked for, so `--prefill-workers 1 --decode-workers 3`
+    starts four workers, as a P/D operator expects (`num_mixed_workers`).
     """
 
     engine: EngineConfig
     router: RouterConfig
-    num_workers: int = 1
+    num_workers: int | None = None
     ray_address: str | None = None
     num_cpus_per_worker: float = 1.0
     device: str = "auto"
@@ -56,10 +60,12 @@ class ServeConfig:
     attach: bool = False
     close_timeout_s: float = 60.0
     placement: Placement = "spread"
+    # Prefill and decode workers, besides the mixed ones (`EngineConfig.role`).
+    num_prefill_workers: int = 0
+    num_decode_workers: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise ConfigError(f"--workers must be at least 1, got {self.num_workers}")
+        _check_worker_counts(self)
         if self.num_cpus_per_worker < 0:
             raise ConfigError("num_cpus_per_worker must be >= 0")
         if not self.ray_namespace.strip():
@@ -67,20 +73,75 @@ class ServeConfig:
         if self.close_timeout_s <= 0:
             raise ConfigError(f"close_timeout_s must be positive, got {self.close_timeout_s}")
 
+    @property
+    def num_mixed_workers(self) -> int:
+        """The mixed workers to start: `num_workers`, or its default (1 without roles, 0 with)."""
+        if self.num_workers is not None:
+            return self.num_workers
+        return 0 if self.num_prefill_workers or self.num_decode_workers else 1
+
+    @property
+    def num_all_workers(self) -> int:
+        """Every worker this serve starts, whatever its role."""
+        return self.num_prefill_workers + self.num_decode_workers + self.num_mixed_workers
+
     def worker_group(self) -> WorkerGroup:
         """The workers this serve starts; they publish their KV events to Redis when the
-        router shares its index there."""
+        router shares its index there. Raises a ConfigError naming the flag when the counts
+        make no deployment (checked here, not at construction, for the flags alone may be
+        incomplete: a config file gives the rest)."""
+        _check_deployment(self)
         stream = None
         if self.router.redis_url is not None:
             stream = EventStreamConfig(self.router.redis_url, self.router.redis_namespace)
         return WorkerGroup(
             self.engine,
-            self.num_workers,
+            self.num_all_workers,
             self.ray_namespace,
             self.device,
             self.num_cpus_per_worker,
             stream,
             self.placement,
+            num_prefill=self.num_prefill_workers,
+            num_decode=self.num_decode_workers,
+        )
+
+
+def _check_worker_counts(config: ServeConfig) -> None:
+    """Raise a ConfigError naming the flag for a negative count, or for roles without the
+    router's peer pulls, by which decode workers get the prompts' KV."""
+    counts = {
+        "--workers": config.num_workers or 0,
+        "--prefill-workers": config.num_prefill_workers,
+        "--decode-workers": config.num_decode_workers,
+    }
+    for flag, count in counts.items():
+        if count < 0:
+            raise ConfigError(f"{flag} must be >= 0, got {count}")
+    if (config.num_prefill_workers or config.num_decode_workers) and not config.router.peer_pull:
+        raise ConfigError(
+            "router.peer_pull must be true with prefill or decode workers: decode workers pull "
+            "the KV of the prompts prefill workers computed"
+        )
+
+
+def _check_deployment(config: ServeConfig) -> None:
+    """Raise a ConfigError naming the flag when the counts start no worker, or prompts with no
+    worker to decode them (or the reverse)."""
+    if config.num_all_workers < 1:
+        raise ConfigError(
+            "--workers must be at least 1 (or give --prefill-workers and --decode-workers)"
+        )
+    prefill, decode = config.num_prefill_workers, config.num_decode_workers
+    if prefill and not decode and not config.num_mixed_workers:
+        raise ConfigError(
+            f"--prefill-workers {prefill} leaves no worker to decode on: add --decode-workers "
+            "(or --workers for mixed ones)"
+        )
+    if decode and not prefill and not config.num_mixed_workers:
+        raise ConfigError(
+            f"--decode-workers {decode} leaves no worker to compute prompts: add "
+            "--prefill-workers (or --workers for mixed ones)"
         )
 
 
@@ -89,6 +150,7 @@ def run_serve(config: ServeConfig) -> int:
     import ray
 
     make_policy(config.router.policy)  # fail on a bad name before starting anything
+    group = None if config.attach else config.worker_group()  # and on bad worker counts
     if config.router.redis_url is not None:
         make_index(config.router)  # and on an unreachable Redis (ConnectionError)
     ray.init(
@@ -100,10 +162,9 @@ def run_serve(config: ServeConfig) -> int:
     owned: dict[WorkerId, Any] = {}  # the workers this serve started: closed and killed
     replace: Replace | None = None
     try:
-        if config.attach:
+        if group is None:
             actors = find_workers(config.ray_namespace, config.ray_address)
         else:
-            group = config.worker_group()
             actors = owned = spawn_workers(group)
 
             def replace(worker: WorkerId) -> Any:

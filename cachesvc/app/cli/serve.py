@@ -23,7 +23,29 @@ def add_serve_parser(sub: Any) -> None:
 def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     from workers.cluster import PLACEMENTS
 
-    serve.add_argument("--workers", type=int, default=1, help="worker actors to start")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="mixed worker actors to start, each computing prompts and decoding (default: 1, "
+        "or 0 when --prefill-workers or --decode-workers is given)",
+    )
+    serve.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prefill/decode disaggregation: N workers that prefer computing prompts, whose KV "
+        "decode workers pull; started besides --workers (total: N + M + --workers)",
+    )
+    serve.add_argument(
+        "--decode-workers",
+        type=int,
+        default=0,
+        metavar="M",
+        help="M workers that prefer decoding (a short prompt they may compute themselves); the "
+        "router picks, per request, whether to disaggregate it",
+    )
     serve.add_argument("--ray-address", default=None, help="Ray cluster (default: start one)")
     serve.add_argument(
         "--placement",
@@ -220,6 +242,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             **_router_options(args),
         ),
         num_workers=args.workers,
+        num_prefill_workers=args.prefill_workers,
+        num_decode_workers=args.decode_workers,
         ray_address=args.ray_address,
         device=args.device,
         **_serve_options(args),
