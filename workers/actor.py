@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from cachesvc.block_pool import NoFreeBlocksError
@@ -360,6 +360,7 @@ def spawn_worker(
     namespace: str | None = None,
     num_cpus: float = 1,
     num_gpus: float = 0,
+    resources: Mapping[str, float] | None = None,
     max_restarts: int = 2,
     max_queued_requests: int = 256,
     event_stream: EventStreamConfig | None = None,
@@ -369,7 +370,8 @@ def spawn_worker(
     for the model to load: the first call does).
 
     `name` names the actor in the Ray `namespace` (default: the driver's), so another router
-    can find it; by default a unique name (two pools of one test session never collide). With
+    can find it; by default a unique name (two pools of one test session never collide).
+    `resources` are custom Ray resources it asks for (`workers.cluster.role_resource`). With
     `event_stream` the worker publishes its KV events to Redis. `scheduling_strategy` is Ray's
     (e.g. "SPREAD", or a NodeAffinitySchedulingStrategy); None is Ray's default."""
     import ray
@@ -384,6 +386,7 @@ def spawn_worker(
         namespace=namespace,
         num_cpus=num_cpus,
         num_gpus=num_gpus,
+        resources=dict(resources) if resources else None,
         max_restarts=max_restarts,
         # A request never reruns by itself: the router decides whether a retry is safe.
         max_task_retries=0,

@@ -20,7 +20,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from cachesvc.config import ConfigError, EngineConfig
@@ -114,6 +114,20 @@ class WorkerResources:
     num_cpus: float
     num_gpus: float
     scheduling_strategy: str  # Ray's name of the strategy: "SPREAD" or "DEFAULT"
+    # Custom Ray resources each role's workers ask for (`role_resource`), by role; a role the
+    # cluster has no nodes for asks for none.
+    role_resources: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+
+    def resources_of(self, role: str) -> dict[str, float]:
+        """The custom Ray resources a worker of `role` asks for (empty: none)."""
+        return dict(self.role_resources.get(role, {}))
+
+
+def role_resource(role: str) -> str:
+    """The custom Ray resource a node started for workers of `role` offers, one unit per
+    worker it takes: the Helm chart starts each role's worker pods with it, so each worker
+    lands on a pod sized for its role."""
+    return f"cachesvc_role_{role}"
 
 
 def worker_resources(group: WorkerGroup, cluster: Mapping[str, float]) -> WorkerResources:
@@ -129,7 +143,11 @@ def worker_resources(group: WorkerGroup, cluster: Mapping[str, float]) -> Worker
         engine, num_gpus = dataclasses.replace(engine, device="cuda"), 1.0
     # More workers than CPUs would wait forever for a CPU: share them instead.
     num_cpus = min(group.num_cpus_per_worker, cluster.get("CPU", 1) / group.num_workers)
-    return WorkerResources(engine, num_cpus, num_gpus, _RAY_STRATEGY[group.placement])
+    roles = {group.role_of(i) for i in range(group.num_workers)}
+    tagged = {
+        role: {role_resource(role): 1.0} for role in roles if cluster.get(role_resource(role), 0)
+    }
+    return WorkerResources(engine, num_cpus, num_gpus, _RAY_STRATEGY[group.placement], tagged)
 
 
 def spawn_workers(group: WorkerGroup) -> dict[WorkerId, Any]:
@@ -155,6 +173,7 @@ def spawn_workers(group: WorkerGroup) -> dict[WorkerId, Any]:
             namespace=group.namespace,
             num_cpus=asks.num_cpus,
             num_gpus=asks.num_gpus,
+            resources=asks.resources_of(group.role_of(i)),
             event_stream=group.event_stream,
             scheduling_strategy=asks.scheduling_strategy,
         )
@@ -173,7 +192,8 @@ def replace_worker(group: WorkerGroup, worker: WorkerId, name_wait_s: float = 10
 
     name = f"cachesvc-{worker}"
     asks = _resources(group)
-    engine = group.engine_of(worker_index(worker), asks.engine)
+    index = worker_index(worker)
+    engine = group.engine_of(index, asks.engine)
     with contextlib.suppress(ValueError):  # no actor of that name: it is gone already
         ray.kill(ray.get_actor(name, namespace=group.namespace), no_restart=True)
     deadline = time.monotonic() + name_wait_s
@@ -186,6 +206,7 @@ def replace_worker(group: WorkerGroup, worker: WorkerId, name_wait_s: float = 10
                 namespace=group.namespace,
                 num_cpus=asks.num_cpus,
                 num_gpus=asks.num_gpus,
+                resources=asks.resources_of(group.role_of(index)),
                 event_stream=group.event_stream,
                 scheduling_strategy=asks.scheduling_strategy,
             )

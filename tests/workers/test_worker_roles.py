@@ -7,7 +7,13 @@ import pytest
 
 from cachesvc.config import ConfigError, EngineConfig
 from cachesvc.types import WorkerId
-from workers.cluster import WorkerGroup, placement_report, worker_index
+from workers.cluster import (
+    WorkerGroup,
+    placement_report,
+    role_resource,
+    worker_index,
+    worker_resources,
+)
 from workers.protocol import WorkerInfo
 
 ENGINE = EngineConfig(model="tiny", device="cpu")
@@ -92,3 +98,17 @@ def test_placement_report_says_each_workers_role_but_not_mixed() -> None:
     assert lines[0].startswith("worker-0 (prefill) runs on node aaaaaaaaaaaa")
     assert lines[1].startswith("worker-1 (decode) runs on node")
     assert lines[2].startswith("worker-2 runs on node")
+
+
+def test_workers_ask_for_their_roles_resource_where_nodes_offer_it() -> None:
+    group = WorkerGroup(ENGINE, 3, num_prefill=1, num_decode=1)
+    # Nodes started for prefill and decode (the Helm chart's role groups): each worker of
+    # those roles asks for one unit, so it lands on a pod of its role; no mixed nodes here.
+    cluster = {"CPU": 8.0, role_resource("prefill"): 2.0, role_resource("decode"): 1.0}
+    asks = worker_resources(group, cluster)
+    assert asks.resources_of("prefill") == {"cachesvc_role_prefill": 1.0}
+    assert asks.resources_of("decode") == {"cachesvc_role_decode": 1.0}
+    assert asks.resources_of("mixed") == {}
+    # A cluster without such nodes (one machine, `cachesvc serve` alone): nobody asks.
+    plain = worker_resources(group, {"CPU": 8.0})
+    assert [plain.resources_of(r) for r in ("prefill", "decode", "mixed")] == [{}, {}, {}]
