@@ -102,6 +102,13 @@ class RouterConfig:
     route_busy_weight: float = 1.0
     route_busy_half_life_s: float = 120.0
     peer_pull: bool = True
+    # Prefill/decode disaggregation, when some workers have the role "prefill" (`router/pd.py`):
+    # "auto" decides per request from the workers' calibrated costs and loads, "always" hands
+    # every request it can to a prefill worker, "never" serves each where it is routed. A
+    # second a decoding stream loses counts `pd_stall_weight` times a second of the request's
+    # own wait.
+    pd_mode: str = "auto"
+    pd_stall_weight: float = 1.0
     # A worker with this many requests (running, waiting or in flight from this router) gets no
     # more: when every worker is that full, a call fails with RESOURCE_EXHAUSTED. None: no limit.
     max_queued_per_worker: int | None = None
@@ -194,6 +201,10 @@ class RouterConfig:
         }
 
     def _check_routing(self) -> None:
+        if self.pd_mode not in ("auto", "always", "never"):
+            raise ConfigError(f"pd_mode must be auto, always or never, got {self.pd_mode!r}")
+        if self.pd_stall_weight < 0:
+            raise ConfigError(f"pd_stall_weight must be >= 0, got {self.pd_stall_weight}")
         if self.balance_queue_factor < 1:
             raise ConfigError(
                 f"balance_queue_factor must be >= 1 (a worker may always queue as much as the "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -19,6 +20,7 @@ from dataclasses import asdict, fields
 from cachesvc.types import WorkerId
 from router.admin import flush_workers, purge, worker_statuses
 from router.config import RouterConfig
+from router.disagg import Disaggregation, Handoff
 from router.domain import (
     Exhausted,
     GenerateInput,
@@ -79,6 +81,7 @@ class Router:
             self.metrics.watch_response_cache(self.responses.stats)
         self.supervisor = Supervisor(pool, config, replace)
         self.placement = Placement(pool, policy, config)
+        self.pd = Disaggregation(pool, self.placement, config, self.metrics)
 
     async def start(self) -> None:
         """Wait for the workers, index what they hold and start supervising them."""
@@ -172,6 +175,7 @@ class Router:
         self, progress: RequestProgress, outcome: RequestOutcome, req: GenerateInput
     ) -> AsyncGenerator[StreamDelta, None]:
         excluded: set[WorkerId] = set()
+        handoff: Handoff | None = None
         last_error: RouterError = Unavailable("no attempt was made")
         # The worker knows the request by an id of this call alone: the client's id is not
         # unique across tenants, so an abort (a cancelled call) reaches only its own request
@@ -182,7 +186,20 @@ class Router:
             # Every part continues the same prompt: the first one's blocks stand for all.
             prompt = parts[0].prompt_ids
             hashes = self.prompts.block_hashes(prompt, req.cache_salt)
-            placed = self.placement.route(len(prompt), hashes, excluded)
+            if attempt == 0 and (handoff := self.pd.plan(progress, hashes, excluded)):
+                record = functools.partial(self._record, outcome=outcome)
+                first = self.pd.prefill(
+                    handoff, progress, call_id, outcome, self._part, record, req
+                )
+                async with contextlib.aclosing(first) as deltas:
+                    async for first_delta in deltas:
+                        yield first_delta
+                if progress.ended or all(s.finished for s in progress.samples):
+                    return
+                parts = progress.parts()
+            placed = (handoff.take() if handoff else None) or self.placement.route(
+                len(prompt), hashes, excluded, self.pd.serving_roles()
+            )
             decision, holder = placed.decision, placed.holder
             self.metrics.decisions.labels(decision.policy, decision.worker).inc()
             outcome.route_reason = decision.reason
@@ -197,6 +214,9 @@ class Router:
                         delta = progress.forward(part, raw, decision.worker)
                         if delta is None:
                             continue
+                        if handoff is not None:
+                            handoff.observe(delta, self.metrics, outcome)
+                            delta = handoff.merged(delta)
                         if delta.usage is not None:
                             self._record(delta.usage, outcome)
                         yield delta

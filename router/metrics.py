@@ -84,6 +84,26 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+        self.pd_decisions = Counter(
+            "cachesvc_pd_decisions",
+            "Requests planned with prefill workers present: colocated or disaggregated",
+            ["mode"],
+            registry=r,
+        )
+        self.pd_fallbacks = Counter(
+            "cachesvc_pd_fallbacks",
+            "Disaggregated requests whose prefill worker failed (before or after its token)",
+            ["reason"],
+            registry=r,
+        )
+        self.pd_error = Histogram(
+            "cachesvc_pd_measured_over_predicted",
+            "Disaggregation's predictions checked: measured over predicted time to the first "
+            "token (ttft) and from the first token to the decode worker's (handoff)",
+            ["phase"],
+            buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.1, 1.25, 1.5, 2, 4),
+            registry=r,
+        )
         self._hits: dict[str, float] = {}
         self._prompt_total = 0.0
         self._lock = threading.Lock()  # scrapes run on the HTTP server's thread
@@ -131,16 +151,28 @@ class RequestOutcome:
     cached_tokens: int = 0
     computed_tokens: int = 0
     completion_tokens: int = 0
+    # Prefill/decode disaggregation (`router.disagg`): the mode chosen, the prefill worker of a
+    # disaggregated request, predicted and measured times.
+    pd_mode: str | None = None
+    prefill_worker: str | None = None
+    pd_predicted_ttft_ms: float | None = None
+    pd_predicted_handoff_ms: float | None = None
+    pd_handoff_ms: float | None = None
 
     def first_token(self, metrics: RouterMetrics) -> None:
         """Call on every delta with tokens; only the first is timed."""
         if self.ttft_s is None:
             self.ttft_s = time.perf_counter() - self.started_s
             metrics.ttft.observe(self.ttft_s)
+            if self.pd_predicted_ttft_ms:
+                metrics.pd_error.labels("ttft").observe(
+                    self.ttft_s * 1e3 / self.pd_predicted_ttft_ms
+                )
 
     def usage(self, usage: Usage) -> None:
         """Add one finished sample's usage."""
         self.worker = usage.worker_id
+        self.prefill_worker = usage.prefill_worker_id
         self.prompt_tokens = usage.prompt_tokens
         self.cached_tokens += sum(usage.cached_tokens.values())
         self.pulled_tokens += usage.cached_tokens.get("peer", 0)
@@ -168,6 +200,11 @@ class RequestOutcome:
                 "ttft_ms": None if self.ttft_s is None else round(self.ttft_s * 1e3, 2),
                 "latency_ms": round(latency_s * 1e3, 2),
                 "num_resumes": self.num_resumes,
+                "pd_mode": self.pd_mode,
+                "prefill_worker": self.prefill_worker,
+                "pd_predicted_ttft_ms": self.pd_predicted_ttft_ms,
+                "pd_predicted_handoff_ms": self.pd_predicted_handoff_ms,
+                "pd_handoff_ms": self.pd_handoff_ms,
             },
         )
 

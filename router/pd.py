@@ -73,6 +73,7 @@ class PDDecision:
     colocated_stall_s: float = 0.0  # decode time the decode worker's streams lose, colocated
     disaggregated_stall_s: float = 0.0  # the same, disaggregated (the tail and the landing)
     pull_blocks: int = 0  # disaggregated: blocks the decode worker pulls
+    handoff_fixed_s: float = 0.0  # the part of `handoff_s` that does not scale with the request
 
     @property
     def predicted_ttft_s(self) -> float:
@@ -90,10 +91,12 @@ def decide(
     prefill: PrefillSide | None,
     decode: DecodeSide | None = None,
     stall_weight: float = 1.0,
+    handoff_fixed_s: float = 0.0,
 ) -> PDDecision:
     """Colocated on `colocated.worker`, or prefill on `prefill.worker` and decode on
     `decode.worker` (default: the colocated one). `None` for `prefill` (no prefill worker) or a
-    decode worker that cannot pull is colocated."""
+    decode worker that cannot pull is colocated. `handoff_fixed_s` is what a hand-off costs
+    whatever its size (a second call, a step on each side: the router measures it)."""
     decode = colocated if decode is None else decode
     local_s = colocated.uncached_tokens * colocated.token_s
     colocated_ttft = colocated.queued_tokens * colocated.token_s + local_s
@@ -113,7 +116,7 @@ def decide(
     pull_s = pull_blocks * decode.pull_block_s
     tail_s = tail * decode.token_s
     ttft = (prefill.queued_tokens + prefill.uncached_tokens) * prefill.token_s
-    handoff = pull_s + decode.queued_tokens * decode.token_s + tail_s
+    handoff = handoff_fixed_s + pull_s + decode.queued_tokens * decode.token_s + tail_s
     stall = decode.num_running * (tail_s + LANDING_SHARE * pull_s)
     stays = colocated_ttft + stall_weight * colocated_stall
     moves = ttft + handoff + stall_weight * stall
@@ -125,7 +128,15 @@ def decide(
         f"{colocated_stall * 1e3:.0f} over {colocated.num_running} streams)"
     )
     return PDDecision(
-        disaggregate, reason, colocated_ttft, ttft, handoff, colocated_stall, stall, pull_blocks
+        disaggregate,
+        reason,
+        colocated_ttft,
+        ttft,
+        handoff,
+        colocated_stall,
+        stall,
+        pull_blocks,
+        handoff_fixed_s,
     )
 
 

@@ -18,8 +18,10 @@ from cachesvc.index import PrefixMatch
 from cachesvc.types import BlockHash, WorkerId
 from router.config import RouterConfig
 from router.domain import Exhausted, Unavailable
+from router.pd import MIXED
 from router.policy import Candidate, Policy, RouteDecision, RouteRequest, can_pull
 from router.pool import WorkerPool
+from router.worker_state import WorkerState
 from workers.protocol import BlockCosts, HolderHint
 
 
@@ -76,6 +78,11 @@ def choose(
     return Choice(decision, best, others[best])
 
 
+def role_of(state: WorkerState) -> str:
+    """A worker's role (`router.pd.ROLES`): "mixed" until its info says otherwise."""
+    return state.info.role if state.info is not None else MIXED
+
+
 @dataclass(frozen=True)
 class Placed:
     """Where a request goes, and the holder named to that worker (None: no pull to offer)."""
@@ -95,12 +102,21 @@ class Placement:
     def candidates_left(self, excluded: set[WorkerId]) -> bool:
         return any(s.worker_id not in excluded for s in self.pool.routable())
 
-    def route(self, num_tokens: int, hashes: list[BlockHash], excluded: set[WorkerId]) -> Placed:
+    def route(
+        self,
+        num_tokens: int,
+        hashes: list[BlockHash],
+        excluded: set[WorkerId],
+        roles: Collection[str] | None = None,
+    ) -> Placed:
         """The policy's choice among the live workers not `excluded`, and the holder it may
-        pull from (one index lookup for both)."""
+        pull from (one index lookup for both). With `roles`, among the workers of those roles
+        when there are any (a role is a preference: with none of them alive, any worker)."""
         live = [s for s in self.pool.routable() if s.worker_id not in excluded]
         if not live:
             raise Unavailable("no live worker to serve the request")
+        if roles is not None:
+            live = [s for s in live if role_of(s) in roles] or live
         limit = self.config.max_queued_per_worker
         if limit is not None:
             live = [s for s in live if s.num_requests < limit]

@@ -160,7 +160,8 @@ class RequestProgress:
             else [asdict(sampling.for_sample(i)) for i in range(sampling.n)]
         )
         self.samples = [StreamProgress(list(prompt_ids), p, tokenizer) for p in per_sample]
-        self.num_resumes = 0
+        self.num_resumes = 0  # failovers mid-stream
+        self.continued = False  # the samples continue one by one (after a resume or hand-off)
 
     @property
     def resumable(self) -> bool:
@@ -182,7 +183,7 @@ class RequestProgress:
     def parts(self) -> list[Part]:
         """What to ask the next worker for: the whole request until a resume, then the rest of
         each unfinished sample."""
-        if self.num_resumes == 0:
+        if not self.continued:
             return [Part(None, self.prompt_ids, self.params)]
         return [
             Part(i, s.next_prompt(), s.next_params())
@@ -192,8 +193,15 @@ class RequestProgress:
 
     def resume(self) -> None:
         """Prepare every unfinished sample to continue on another worker."""
-        assert self.resumable
+        self.hand_off()
         self.num_resumes += 1
+
+    def hand_off(self) -> None:
+        """Prepare every unfinished sample to continue on another worker by design, not by a
+        failure (a decode worker after the prefill worker sent the first token): a resume
+        that is not counted as one."""
+        assert self.resumable
+        self.continued = True
         for sample in self.samples:
             if not sample.finished:
                 sample.resume()

@@ -139,6 +139,8 @@ def delta_to_proto(request_id: str, delta: StreamDelta) -> pb.GenerateResponse:
                 ttft_ms=u.ttft_ms,
                 decode_tokens_per_s=u.decode_tokens_per_s or 0.0,
                 from_response_cache=u.from_response_cache,
+                prefill_worker_id=u.prefill_worker_id or "",
+                kv_transfer_tokens=u.kv_transfer_tokens,
             )
         )
     return out

@@ -113,6 +113,10 @@ class Usage:
     # Some of the prompt's KV came from a lossy, quantized tier (int8 / fp8): the answer may
     # differ from a fresh computation's, so the response cache never stores it.
     lossy_kv: bool = False
+    # Prefill/decode disaggregation: the worker that computed the prompt (None: `worker_id`
+    # did) and the prompt tokens whose KV the decoding worker pulled from it.
+    prefill_worker_id: str | None = None
+    kv_transfer_tokens: int = 0
 
 
 @dataclass(frozen=True)

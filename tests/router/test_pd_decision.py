@@ -1,0 +1,90 @@
+"""The per-request disaggregation decision (`router.pd.decide`): from calibrated costs and
+load, not from a prompt-length threshold."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachesvc.types import WorkerId
+from router.pd import DecodeLoad, DecodeSide, PrefillSide, decide, pick_decode
+
+BLOCK = 16
+TOKEN_S = 1e-4  # 10 000 prompt tokens a second
+PULL_BLOCK_S = 2e-4  # a block's pull: an eighth of its compute (16 tokens: 1.6 ms)
+
+
+def _decode(uncached: int, running: int, queued: int = 0, pull: float | None = PULL_BLOCK_S):
+    return DecodeSide(WorkerId("d"), uncached, queued, running, TOKEN_S, pull)
+
+
+def _prefill(uncached: int, queued: int = 0) -> PrefillSide:
+    return PrefillSide(WorkerId("p"), uncached, queued, TOKEN_S)
+
+
+def test_idle_decode_worker_keeps_a_long_prompt() -> None:
+    """Nobody to disturb and nothing to move: colocated, however long the prompt."""
+    d = decide(8000, BLOCK, _decode(8000, running=0), _prefill(8000))
+    assert not d.disaggregate
+    assert d.colocated_ttft_s == pytest.approx(0.8)
+    assert d.colocated_stall_s == 0
+
+
+def test_busy_decode_batch_sends_the_prompt_away() -> None:
+    d = decide(8000, BLOCK, _decode(8000, running=16), _prefill(8000))
+    assert d.disaggregate and d.mode == "disaggregated"
+    assert d.pull_blocks == 500
+    assert d.disaggregated_ttft_s == pytest.approx(0.8)
+    # 16 streams would each lose the 0.8 s prefill colocated.
+    assert d.colocated_stall_s == pytest.approx(16 * 0.8)
+    assert d.disaggregated_stall_s < d.colocated_stall_s / 10
+    assert "disaggregated" in d.reason
+
+
+def test_queued_prefill_worker_keeps_it_home() -> None:
+    """The same busy batch, but the prefill worker has 10 s of prompts queued."""
+    d = decide(8000, BLOCK, _decode(8000, running=4), _prefill(8000, queued=100_000))
+    assert not d.disaggregate
+
+
+def test_short_prompt_moves_only_when_the_batch_is_large() -> None:
+    """A hand-off's fixed cost (20 ms) outweighs 64 tokens' prefill for a few streams."""
+    small = decide(64, BLOCK, _decode(64, running=2), _prefill(64), handoff_fixed_s=0.02)
+    large = decide(64, BLOCK, _decode(64, running=200), _prefill(64), handoff_fixed_s=0.02)
+    assert not small.disaggregate and large.disaggregate
+
+
+def test_decode_worker_that_cannot_pull_keeps_it() -> None:
+    d = decide(8000, BLOCK, _decode(8000, running=64, pull=None), _prefill(8000))
+    assert not d.disaggregate and "does not pull" in d.reason
+    assert not decide(8000, BLOCK, _decode(8000, running=64), None).disaggregate
+
+
+def test_cached_on_the_decode_worker_is_not_pulled() -> None:
+    """The decode worker holds half the prompt: it pulls only the rest."""
+    d = decide(8000, BLOCK, _decode(4000, running=16), _prefill(8000))
+    assert d.pull_blocks == 250
+
+
+def test_stall_weight_zero_is_the_requests_own_latency() -> None:
+    d = decide(8000, BLOCK, _decode(8000, running=64), _prefill(8000), stall_weight=0.0)
+    assert not d.disaggregate  # for the request alone, moving never pays here
+
+
+def test_pick_decode_by_decode_load() -> None:
+    loads = [
+        DecodeLoad(WorkerId("a"), 8, 0, 100, 0),
+        DecodeLoad(WorkerId("b"), 2, 1, 10, 500),
+        DecodeLoad(WorkerId("c"), 2, 1, 50, 500),
+        DecodeLoad(WorkerId("d"), 4, 0, 900, 0),
+    ]
+    assert pick_decode(loads) == "c"  # fewest streams, equal queue, most free blocks
+
+
+def test_config_names_a_bad_mode() -> None:
+    from cachesvc.config import ConfigError
+    from router.config import RouterConfig
+
+    with pytest.raises(ConfigError, match="pd_mode"):
+        RouterConfig(pd_mode="sometimes")
+    with pytest.raises(ConfigError, match="pd_stall_weight"):
+        RouterConfig(pd_stall_weight=-1)
