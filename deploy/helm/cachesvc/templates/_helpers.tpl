@@ -61,12 +61,6 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
-{{/* Workers each take one GPU: by default one worker per GPU (or per pod on CPU). */}}
-{{- define "cachesvc.numWorkers" -}}
-{{- $w := .Values.rayCluster.worker -}}
-{{- mul (int $w.replicas) (max 1 (int $w.gpus)) -}}
-{{- end -}}
-
 {{/* Where the Redis CA certificate is mounted when redis.external.tls has one. */}}
 {{- define "cachesvc.redisCaFile" -}}
 {{- $tls := .Values.redis.external.tls -}}
@@ -132,8 +126,30 @@ null. cachesvc rejects a key that is not a dataclass field, naming it.
 {{- end -}}
 {{- $_ := set $cfg "ray_address" (printf "ray://%s:%d" (include "cachesvc.rayHeadHost" .) (int .Values.rayCluster.head.clientPort)) -}}
 {{- end -}}
+{{- /* Workers each take one GPU: by default one per GPU of each group (_workers.tpl). */ -}}
+{{- $counts := include "cachesvc.workerCounts" . | fromYaml -}}
 {{- if kindIs "invalid" $cfg.num_workers -}}
-{{- $_ := set $cfg "num_workers" (int (include "cachesvc.numWorkers" .)) -}}
+{{- $_ := set $cfg "num_workers" (int $counts.mixed) -}}
+{{- end -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $key := printf "num_%s_workers" $role -}}
+{{- if kindIs "invalid" (index $cfg $key) -}}
+{{- if include "cachesvc.usesRoles" $ -}}
+{{- $_ := set $cfg $key (int (index $counts $role)) -}}
+{{- else -}}
+{{- /* null is no count to cachesvc: without roles the key is left out, as it always was. */ -}}
+{{- $_ := unset $cfg $key -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $mixed := int ($cfg.num_workers | default 0) -}}
+{{- $prefill := int ($cfg.num_prefill_workers | default 0) -}}
+{{- $decode := int ($cfg.num_decode_workers | default 0) -}}
+{{- if and $prefill (not $decode) (not $mixed) -}}
+{{- fail "rayCluster.roles.prefill has no workers to decode on: set rayCluster.roles.decode.replicas (or rayCluster.worker.replicas for mixed workers)" -}}
+{{- end -}}
+{{- if and $decode (not $prefill) (not $mixed) -}}
+{{- fail "rayCluster.roles.decode has no workers to compute prompts: set rayCluster.roles.prefill.replicas (or rayCluster.worker.replicas for mixed workers)" -}}
 {{- end -}}
 {{- $redisUrl := include "cachesvc.redisUrl" . -}}
 {{- if and $redisUrl (kindIs "invalid" $tiers.redis_url) -}}
