@@ -64,6 +64,16 @@ def add_bench_parser(sub: Any) -> None:
     kv.add_argument("--quick", action="store_true", help="1K/4K tokens, a 512-token holder")
     kv.add_argument("--model", default=None, help="the holder part's model (default: SmolLM2)")
     kv.add_argument("--paths-only", action="store_true", help="skip the holder part")
+    pd = bench_sub.add_parser(
+        "pd", help="decodes while long prompts arrive: 2 mixed vs 1 prefill + 1 decode worker"
+    )
+    pd.add_argument("--json", dest="json_path", help="also write the results to this file")
+    pd.add_argument("--quick", action="store_true", help="2 streams, 2 prompts of 1K tokens")
+    pd.add_argument("--model", default=None, help="default: SmolLM2")
+    pd.add_argument("--tiny", action="store_true", help="a tiny random model instead")
+    pd.add_argument(
+        "--pd-mode", default="auto", choices=("auto", "always"), help="the router's pd_mode"
+    )
     _add_routing_bench_parser(bench_sub)
     rb = bench_sub.add_parser("router", help="the router's own cost per decision, per stage")
     rb.add_argument("--json", dest="json_path", help="also write the results to this file")
@@ -127,6 +137,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from cachesvc.bench.kv_codec import run_kv_codec_bench
 
         return run_kv_codec_bench(args.model, args.quick, args.json_path, args.threads)
+    if args.suite == "pd":
+        from cachesvc.bench.pd import PDBenchArgs, run_pd_bench
+
+        return run_pd_bench(
+            PDBenchArgs(args.quick, args.model, args.tiny, args.json_path, args.pd_mode)
+        )
     if args.suite == "kv-transfer":
         from cachesvc.bench.kv_transfer import run_kv_transfer_bench
 
