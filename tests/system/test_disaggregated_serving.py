@@ -174,6 +174,35 @@ def test_auto_decides_per_request_and_says_why(
     _flush(server)
 
 
+def test_frozen_prefill_worker_costs_a_recompute(
+    start_router: Any, roles: dict[WorkerId, Any]
+) -> None:
+    """A prefill worker that stops answering (SIGSTOP) before its token: the request waiting
+    on it is served colocated on the decode worker, with the same tokens."""
+    import os
+    import signal
+
+    import ray
+
+    ids = _prompt(90)
+    reference = start_router(roles, pd_mode="never")
+    expected, _, _ = _answer(_generate(reference, ids, GREEDY))
+    _flush(reference)
+    server = start_router(
+        roles, pd_mode="always", ping_timeout_s=0.3, stall_check_s=0.1, max_missed_polls=2
+    )
+    pid = int(ray.get(roles[PREFILL].__ray_call__.remote(lambda self: os.getpid()), timeout=60))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        tokens, _, usage = _answer(_generate(server, ids, GREEDY))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert tokens == expected
+    assert usage.worker_id == DECODE and not usage.prefill_worker_id
+    assert usage.computed_tokens == PROMPT_TOKENS
+    _flush(server)
+
+
 def test_dead_prefill_worker_costs_a_recompute(
     start_router: Any, roles: dict[WorkerId, Any]
 ) -> None:
