@@ -25,6 +25,7 @@ def worker_statuses(pool: WorkerPool) -> list[WorkerStatus]:
             blocks={t: (b.total, b.used, b.cached) for t, b in s.load.blocks.items()},
             num_inflight=s.num_inflight,
             num_indexed_blocks=pool.index.num_blocks(s.worker_id),
+            role=s.info.role if s.info is not None else "",
         )
         for s in pool.states()
     ]

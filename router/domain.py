@@ -84,6 +84,7 @@ class WorkerStatus:
     blocks: Mapping[str, tuple[int, int, int]]  # tier -> (total, used, cached)
     num_inflight: int
     num_indexed_blocks: int
+    role: str = ""  # mixed | prefill | decode ("" until the worker has said)
 
 
 @dataclass

@@ -166,6 +166,7 @@ def worker_to_proto(status: WorkerStatus) -> pb.WorkerInfo:
         },
         num_inflight=status.num_inflight,
         num_indexed_blocks=status.num_indexed_blocks,
+        role=status.role,
     )
 
 

@@ -92,6 +92,8 @@ def test_handed_off_stream_equals_colocated(
     colocated = start_router(roles, pd_mode="never")
     expected, expected_text, alone = _answer(_generate(colocated, ids, sampling))
     assert alone.worker_id == DECODE and not alone.prefill_worker_id  # roles are honoured
+    listed = pb_grpc.AdminStub(colocated.channel()).ListWorkers(pb.ListWorkersRequest())
+    assert {w.worker_id: w.role for w in listed.workers} == {PREFILL: "prefill", DECODE: "decode"}
     _flush(colocated)
 
     server = start_router(roles, pd_mode="always")

@@ -185,7 +185,7 @@ class TierBlocks(_message.Message):
     def __init__(self, total: _Optional[int] = ..., used: _Optional[int] = ..., cached: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "health", "num_running", "num_waiting", "num_queued_tokens", "blocks", "num_inflight", "num_indexed_blocks")
+    __slots__ = ("worker_id", "health", "num_running", "num_waiting", "num_queued_tokens", "blocks", "num_inflight", "num_indexed_blocks", "role")
     class Health(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         HEALTH_UNSPECIFIED: _ClassVar[WorkerInfo.Health]
@@ -211,6 +211,7 @@ class WorkerInfo(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     NUM_INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     health: WorkerInfo.Health
     num_running: int
@@ -219,7 +220,8 @@ class WorkerInfo(_message.Message):
     blocks: _containers.MessageMap[str, TierBlocks]
     num_inflight: int
     num_indexed_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., health: _Optional[_Union[WorkerInfo.Health, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., blocks: _Optional[_Mapping[str, TierBlocks]] = ..., num_inflight: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., health: _Optional[_Union[WorkerInfo.Health, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., blocks: _Optional[_Mapping[str, TierBlocks]] = ..., num_inflight: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)
