@@ -46,6 +46,13 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="M workers that prefer decoding (a short prompt they may compute themselves); the "
         "router picks, per request, whether to disaggregate it",
     )
+    serve.add_argument(
+        "--pd-mode",
+        default="auto",
+        choices=("auto", "always", "never"),
+        help="with prefill workers: decide per request from calibrated costs and load (auto), "
+        "hand every request to a prefill worker (always), or none (never)",
+    )
     serve.add_argument("--ray-address", default=None, help="Ray cluster (default: start one)")
     serve.add_argument(
         "--placement",
@@ -209,6 +216,7 @@ def _router_options(args: argparse.Namespace) -> dict[str, Any]:
         "served_model_name": args.served_model_name,
         "max_queued_per_worker": args.max_queued_per_worker,
         "max_inflight": args.max_inflight,
+        "pd_mode": args.pd_mode,
         **_response_cache_options(args),
         "tenant_tokens": () if tenants is None else load_tenant_tokens(tenants),
         "tls_cert_file": args.tls_cert_file,

@@ -94,3 +94,9 @@ def test_a_bad_count_in_the_file_names_the_key(tmp_path: Path) -> None:
     path.write_text("num_prefill_workers: two\n")
     with pytest.raises(ConfigError, match="num_prefill_workers must be an integer"):
         load_config_file(path, ServeConfig)
+
+
+def test_pd_mode_flag_reaches_the_router() -> None:
+    args = ["serve", "--prefill-workers", "1", "--decode-workers", "1", "--pd-mode", "always"]
+    assert serve_config(build_parser().parse_args(args)).router.pd_mode == "always"
+    assert serve_config(build_parser().parse_args(["serve"])).router.pd_mode == "auto"
