@@ -27,6 +27,7 @@ from cachesvc.planner import CostModel, LoadPlan, plan_load
 from cachesvc.sim.seq import PendingLoad, Ranges, SimSeq
 from cachesvc.tiers.results import FetchResult, TierHit
 from cachesvc.tiers.tier_manager import TierManager
+from cachesvc.types import BlockHash
 from router.policy import PEER
 
 
@@ -95,6 +96,23 @@ class SimLoads:
         del seq.block_ids[keep:]
         return self._read_s(_read_runs(result)) + self.cost.land_s(landed)
 
+    def plan_handoff(self, seq: SimSeq, first: int, now: float) -> float:
+        """A disaggregated request's decode (`seq.pulls_prompt`), holding its device prefix
+        (`first` blocks): it pulls the prompt's other full blocks from its prefill worker
+        (`seq.peer`), never the planner's choice to recompute them, as the decode side of a
+        pair must; what the holder no longer has (or no room here) it computes. Returns 0.0:
+        the pull runs in the background."""
+        assert seq.peer is not None
+        end = min(seq.req.num_full_blocks, first + self.pool.num_free - 1)
+        if end <= first:
+            return 0.0
+        self.plans["handoff"] += 1
+        ranges: Ranges = [(PEER, list(seq.req.hashes[first:end]))]
+        seq.block_ids.extend(self.pool.allocate(end - first))
+        sent, pull_s = self._ask_holder(seq, ranges[0][1])
+        seq.load = PendingLoad(first * self.block_size, ranges, now + pull_s, sent)
+        return 0.0
+
     def arrived(self, seq: SimSeq, now: float) -> bool:
         """Whether `seq`'s load may land now that the front is computed: a split's always
         (the engine waits for its read), a pull's once it is done."""
@@ -156,14 +174,19 @@ class SimLoads:
     def _pull(self, seq: SimSeq, plan: LoadPlan, ranges: Ranges, now: float) -> PendingLoad:
         """A plan with a pull: the local reads and the pull run side by side in the
         background; the holder sends the leading part of the run it still holds."""
-        assert seq.peer is not None
         local_s = self._read_s([(name, len(h)) for name, h in _local(ranges)])
-        sent = seq.peer.holder.num_held(dict(ranges)[PEER])
-        peer = self.cost.tiers[PEER]
-        seq.peer.holder.charge(sent * peer.bytes_per_block * self.stage_s_per_byte)
-        pull_s = peer.fetch_s(sent) if sent else peer.latency_s  # an empty answer: a round trip
+        sent, pull_s = self._ask_holder(seq, dict(ranges)[PEER])
         ready = now + max(local_s, pull_s)
         return PendingLoad(plan.split_block * self.block_size, ranges, ready, sent)
+
+    def _ask_holder(self, seq: SimSeq, hashes: Sequence[BlockHash]) -> tuple[int, float]:
+        """(blocks sent, seconds the pull takes): the holder sends the leading part of `hashes`
+        it still holds, and pays for staging them."""
+        assert seq.peer is not None
+        sent = seq.peer.holder.num_held(hashes)
+        peer = self.cost.tiers[PEER]
+        seq.peer.holder.charge(sent * peer.bytes_per_block * self.stage_s_per_byte)
+        return sent, peer.fetch_s(sent) if sent else peer.latency_s  # empty: a round trip
 
     def _land(self, seq: SimSeq, n: int, first: int, ranges: Ranges) -> int:
         """Register `n` fetched blocks from block `first` on and move the request past them;

@@ -22,15 +22,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachesvc.events import TIER_HBM
 from cachesvc.index import IndexSnapshot, MemoryPrefixIndex
 from cachesvc.sim.cost_profile import CostProfile
+from cachesvc.sim.pd import COLOCATED, PDRoutes, choose_among, device_blocks, roles_for
 from cachesvc.sim.seq import SimPeer, SimSeq
 from cachesvc.sim.trace import BLOCK_SIZE, SimRequest
 from cachesvc.sim.worker import SimWorker
 from cachesvc.types import WorkerId
-from router.placement import LiveWorker, choose
-from router.policy import Policy, RouteRequest, make_policy
+from router.policy import Policy, make_policy
 
 _INCARNATION = "simulated"
 
@@ -52,6 +51,16 @@ class ClusterSpec:
             raise ValueError("tier sizes must be >= 0 blocks")
 
 
+@dataclass(frozen=True)
+class PDSetup:
+    """Prefill/decode roles (`cachesvc.sim.pd`): the mode, and with roles how many of the
+    workers are prefill workers (the first ones; the rest decode)."""
+
+    mode: str = COLOCATED
+    num_prefill: int = 0
+    stall_weight: float = 1.0  # `router.pd.decide`'s weight of the decode streams' loss
+
+
 @dataclass
 class SimRun:
     """What one replay produced: every request's counters and the workers' totals."""
@@ -65,6 +74,8 @@ class SimRun:
     assigned: dict[int, WorkerId] = field(default_factory=dict)  # request index -> worker
     num_rejected: int = 0  # requests no worker's pool could ever hold
     wall_s: float = 0.0
+    pd: PDSetup | None = None
+    pd_routes: PDRoutes | None = None  # with roles: each request's `PDDecision`
 
     @property
     def label(self) -> str:
@@ -74,8 +85,15 @@ class SimRun:
 
 class _Cluster:
     def __init__(
-        self, spec: ClusterSpec, profile: CostProfile, policy: Policy, peer_pull: bool
+        self,
+        spec: ClusterSpec,
+        profile: CostProfile,
+        policy: Policy,
+        peer_pull: bool,
+        pd: PDSetup | None = None,
     ) -> None:
+        setup = pd or PDSetup()
+        roles = roles_for(setup.mode, spec.num_workers, setup.num_prefill)
         self.workers = [
             SimWorker(
                 WorkerId(f"w{i}"),
@@ -84,7 +102,10 @@ class _Cluster:
                 spec.dram_blocks,
                 spec.nvme_blocks,
                 spec.block_size,
-                peer_pull,
+                # With roles a decode worker pulls its prompts; every mode's workers can (and
+                # so report a pull cost), whether the router names holders or not.
+                peer_pull or pd is not None,
+                roles[i],
             )
             for i in range(spec.num_workers)
         ]
@@ -122,30 +143,37 @@ class _Cluster:
             heapq.heappush(self.events, (due, number))
 
     def route(self, req: SimRequest, run: SimRun) -> tuple[SimWorker, SimSeq] | None:
-        """The worker the policy chooses, and the request as it joins that worker."""
+        """The worker the policy chooses (with roles, `PDRoutes`'), and the request as it
+        joins that worker."""
+        if run.pd_routes is not None:
+            routed = run.pd_routes.route(req)
+            if routed is None:
+                return None
+            run.reasons[routed.reason] += 1
+            run.assigned[req.index] = routed.worker.worker_id
+            return routed.worker, routed.seq
         live = [w for w in self.workers if w.fits(req)]
         if not live:
             return None
         matches = self.index.longest_prefix(req.hashes[: req.num_full_blocks])
-        loads = [
-            LiveWorker(w.worker_id, w.num_requests, w.num_queued_tokens, w.block_costs())
-            for w in live
-        ]
         # Every simulated worker is healthy, so any may be the holder a pull comes from.
         holders = [w.worker_id for w in self.workers] if self.peer_pull else []
-        request = RouteRequest(req.prompt_len, req.block_size, req.arrival_s)
-        choice = choose(self.policy, request, loads, matches, holders)
-        decision = choice.decision
-        run.reasons[decision.reason] += 1
-        run.assigned[req.index] = decision.worker
-        worker = next(w for w in live if w.worker_id == decision.worker)
-        match = matches.get(worker.worker_id)
-        device = 0 if match is None else match.blocks_by_tier.get(TIER_HBM, 0)
+        worker, choice = choose_among(self.policy, req, live, matches, holders)
+        run.reasons[choice.decision.reason] += 1
+        run.assigned[req.index] = worker.worker_id
         peer = None
         if choice.holder is not None:
             holder = next(w for w in self.workers if w.worker_id == choice.holder)
             peer = SimPeer(holder, choice.holder_blocks)
-        return worker, SimSeq(req, device, peer)
+        return worker, SimSeq(req, device_blocks(matches, worker), peer)
+
+    def join(self, worker: SimWorker, seq: SimSeq, now: float, run: SimRun) -> None:
+        """`seq` joins `worker`'s queue; an idle worker starts stepping."""
+        run.seqs.append(seq)
+        worker.add(seq)
+        number = self.workers.index(worker)
+        if not self.stepping[number]:
+            self.start(number, now)
 
 
 def replay(
@@ -155,14 +183,21 @@ def replay(
     policy: str,
     policy_options: Mapping[str, Any] | None = None,
     peer_pull: bool = False,
+    pd: PDSetup | None = None,
 ) -> SimRun:
     """Replay `requests` (in arrival order) through a fresh cluster routed by `policy`; with
-    `peer_pull`, workers pull prefixes from the holders the router names."""
+    `peer_pull`, workers pull prefixes from the holders the router names; with `pd`, workers
+    have prefill/decode roles and requests go where its mode says (`cachesvc.sim.pd`)."""
     began = time.perf_counter()
     if any(r.block_size != spec.block_size for r in requests):
         raise ValueError(f"every request must have blocks of {spec.block_size} tokens")
-    cluster = _Cluster(spec, profile, make_policy(policy, **(policy_options or {})), peer_pull)
-    run = SimRun(policy, peer_pull, [], cluster.workers, cluster.index)
+    options = policy_options or {}
+    cluster = _Cluster(spec, profile, make_policy(policy, **options), peer_pull, pd)
+    run = SimRun(policy, peer_pull, [], cluster.workers, cluster.index, pd=pd)
+    if pd is not None and pd.mode != COLOCATED:
+        run.pd_routes = PDRoutes(
+            pd.mode, cluster.workers, cluster.index, policy, options, pd.stall_weight
+        )
     events = cluster.events
     i = 0
     while i < len(requests) or events:
@@ -171,8 +206,13 @@ def replay(
             if cluster.due[number] != now:
                 continue  # superseded: an arrival started a step while the worker waited
             # A wake-up ends no step: finishing one with nothing scheduled changes nothing.
-            cluster.workers[number].finish_step(now)
+            worker = cluster.workers[number]
+            finished = worker.finish_step(now)
             cluster.start(number, now)
+            for seq in finished:
+                handed = run.pd_routes.handoff(worker, seq) if run.pd_routes else None
+                if handed is not None:  # its prefill is done: its decode joins the decoder
+                    cluster.join(handed[0], handed[1], now, run)
             continue
         req = requests[i]
         i += 1
@@ -180,11 +220,6 @@ def replay(
         if routed is None:
             run.num_rejected += 1
             continue
-        target, seq = routed
-        run.seqs.append(seq)
-        target.add(seq)
-        number = cluster.workers.index(target)
-        if not cluster.stepping[number]:
-            cluster.start(number, req.arrival_s)
+        cluster.join(routed[0], routed[1], req.arrival_s, run)
     run.wall_s = time.perf_counter() - began
     return run

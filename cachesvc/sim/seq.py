@@ -71,10 +71,22 @@ class SimSeq:
     finish_s: float | None = None
     num_preemptions: int = 0
     load: PendingLoad | None = None
+    # Prefill/decode disaggregation: a request's prefill on a prefill worker stops after its
+    # first token (`prefill_only`); its decode on a decode worker starts with that token,
+    # pulls the prompt's full blocks from `peer` and computes the rest (`pulls_prompt`).
+    prefill_only: bool = False
+    pulls_prompt: bool = False
+    token_times: list[float] = field(default_factory=list)  # when each output token came
+    num_computed: int = 0  # tokens this worker computed for it, recomputations included
 
     @property
     def num_tokens(self) -> int:
         return self.req.prompt_len + self.generated
+
+    @property
+    def num_to_generate(self) -> int:
+        """Output tokens it produces here before it is done (1 for a prefill only)."""
+        return 1 if self.prefill_only else self.req.output_len
 
     def awaits_load(self) -> bool:
         """Computed up to its pending load: nothing to compute until it lands."""

@@ -23,6 +23,7 @@ from cachesvc.bench.table import write_json
 from cachesvc.bench.workloads import load_mooncake
 from cachesvc.sim.cost_profile import CostProfile, TierReadCost, load_profile
 from cachesvc.sim.generate import GeneratedTrace, generate_rows, write_trace
+from cachesvc.sim.goodput import SLO
 from cachesvc.sim.loop import ClusterSpec, replay
 from cachesvc.sim.report import (
     SimSummary,
@@ -124,6 +125,14 @@ class SimulateArgs:
     plot_path: str | None = None
     # Replay what `cachesvc bench routing --workload trace` sends instead of the full trace.
     like_bench_routing: bool = False
+    # Prefill/decode roles (`pd_sweep`): one mode ("colocated", "always", "decide") with
+    # `prefill_workers` of the workers prefilling, or the sweep over modes, ratios and loads.
+    pd: str | None = None
+    prefill_workers: int = 1
+    pd_sweep: bool = False
+    slo: SLO = SLO()
+    loads: tuple[float, ...] = (0.5, 0.8, 1.0, 1.2)  # fractions of the estimated capacity
+    stall_weight: float | None = None  # decide's; None: the SLO's (`SLO.stall_weight`)
 
 
 def parse_sweep(text: str) -> tuple[str, list[str]]:

@@ -27,6 +27,7 @@ from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.tier import build_manager, stand_in_block
 from cachesvc.sim.trace import BLOCK_SIZE, SimRequest
 from cachesvc.types import BlockHash, BlockId, WorkerId
+from router.pd import MIXED
 from workers.protocol import BlockCosts
 
 
@@ -43,8 +44,10 @@ class SimWorker:
         nvme_blocks: int = 0,
         block_size: int = BLOCK_SIZE,
         peer_pull: bool = False,
+        role: str = MIXED,
     ) -> None:
         self.worker_id = worker_id
+        self.role = role  # what the router sends it (`router.pd`): it schedules any request
         self.block_size = block_size
         self.profile = profile
         self.events = EventLog()
@@ -173,14 +176,16 @@ class SimWorker:
         finished = []
         for seq, k in self._step:
             seq.computed += k
+            seq.num_computed += k
             if seq.awaits_load() and self.loads.arrived(seq, now):
                 self._carry_s += self.loads.land(seq, now)
             if seq.computed < seq.num_tokens:
                 continue
             seq.generated += 1
+            seq.token_times.append(now)
             if seq.first_token_s is None:
                 seq.first_token_s = now
-            if seq.generated >= seq.req.output_len:
+            if seq.generated >= seq.num_to_generate:
                 seq.finish_s = now
                 self.running.remove(seq)
                 self._free(seq)
@@ -289,7 +294,9 @@ class SimWorker:
         """Reuse the device's longest prefix of a request holding no blocks, then plan what the
         tiers and a holder add; returns the seconds the engine's thread spends fetching."""
         hits: list[BlockId] = []
-        for block_hash in seq.req.hashes[: seq.req.max_match_blocks]:
+        # A disaggregated request's decode knows its first token: every full block may hit.
+        limit = seq.req.num_full_blocks if seq.pulls_prompt else seq.req.max_match_blocks
+        for block_hash in seq.req.hashes[:limit]:
             block_id = self.pool.lookup(block_hash, ())
             if block_id is None:
                 break
@@ -299,4 +306,6 @@ class SimWorker:
         seq.computed = len(hits) * self.block_size
         if seq.num_preemptions == 0:
             seq.cached = {TIER_HBM: seq.computed}
+        if seq.pulls_prompt:
+            return self.loads.plan_handoff(seq, len(hits), now)
         return self.loads.plan(seq, len(hits), now)

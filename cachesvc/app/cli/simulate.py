@@ -150,8 +150,25 @@ def add_simulate_parser(sub: Any) -> None:
     )
     made.add_argument("--seed", type=int, default=gen.seed, help="the draw")
     made.add_argument(
+        "--prompt-blocks",
+        default=",".join(map(str, gen.first_blocks)),
+        metavar="LO,HI",
+        help="blocks of a session's own first message, uniform (default %(default)s; "
+        "e.g. 16,48 for long documents)",
+    )
+    made.add_argument(
+        "--mean-output", type=int, default=gen.mean_output, help="tokens per answer, mean"
+    )
+    made.add_argument(
+        "--mean-turns",
+        type=float,
+        default=gen.mean_turns,
+        help="requests per session, mean (1: every request a new session)",
+    )
+    made.add_argument(
         "--write-trace", default=None, help="also save the trace generated for --workers here"
     )
+    _add_pd_arguments(sim)
     defaults = RouterConfig()
     bounds = sim.add_argument_group("prefix_aware thresholds (RouterConfig fields)")
     for name in _POLICY_FIELDS:
@@ -160,10 +177,68 @@ def add_simulate_parser(sub: Any) -> None:
         bounds.add_argument(flag, type=type(value), default=value, help=f"default {value}")
 
 
+def _add_pd_arguments(sim: Any) -> None:
+    from cachesvc.sim.goodput import SLO
+    from cachesvc.sim.pd import PD_MODES
+
+    slo = SLO()
+    pd = sim.add_argument_group("prefill/decode roles: goodput under an SLO")
+    pd.add_argument(
+        "--pd",
+        choices=PD_MODES,
+        default=None,
+        help="colocated (all mixed), always (disaggregated) or decide (per request, "
+        "router.pd.decide); prints goodput and latencies",
+    )
+    pd.add_argument(
+        "--prefill-workers", type=int, default=1, help="of --workers, prefilling (the rest decode)"
+    )
+    pd.add_argument(
+        "--pd-sweep",
+        action="store_true",
+        help="estimate the colocated capacity, then at each --loads replay colocated, and "
+        "always and decide at every prefill:decode ratio; each mode at its best ratio",
+    )
+    pd.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=slo.ttft_ms,
+        help="time to first token target (default %(default)g: MLPerf's Llama-3.1-8B server)",
+    )
+    pd.add_argument(
+        "--slo-itl-ms",
+        type=float,
+        default=slo.itl_ms,
+        help="mean inter-token latency target per request (default %(default)g: MLPerf's "
+        "Llama-3.1-8B server TPOT)",
+    )
+    pd.add_argument(
+        "--loads",
+        default="0.5,0.8,1.0,1.2",
+        help="--pd-sweep's loads, fractions of the estimated capacity (default %(default)s)",
+    )
+    pd.add_argument(
+        "--pd-stall-weight",
+        type=float,
+        default=None,
+        help="decide's weight of the decode streams' loss (default: from the SLO and the mean "
+        "answer)",
+    )
+
+
+def _pairs(text: str, flag: str, kind: type = int) -> tuple[Any, ...]:
+    try:
+        return tuple(kind(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise CliError(f"{flag} takes numbers separated by commas, got {text!r}") from None
+
+
 def run_simulate_command(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         return _calibrate(args)
     from cachesvc.sim.generate import GeneratedTrace
+    from cachesvc.sim.goodput import SLO
+    from cachesvc.sim.pd_sweep import run_pd
     from cachesvc.sim.simulate import SimulateArgs, Size, run_simulate
     from cachesvc.sim.trace import HotPrefix
     from router.config import RouterConfig
@@ -176,7 +251,14 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         raise CliError(f"--workers must be positive, got {args.workers}")
     # The thresholds are validated as the router validates them.
     config = RouterConfig(**{name: getattr(args, name) for name in _POLICY_FIELDS})
-    return run_simulate(
+    prompt_blocks = _pairs(args.prompt_blocks, "--prompt-blocks")
+    if len(prompt_blocks) != 2 or not 1 <= prompt_blocks[0] <= prompt_blocks[1]:
+        raise CliError(f"--prompt-blocks takes LO,HI with 1 <= LO <= HI, got {args.prompt_blocks}")
+    loads = _pairs(args.loads, "--loads", float)
+    if not loads or min(loads) <= 0:
+        raise CliError(f"--loads takes positive fractions of the capacity, got {args.loads}")
+    run = run_pd if args.pd is not None or args.pd_sweep else run_simulate
+    return run(
         SimulateArgs(
             trace=args.trace,
             workload=args.workload,
@@ -188,7 +270,14 @@ def run_simulate_command(args: argparse.Namespace) -> int:
                 fork_at_s=args.fork_at,
                 rate=args.rate,
             ),
-            generated=GeneratedTrace(args.rate_per_worker, args.duration, args.seed),
+            generated=GeneratedTrace(
+                args.rate_per_worker,
+                args.duration,
+                args.seed,
+                mean_turns=args.mean_turns,
+                first_blocks=(prompt_blocks[0], prompt_blocks[1]),
+                mean_output=args.mean_output,
+            ),
             write_trace_path=args.write_trace,
             profile=args.profile,
             peer_gbps=args.peer_gbps,
@@ -207,6 +296,12 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             json_path=args.json_path,
             plot_path=args.plot_path,
             like_bench_routing=args.like_bench_routing,
+            pd=args.pd,
+            prefill_workers=args.prefill_workers,
+            pd_sweep=args.pd_sweep,
+            slo=SLO(args.slo_ttft_ms, args.slo_itl_ms),
+            loads=loads,
+            stall_weight=args.pd_stall_weight,
         )
     )
 
