@@ -10,6 +10,10 @@ the split (nothing, for a plain fetch) and then waits for the pull, but the engi
 the worker's other requests keep stepping; the pull's time never occupies the worker's compute.
 Landed blocks are registered in the pool, so the index learns that the puller holds them.
 
+A disaggregated request's decode (`plan_handoff`) pulls the prompt's full blocks from its
+prefill worker whatever the planner would say: the decode side of a pair does not compute
+prompts.
+
 The holder pays for what it sends: its engine stages the run between two steps (a gather into
 a host buffer), so its next step takes `stage_s_per_byte` per byte sent longer (the profile's,
 measured by `cachesvc bench kv-transfer`); an idle holder pays nothing anyone waits for. It

@@ -196,7 +196,7 @@ def replay(
     run = SimRun(policy, peer_pull, [], cluster.workers, cluster.index, pd=pd)
     if pd is not None and pd.mode != COLOCATED:
         run.pd_routes = PDRoutes(
-            pd.mode, cluster.workers, cluster.index, policy, options, pd.stall_weight
+            pd.mode, cluster.workers, cluster.index, cluster.policy, pd.stall_weight
         )
     events = cluster.events
     i = 0

@@ -11,11 +11,11 @@ Three modes over one cluster:
   choice among the decode workers against computing its prompt on the policy's choice among
   the prefill workers and decoding on `pick_decode`'s.
 
-As the router sees them: a worker's uncached prompt tokens from the prefix index (what it holds
-of the prompt, up to the last token's block), its queued tokens, its running streams, and its
-per-token prefill and per-block pull costs from its reported `BlockCosts`. One policy instance
-chooses on each side (its memory of who was given what stays per pool); the colocated choice is
-made, and remembered by that side's policy, even when the request is then disaggregated.
+As `router.disagg` sees them: a worker's uncached prompt tokens (the policy's match on the
+colocated and prefill sides, the prefix index's on the decode side), its queued tokens, its
+running streams, and its per-token prefill and per-block pull costs from its reported
+`BlockCosts`. One policy instance makes both choices, so it remembers the colocated choice (and
+the prefill one) even for a request that goes the other way, as the router's does.
 
 A disaggregated request runs twice: on its prefill worker up to its first token
 (`SimSeq.prefill_only`, its TTFT), then on its decode worker (`handoff`), which pulls the
@@ -26,10 +26,9 @@ decodes the rest of the output.
 
 from __future__ import annotations
 
-from collections import Counter
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from cachesvc.events import TIER_HBM
 from cachesvc.index import MemoryPrefixIndex, PrefixMatch
@@ -37,6 +36,7 @@ from cachesvc.sim.seq import SimPeer, SimSeq
 from cachesvc.sim.trace import SimRequest
 from cachesvc.sim.worker import SimWorker
 from cachesvc.types import WorkerId
+from router.disagg import HANDOFF_FIXED_PRIOR_S, SERVING_ROLES
 from router.pd import (
     DECODE,
     MIXED,
@@ -49,7 +49,10 @@ from router.pd import (
     pick_decode,
 )
 from router.placement import Choice, LiveWorker, choose
-from router.policy import PEER, Policy, RouteRequest, make_policy
+from router.policy import PEER, Policy, RouteRequest
+
+# The weight of each measured hand-off in the learnt fixed cost (the router's).
+HANDOFF_WEIGHT = 0.2
 
 COLOCATED, ALWAYS, DECIDE = "colocated", "always", "decide"
 PD_MODES = (COLOCATED, ALWAYS, DECIDE)
@@ -105,56 +108,57 @@ def device_blocks(matches: Mapping[WorkerId, PrefixMatch], worker: SimWorker) ->
 
 class PDRoutes:
     """Routes a cluster's requests under a mode with roles (`always` or `decide`), and hands a
-    disaggregated request from its prefill worker to its decode worker. Mutates the workers'
-    queues only through the seqs it returns; keeps each request's `PDDecision`."""
+    disaggregated request from its prefill worker to its decode worker, as `router.disagg`
+    plans them: one policy instance chooses on both sides; `always` is `decide`'s plan with
+    its verdict overridden; the hand-off's fixed cost is learnt from the hand-offs measured
+    (the second token's wait less the part predicted from the request's size), from the
+    router's prior and with its weight. Mutates the workers' queues only through the seqs it
+    returns; keeps each request's `PDDecision`."""
 
     def __init__(
         self,
         mode: str,
         workers: Sequence[SimWorker],
         index: MemoryPrefixIndex,
-        policy: str,
-        policy_options: Mapping[str, Any] | None = None,
+        policy: Policy,
         stall_weight: float = 1.0,
     ) -> None:
         assert mode in (ALWAYS, DECIDE), "colocated runs route as without roles"
         self.mode = mode
         self.index = index
+        self.policy = policy
         self.stall_weight = stall_weight
-        self.prefill_side = [w for w in workers if w.role in (PREFILL, MIXED)]
-        self.decode_side = [w for w in workers if w.role in (DECODE, MIXED)]
-        self._prefill_policy = make_policy(policy, **(policy_options or {}))
-        self._decode_policy = make_policy(policy, **(policy_options or {}))
+        self.prefill_side = [w for w in workers if w.role == PREFILL]
+        self.decode_side = [w for w in workers if w.role in SERVING_ROLES]
+        self.handoff_fixed_s = HANDOFF_FIXED_PRIOR_S
         self.decisions: dict[int, PDDecision] = {}  # request index -> the decision
         self._decode_on: dict[int, SimWorker] = {}  # a prefill under way -> its decode worker
-        # Per decode worker, the requests paired with it whose prefill is not done: waiting
-        # there, as a live decode worker that is handed the request when it is routed counts
-        # it (else a burst of arrivals would all pick the same idle decode worker).
-        self._paired: Counter[WorkerId] = Counter()
+        self._unmeasured: list[SimSeq] = []  # handed off, second token not seen yet
 
     def route(self, req: SimRequest) -> Routed | None:
         """Where `req` starts (None: no worker of a side could ever hold it)."""
+        self._learn()
         prefill_side = [w for w in self.prefill_side if w.fits(req)]
         decode_side = [w for w in self.decode_side if w.fits(req)]
         if not prefill_side or not decode_side:
             return None
         matches = self.index.longest_prefix(req.hashes[: req.num_full_blocks])
-        prefill, _ = choose_among(self._prefill_policy, req, prefill_side, matches)
-        loads = [_decode_load(w, self._paired[w.worker_id]) for w in decode_side]
-        decode = _by_id(decode_side, pick_decode(loads))
-        colocated = decode
+        colocated, here = choose_among(self.policy, req, decode_side, matches)
+        prefill, there = choose_among(self.policy, req, prefill_side, matches)
+        loads = [_decode_load(w) for w in decode_side]
+        decode = next(w for w in decode_side if w.worker_id == pick_decode(loads))
+        held = matches.get(decode.worker_id)
+        decision = decide(
+            req.prompt_len,
+            req.block_size,
+            _decode_side(req, colocated, here.decision.matched_blocks),
+            _prefill_side(req, prefill, there.decision.matched_blocks),
+            _decode_side(req, decode, 0 if held is None else held.num_blocks),
+            self.stall_weight,
+            self.handoff_fixed_s,
+        )
         if self.mode == ALWAYS:
-            decision = PDDecision(True, "disaggregated: always")
-        else:
-            colocated, _ = choose_among(self._decode_policy, req, decode_side, matches)
-            decision = decide(
-                req.prompt_len,
-                req.block_size,
-                _decode_side(req, colocated, matches),
-                _prefill_side(req, prefill, matches),
-                _decode_side(req, decode, matches),
-                self.stall_weight,
-            )
+            decision = dataclasses.replace(decision, disaggregate=True, reason="always")
         self.decisions[req.index] = decision
         if not decision.disaggregate:
             seq = SimSeq(req, device_blocks(matches, colocated))
@@ -163,7 +167,6 @@ class PDRoutes:
         seq = SimSeq(req, device_blocks(matches, prefill), prefill_only=req.output_len > 1)
         if seq.prefill_only:
             self._decode_on[req.index] = decode
-            self._paired[decode.worker_id] += 1
         return Routed(prefill, seq, decision.reason, decode)
 
     def handoff(self, prefill: SimWorker, done: SimSeq) -> tuple[SimWorker, SimSeq] | None:
@@ -172,7 +175,6 @@ class PDRoutes:
         if not done.prefill_only:
             return None
         decode = self._decode_on.pop(done.req.index)
-        self._paired[decode.worker_id] -= 1
         req = done.req
         seq = SimSeq(
             req,
@@ -183,19 +185,26 @@ class PDRoutes:
             pulls_prompt=True,
             token_times=list(done.token_times),
         )
+        self._unmeasured.append(seq)
         return decode, seq
 
+    def _learn(self) -> None:
+        """Learn the hand-off's fixed cost from the hand-offs whose second token came."""
+        waiting = []
+        for seq in self._unmeasured:
+            if len(seq.token_times) < 2:
+                waiting.append(seq)
+                continue
+            decision = self.decisions[seq.req.index]
+            measured = seq.token_times[1] - seq.token_times[0]
+            residual = max(0.0, measured - (decision.handoff_s - decision.handoff_fixed_s))
+            self.handoff_fixed_s += HANDOFF_WEIGHT * (residual - self.handoff_fixed_s)
+        self._unmeasured = waiting
 
-def _by_id(workers: Sequence[SimWorker], worker_id: WorkerId) -> SimWorker:
-    return next(w for w in workers if w.worker_id == worker_id)
 
-
-def _uncached(req: SimRequest, worker: SimWorker, matches: Mapping[WorkerId, PrefixMatch]) -> int:
-    """Prompt tokens `worker` would compute: all but the prefix it holds, whose hit stops
-    before the last token's block."""
-    match = matches.get(worker.worker_id)
-    held = 0 if match is None else min(match.num_blocks, req.max_match_blocks)
-    return req.prompt_len - held * req.block_size
+def _uncached(req: SimRequest, held_blocks: int) -> int:
+    """Prompt tokens a worker holding `held_blocks` of the prompt computes."""
+    return max(0, req.prompt_len - held_blocks * req.block_size)
 
 
 def _token_s(worker: SimWorker) -> float:
@@ -205,24 +214,17 @@ def _token_s(worker: SimWorker) -> float:
     return costs.compute_s / worker.block_size
 
 
-def _prefill_side(
-    req: SimRequest, worker: SimWorker, matches: Mapping[WorkerId, PrefixMatch]
-) -> PrefillSide:
+def _prefill_side(req: SimRequest, worker: SimWorker, held_blocks: int) -> PrefillSide:
     return PrefillSide(
-        worker.worker_id,
-        _uncached(req, worker, matches),
-        worker.num_queued_tokens,
-        _token_s(worker),
+        worker.worker_id, _uncached(req, held_blocks), worker.num_queued_tokens, _token_s(worker)
     )
 
 
-def _decode_side(
-    req: SimRequest, worker: SimWorker, matches: Mapping[WorkerId, PrefixMatch]
-) -> DecodeSide:
+def _decode_side(req: SimRequest, worker: SimWorker, held_blocks: int) -> DecodeSide:
     costs = worker.block_costs()
     return DecodeSide(
         worker.worker_id,
-        _uncached(req, worker, matches),
+        _uncached(req, held_blocks),
         worker.num_queued_tokens,
         len(worker.running),
         _token_s(worker),
@@ -230,11 +232,11 @@ def _decode_side(
     )
 
 
-def _decode_load(worker: SimWorker, paired: int) -> DecodeLoad:
+def _decode_load(worker: SimWorker) -> DecodeLoad:
     return DecodeLoad(
         worker.worker_id,
         len(worker.running),
-        len(worker.waiting) + paired,
+        len(worker.waiting),
         worker.pool.num_free,
         worker.num_queued_tokens,
     )

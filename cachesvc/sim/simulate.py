@@ -5,7 +5,8 @@ cost profile.
 Pieces, one file each in this package: `trace` (the requests and the oracle), `generate` (a
 generated trace), `cost_profile` (the clock), `tier`, `seq`, `loads` and `worker` (one worker's
 tiers, requests, loads and scheduler), `loop` (the event loop and the router), `report` (what
-is printed), `calibrate` (a profile measured here). This module
+is printed), `calibrate` (a profile measured here); with prefill/decode roles, `pd` (where a
+request goes), `goodput` (against an SLO), `pd_sweep` and `pd_plot`. This module
 runs policies (each with or without pulls between workers: "least_loaded+pull") over one
 cluster, or a sweep of clusters.
 """

@@ -11,7 +11,8 @@ whose pull has not arrived computes nothing but holds its place among the runnin
 the engine; the event loop wakes an idle worker when its first pull arrives (`next_pull_s`).
 
 Every change of what the worker holds is an event in its `EventLog`, which the event loop feeds
-to the router's prefix index.
+to the router's prefix index. Each output token's time is kept on its request
+(`SimSeq.token_times`); a worker's role only says what the router sends it (`pd`).
 """
 
 from __future__ import annotations
