@@ -184,6 +184,9 @@ class EngineConfig:
     peer_stage_mb: int = 64
     peer_max_exports: int = 2
     peer_digest: str = "fast"
+    # A holder's shared-memory slots for pullers on its own node (no copy into the object
+    # store): at most this much host memory, made on first use and kept; 0 turns them off.
+    peer_shm_mb: int = 1024
     # A preference the router honours, not a restriction this worker enforces: a "prefill"
     # worker computes prompts whose KV a decode worker then pulls; a "decode" worker decodes
     # (and may still compute a short prompt itself, when pulling would cost more); a "mixed"
@@ -200,6 +203,8 @@ class EngineConfig:
                 f"peer_stage_mb and peer_max_exports must be >= 1, got {self.peer_stage_mb} "
                 f"and {self.peer_max_exports}"
             )
+        if self.peer_shm_mb < 0:
+            raise ConfigError(f"peer_shm_mb must be >= 0 (0: no slots), got {self.peer_shm_mb}")
         if self.peer_digest not in ("fast", "strict"):
             raise ConfigError(f"peer_digest must be 'fast' or 'strict', got {self.peer_digest!r}")
         if self.dtype not in _DTYPES:

@@ -45,11 +45,14 @@ from workers.protocol import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from cachesvc.events_redis import StreamPublisher
     from workers.engine.async_engine import AsyncEngine
     from workers.engine.engine import Engine
     from workers.engine.peer.export import ChunkExporter
     from workers.transfer.chunk import KVChunk
+    from workers.transfer.slots import PullerProcess
 
 # ---- the actor ---------------------------------------------------------------------------------
 
@@ -57,10 +60,10 @@ if TYPE_CHECKING:
 def _exporter(engine: AsyncEngine, config: EngineConfig) -> ChunkExporter:
     from workers.engine.peer.export import ChunkExporter
     from workers.transfer.chunk import chunk_key
-    from workers.transfer.ray_link import put_payload
 
     key = engine.engine.cache_admin.tier_key  # read once, with the engine's tiers
-    return ChunkExporter(engine, chunk_key(key), config.peer_digest, put_payload)
+    # Its Ray node: a puller on the same node reads its chunks from shared-memory slots.
+    return ChunkExporter(engine, chunk_key(key), config.peer_digest, ray_node()["node_id"])
 
 
 _MAX_BUFFERED_EVENTS = 65536
@@ -189,12 +192,18 @@ class WorkerActor:
         await self._engine.abort(request_id)
 
     async def export_chunk(
-        self, prompt_ids: list[int], cache_salt: str | None, start_block: int, end_block: int
+        self,
+        prompt_ids: Sequence[int],
+        cache_salt: str | None,
+        start_block: int,
+        end_block: int,
+        puller: PullerProcess | None = None,
     ) -> KVChunk:
         """The blocks `start_block .. end_block - 1` of a prompt under `cache_salt` that this
         worker holds, up to the first it lacks, as one buffer (`workers.transfer`): staged
-        between steps, sealed off the loop."""
-        return await self._exporter.export(prompt_ids, cache_salt, start_block, end_block)
+        between steps, sealed off the loop; in a shared-memory slot leased to `puller` when it
+        runs on this worker's node, else through the object store."""
+        return await self._exporter.export(prompt_ids, cache_salt, start_block, end_block, puller)
 
     async def tokenize(self, text: str) -> list[int]:
         """Token ids of `text` with the worker's own tokenizer (as `generate` would see it)."""

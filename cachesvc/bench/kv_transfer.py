@@ -8,10 +8,14 @@ measured in the same run:
 
 - `pickled blobs` — the earlier path: the holder encodes block by block into bytes (codec
   `raw`), a tuple of them is pickled through Ray, the puller decodes and lands each;
-- `chunks (fast)` / `chunks (strict)` — the data plane (`workers.transfer`): the holder gathers a
-  chunk into one buffer and seals it off its loop, the buffer moves out of band as a numpy
-  array, the puller checks the digest and lands the rows. `fast` MACs a 128-bit xxh3 of the
-  payload, `strict` the payload itself.
+- `object store (fast)` — the data plane (`workers.transfer`) between nodes: the holder gathers
+  a chunk into a reused buffer and seals it off its loop, the payload is copied into Ray's
+  object store and moves out of band as a numpy array, the puller checks the digest and lands
+  the rows;
+- `shared memory (fast)` / `shared memory (strict)` — the data plane within a node: the holder
+  gathers the chunk straight into a shared-memory slot it leases to the puller, which checks and
+  lands the rows in place and releases the slot (no copy into the object store). `fast` MACs a
+  128-bit xxh3 of the payload, `strict` the payload itself.
 
 Part two, the holder (`kv_transfer_holder`): two real workers; the holder decodes a long
 stream while the other worker pulls a context from it again and again, and its inter-token
@@ -39,7 +43,8 @@ BLOCK_TOKENS = 16
 CHUNK_BLOCKS = 32  # as a pull asks for them (`PULL_CHUNK_BLOCKS`)
 SIZES = (1024, 4096, 16384, 32768)
 QUICK_SIZES = (1024, 4096)
-PATHS = ("pickled blobs", "chunks (fast)", "chunks (strict)")
+PATHS = ("pickled blobs", "object store (fast)", "shared memory (fast)", "shared memory (strict)")
+RING_MB = 1024  # the holder's same-node slots (`peer_shm_mb`)
 
 
 def _ids(lo: int, hi: int) -> list[BlockId]:
@@ -76,16 +81,20 @@ class BenchHolder:
     """A holder with a KV cache of random blocks; serves both paths as a worker does."""
 
     def __init__(self, num_blocks: int, digest: str) -> None:
+        import ray
         import torch
 
         from workers.transfer.chunk import chunk_key
+        from workers.transfer.staging import Stager
 
         self.caches = list(torch.randn(BLOCK_SHAPE[0], num_blocks, *BLOCK_SHAPE[1:]).unbind(0))
         self.digest = digest
         self.key = chunk_key(None)
         self.fingerprint = "0" * 32
-        self._slots = asyncio.Semaphore(2)
-        self._buffers: list[Any] = []
+        self._exporting = asyncio.Semaphore(2)  # `peer_max_exports`
+        node = ray.get_runtime_context().get_node_id()
+        ring = RING_MB << 20
+        self.stager = Stager(BLOCK_SHAPE, torch.float32, CHUNK_BLOCKS, CHUNK_BLOCKS, ring, node)
         self._hashed: tuple[int, list[Any]] = (-1, [])
 
     async def ready(self) -> bool:
@@ -97,32 +106,40 @@ class BenchHolder:
 
         if self._hashed[0] != len(token_ids):
             root = root_hash(self.fingerprint, 16, "")
-            self._hashed = (len(token_ids), hash_blocks(list(token_ids), BLOCK_TOKENS, root))
+            ids = np.asarray(token_ids).tolist()
+            self._hashed = (len(token_ids), hash_blocks(ids, BLOCK_TOKENS, root))
         return self._hashed[1]
 
-    async def export_chunk(self, token_ids: list[int], salt: Any, lo: int, hi: int) -> Any:
-        """The data plane's holder, as `ChunkExporter` serves it: a gather into a reused buffer
-        at the 'step boundary', then the seal and the put into the object store on a thread."""
-        import torch
-
+    async def export_chunk(
+        self, token_ids: Sequence[int], salt: Any, lo: int, hi: int, puller: Any = None
+    ) -> Any:
+        """The data plane's holder, as `ChunkExporter` serves it: a gather into a same-node slot
+        or a reused buffer at the 'step boundary', then the seal (and, from a buffer, the put
+        into the object store) on a thread."""
         from workers.engine.kv_copy import gather_blocks, kv_to_numpy
         from workers.engine.peer.export import StagedRun, seal
-        from workers.transfer.ray_link import put_payload
 
-        async with self._slots:
-            buffer = (
-                self._buffers.pop() if self._buffers else torch.empty(CHUNK_BLOCKS, *BLOCK_SHAPE)
-            )
+        hashes = tuple(self.hashes(token_ids)[lo:hi])
+        async with self._exporting:
+            staging = self.stager.take(puller, hi - lo)
             try:
-                hashes = tuple(self.hashes(token_ids)[lo:hi])
-                gather_blocks(self.caches, _ids(lo, hi), buffer[: hi - lo])
-                staged = StagedRun(lo, "float32", kv_to_numpy(buffer[: hi - lo]), hashes)
-                sealed = await asyncio.to_thread(
-                    seal, staged, self.key, self.digest, self.fingerprint
-                )
-                return await asyncio.to_thread(put_payload, sealed)
-            finally:
-                self._buffers.append(buffer)
+                gather_blocks(self.caches, _ids(lo, hi), staging.buffer[: hi - lo])
+                rows = kv_to_numpy(staging.buffer[: hi - lo])
+                staged = StagedRun(lo, "float32", rows, hashes)
+
+                def seal_and_ship() -> Any:
+                    sealed = seal(staged, self.key, self.digest, self.fingerprint)
+                    return self.stager.ship(staging, sealed)
+
+                chunk = await asyncio.to_thread(seal_and_ship)
+            except BaseException:
+                self.stager.finish(staging, delivered=False)
+                raise
+            self.stager.finish(staging, delivered=True)
+            return chunk
+
+    def counters(self) -> dict[str, float]:
+        return self.stager.counters()
 
     async def export_blobs(self, token_ids: list[int], lo: int, hi: int) -> tuple[bytes, ...]:
         """The earlier path, on the holder's loop: a block at a time, encoded into bytes."""
@@ -151,7 +168,13 @@ class BenchPuller:
         from workers.transfer.ray_link import RayPeerLink
 
         self.caches = list(torch.zeros(BLOCK_SHAPE[0], num_blocks, *BLOCK_SHAPE[1:]).unbind(0))
-        self.link = RayPeerLink(namespace)
+        self.namespace = namespace
+        # The same link as a worker's: it offers the holder its process on the same node (the
+        # shared-memory path), or not (every chunk through the object store).
+        self.links = {
+            "shared memory": RayPeerLink(namespace),
+            "object store": RayPeerLink(namespace, local=False),
+        }
 
     def pull(self, holder: str, path: str, num_blocks: int) -> float:
         """Seconds from asking to the last block landed; raises if a block fails to verify."""
@@ -163,11 +186,12 @@ class BenchPuller:
         if path == "pickled blobs":
             self._pull_blobs(holder, token_ids, chunks)
         else:
-            self._pull_chunks(holder, token_ids, chunks, path.split("(")[1].rstrip(")"))
+            way, mode = path.rstrip(")").split(" (")
+            self._pull_chunks(holder, token_ids, chunks, way, mode)
         return time.perf_counter() - began
 
     def _pull_chunks(
-        self, holder: str, ids: list[int], chunks: list[tuple[int, int]], mode: str
+        self, holder: str, ids: list[int], chunks: list[tuple[int, int]], way: str, mode: str
     ) -> None:
         from cachesvc.hashing import hash_blocks, root_hash
         from workers.engine.kv_copy import write_host
@@ -175,11 +199,13 @@ class BenchPuller:
 
         hashes = hash_blocks(ids, BLOCK_TOKENS, root_hash("0" * 32, 16, ""))
         key = chunk_key(None)
-        for chunk in self.link.fetch(holder, ids, None, chunks, time.monotonic() + 600):
+        link = self.links[way]
+        for chunk in link.fetch(holder, ids, None, chunks, time.monotonic() + 600):
             lo = chunk.start_block
             run = hashes[lo : lo + chunk.num_blocks]
             if not verify_chunk(chunk, key, mode, "0" * 32, run, BLOCK_SHAPE):
                 raise RuntimeError(f"chunk at block {lo} did not verify")
+            # The only copy on this side; the chunk's slot is released when it goes.
             write_host(self.caches, _ids(lo, lo + chunk.num_blocks), list(chunk.payload))
 
     def _pull_blobs(self, holder: str, ids: list[int], chunks: list[tuple[int, int]]) -> None:
@@ -191,7 +217,7 @@ class BenchPuller:
 
         hashes = hash_blocks(ids, BLOCK_TOKENS, root_hash("0" * 32, 16, ""))
         codec = Codec("0" * 32, "raw")
-        handle = ray.get_actor(holder, namespace=self.link.namespace)
+        handle = ray.get_actor(holder, namespace=self.namespace)
         refs: list[Any] = [handle.export_blobs.remote(ids, lo, hi) for lo, hi in chunks]
         for (lo, _), ref in zip(chunks, refs, strict=True):
             blobs: tuple[bytes, ...] = ray.get(ref)

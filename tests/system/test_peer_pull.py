@@ -1,7 +1,9 @@
 """Workers pull a prefix's blocks from each other over Ray: with a holder hint the chosen worker
-computes only the rest and says the same greedy tokens; a holder that is gone, is killed while
-serving, stalls or sends garbage costs a recompute, never an error; a tenant is never served
-another tenant's blocks."""
+computes only the rest and says the same greedy tokens; on one node the chunks come through the
+holder's shared-memory slots, which go back to it once the puller landed them (or died), and a
+holder without slots sends through the object store with the same tokens; a holder that is
+gone, is killed while serving, stalls or sends garbage costs a recompute, never an error; a
+tenant is never served another tenant's blocks."""
 
 from __future__ import annotations
 
@@ -117,7 +119,7 @@ def _fake_holder(kind: str) -> tuple[Any, str]:
 
     class SendsGarbage(Stalls):
         async def export_chunk(
-            self, prompt: list[int], salt: str | None, start: int, end: int
+            self, prompt: Any, salt: str | None, start: int, end: int, *puller: Any
         ) -> Any:
             import numpy as np
 
@@ -218,3 +220,111 @@ def test_router_passes_the_holder(
         "may pull 10 blocks" in r["route_reason"] and r["pulled_tokens"] == NUM_BLOCKS * 4
         for r in logged
     )
+
+
+def _sent(holder: Any) -> dict[str, float]:
+    """What a holder reports it sent (`ChunkExporter.counters`), its slots' state included."""
+    import ray
+
+    tiering: dict[str, float] = ray.get(holder.stats.remote()).tiering
+    return tiering
+
+
+def _until(holder: Any, done: Any) -> dict[str, float]:
+    """The holder's counters once `done(counters)` holds (a release lands a moment after the
+    stream ends); the last ones seen after a minute."""
+    deadline = time.monotonic() + 60
+    sent = _sent(holder)
+    while not done(sent) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        sent = _sent(holder)
+    return sent
+
+
+def _pull_through_a_slot(pair: dict[str, Any], prompt: list[int]) -> list[int]:
+    """Pull `prompt`'s blocks into the puller until one pull came through a slot: the holder
+    makes its slots on a thread when it first needs them, so a first pull may go through the
+    object store. Returns the pulled tokens; every pull must give them."""
+    import ray
+
+    hint = HolderHint(pair["names"]["holder"], NUM_BLOCKS)
+    local = _sent(pair["holder"]).get("peer_exported_local_chunks", 0.0)
+    for _ in range(10):
+        ray.get(pair["puller"].flush.remote())  # so that it pulls again
+        tokens, last = _generate(pair["puller"], prompt, None, hint)
+        assert last.usage is not None and last.usage.cached_tokens == {"peer": NUM_BLOCKS * 4}
+        if _sent(pair["holder"])["peer_exported_local_chunks"] > local:
+            return tokens
+    raise AssertionError(f"no pull came through a slot: {_sent(pair['holder'])}")
+
+
+def test_a_same_node_pull_reads_the_holders_slot_and_gives_it_back(
+    pair: dict[str, Any],
+) -> None:
+    prompt = _prompt(40)
+    expected, _ = _generate(pair["holder"], prompt)
+    assert _pull_through_a_slot(pair, prompt) == expected
+    # Landed at the puller's step, the blocks' views are gone and the lease with them.
+    sent = _until(pair["holder"], lambda s: s["peer_slots_leased"] == 0)
+    assert sent["peer_slots_leased"] == 0 and sent["peer_slots"] >= 1
+
+
+def test_a_killed_puller_leaks_no_slot(pair: dict[str, Any]) -> None:
+    import ray
+
+    class Hoarder:
+        """Pulls chunks over a worker's link and keeps them (their slots leased) until killed.
+        Made here, so that Ray ships it by value."""
+
+        def __init__(self) -> None:
+            from workers.transfer.ray_link import RayPeerLink
+
+            self.link = RayPeerLink(NS)
+            self.kept: list[Any] = []
+
+        def pull(self, holder: str, prompt: list[int], num_blocks: int) -> int:
+            ask = [(0, num_blocks)]
+            chunks = list(self.link.fetch(holder, prompt, None, ask, time.monotonic() + 60))
+            self.kept.extend(chunks)
+            return sum(c.num_blocks for c in chunks)
+
+    prompt = _prompt(41)
+    _generate(pair["holder"], prompt)
+    hoarder = ray.remote(Hoarder).options(namespace=NS, num_cpus=0).remote()  # type: ignore[attr-defined]
+    reclaimed = _sent(pair["holder"])["peer_slots_reclaimed"]
+    try:
+        for _ in range(10):  # until a chunk came through a slot (the first may not)
+            assert ray.get(hoarder.pull.remote(pair["names"]["holder"], prompt, NUM_BLOCKS)) > 0
+            if _sent(pair["holder"])["peer_slots_leased"] >= 1:
+                break
+        assert _sent(pair["holder"])["peer_slots_leased"] >= 1
+    finally:
+        ray.kill(hoarder)
+    sent = _until(pair["holder"], lambda s: s["peer_slots_leased"] == 0)
+    assert sent["peer_slots_leased"] == 0
+    assert sent["peer_slots_reclaimed"] > reclaimed
+
+
+def test_a_holder_without_slots_sends_through_the_object_store(
+    pair: dict[str, Any], engine_config: EngineConfig
+) -> None:
+    import ray
+
+    from workers.actor import spawn_worker
+
+    config = dataclasses.replace(
+        engine_config, peer_shm_mb=0, tiers=TierConfig(plan="fetch", calibrate=False)
+    )
+    name = f"peer-plain-{uuid.uuid4().hex[:6]}"
+    plain = spawn_worker("plain", config, name=name, namespace=NS, num_cpus=0.5, max_restarts=0)
+    try:
+        prompt = _prompt(42)
+        expected, _ = _generate(plain, prompt)
+        tokens, last = _generate(pair["puller"], prompt, None, HolderHint(name, NUM_BLOCKS))
+        sent = _sent(plain)
+    finally:
+        ray.kill(plain)
+    assert tokens == expected
+    assert last.usage is not None and last.usage.cached_tokens == {"peer": NUM_BLOCKS * 4}
+    assert sent["peer_exported_chunks"] >= 1 and sent["peer_exported_local_chunks"] == 0
+    assert sent["peer_slots"] == 0

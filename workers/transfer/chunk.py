@@ -3,7 +3,8 @@
 The holder gathers a run of blocks into one contiguous array `[num_blocks, layers, ...]` (the
 storage dtype of the cache: uint16 bits for bfloat16) and sends it as a numpy array, which Ray
 moves out of band through its object store (no pickling of the bytes; the puller reads it in
-place). The chunk carries no hashes: the puller derives the hash chain under its own salt and
+place) or, to a puller on its own node, leaves in a shared-memory slot the puller reads in place
+(`slots`). The chunk carries no hashes: the puller derives the hash chain under its own salt and
 checks the digest against *its* hashes, so a chunk of another prompt, position or tenant (or a
 damaged one) is refused.
 
@@ -31,6 +32,7 @@ import numpy as np
 import xxhash
 
 from cachesvc.types import BlockHash
+from workers.transfer.slots import SlotRef
 
 DIGESTS = ("fast", "strict")
 _TAG = b"cachesvc/kv-chunk/v1"
@@ -50,8 +52,10 @@ class KVChunk:
     digest: bytes
     lossy: bool = False  # decoded from a quantized tier: land it marked, never as exact KV
     # On the wire the payload may travel apart, as a Ray object of its own (`ray_link`): the
-    # holder puts it off its loop, the puller reads it in place.
+    # holder puts it off its loop, the puller reads it in place; or, between processes of one
+    # node, in a slot of the holder's (`slot_reader` reads it in place).
     payload_ref: Any = None
+    slot: SlotRef | None = None
 
     @property
     def num_blocks(self) -> int:

@@ -3,10 +3,14 @@
 A peer is named by its Ray actor name (the router's holder hint) and looked up in the worker's
 own namespace; handles are kept, and dropped when a call through one fails (the peer may have
 been replaced under the same name). Every chunk of a pull is asked for at once
-(`WorkerActor.export_chunk`): the holder stages them at its next step boundaries, within its
-per-boundary cap, and each comes back as a numpy buffer through Ray's object store — out of band,
-read in place by this process, never pickled. On the pull's deadline, or the first failure, what
-is still outstanding is cancelled, so the holder stops working for a pull nobody waits for.
+(`WorkerActor.export_chunk`), the prompt's token ids put into the object store once for all of
+them. Each call says who asks (`slots.PullerProcess`: this process and its Ray node): a holder
+on the same node gathers the chunk into a shared-memory slot and answers with where it lies,
+which this process maps and reads in place (`slot_reader`); a holder on another node answers
+with a numpy buffer through Ray's object store, out of band, read in place too. Either way
+nothing is pickled. On the pull's deadline, or the first failure, what is still outstanding is
+cancelled, so the holder stops working for a pull nobody waits for, and a slot leased in an
+answer nobody read is released as soon as that answer arrives.
 
 Called from the engine's pull threads, never from the actor's event loop.
 """
@@ -15,19 +19,33 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Generator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
+
 from workers.transfer.chunk import KVChunk
+from workers.transfer.slot_reader import SlotReader
+from workers.transfer.slots import PullerProcess, this_process
+
+_log = logging.getLogger(__name__)
 
 
 class RayPeerLink:
-    """Asks a peer actor for chunks of a prompt's blocks."""
+    """Asks a peer actor for chunks of a prompt's blocks. `local`: offer same-node holders to
+    read their slots in place (off: every chunk through the object store)."""
 
-    def __init__(self, namespace: str | None) -> None:
+    def __init__(self, namespace: str | None, local: bool = True) -> None:
+        import ray
+
         self.namespace = namespace
         self._handles: dict[str, Any] = {}
+        self.slots = SlotReader()
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        self.puller: PullerProcess | None = this_process(node) if local else None
 
     def fetch(
         self,
@@ -39,30 +57,63 @@ class RayPeerLink:
     ) -> Generator[KVChunk, None, None]:
         """The peer's chunk of each `(start_block, end_block)`, in order; raises at the first
         that fails or is not in by `deadline` (`time.monotonic()`), after cancelling the rest.
-        Blocking."""
+        A chunk's payload may be a view of the peer's slot: its lease lasts as long as a view of
+        it does. Blocking."""
         import ray
 
         handle = self._handle(peer)
-        ids = list(token_ids)
-        refs = [handle.export_chunk.remote(ids, cache_salt, lo, hi) for lo, hi in chunks]
+        # Once per pull, not pickled into every call (a 32K-token prompt is ~3 ms a call).
+        ids = ray.put(np.asarray(token_ids, dtype=np.uint32))
+        asked = [
+            handle.export_chunk.remote(ids, cache_salt, lo, hi, self.puller) for lo, hi in chunks
+        ]
         done = 0
         try:
-            for ref in refs:
+            for ref in asked:
                 # A future, not `ray.get`: this thread is not the actor's event loop (Ray warns
                 # about any `ray.get` inside an async actor), and the wait is the same.
                 sent = ref.future().result(timeout=_left(deadline))
                 done += 1
                 if not isinstance(sent, KVChunk):
                     raise TypeError(f"peer {peer} answered {type(sent).__name__}, not KVChunk")
-                if sent.payload_ref is not None:
-                    payload = sent.payload_ref.future().result(timeout=_left(deadline))
-                    sent = dataclasses.replace(sent, payload=payload, payload_ref=None)
-                yield sent
+                yield self._with_payload(sent, deadline)
         except BaseException:
             self._handles.pop(peer, None)
             raise
         finally:
-            _cancel(ray, refs[done:])
+            self._abandon(ray, asked[done:])
+
+    def _with_payload(self, sent: KVChunk, deadline: float) -> KVChunk:
+        """The chunk with its payload in hand: read in place from the object store or from
+        the peer's slot."""
+        if sent.payload_ref is not None:
+            payload = sent.payload_ref.future().result(timeout=_left(deadline))
+            return dataclasses.replace(sent, payload=payload, payload_ref=None)
+        if sent.slot is not None:
+            try:
+                payload = self.slots.open(sent.slot)
+            except OSError:
+                # This process cannot open the peer's segments (another PID namespace, no
+                # /proc): this chunk is lost, the next pulls go through the object store.
+                _log.warning("cannot map a peer's slot; pulls use the object store from now on")
+                self.puller = None
+                raise
+            return dataclasses.replace(sent, payload=payload, slot=None)
+        return sent
+
+    def _abandon(self, ray: Any, refs: Sequence[Any]) -> None:
+        """Cancel calls nobody waits for any more (a finished call ignores it); a slot leased in
+        an answer that comes anyway is released when it does."""
+        for ref in refs:
+            with contextlib.suppress(Exception):  # the peer may be gone: nothing left to stop
+                ray.cancel(ref)
+            ref.future().add_done_callback(self._release_unread)
+
+    def _release_unread(self, answer: Future[Any]) -> None:
+        with contextlib.suppress(Exception):  # cancelled, failed: nothing was leased
+            sent = answer.result()
+            if isinstance(sent, KVChunk) and sent.slot is not None:
+                self.slots.release(sent.slot)
 
     def _handle(self, peer: str) -> Any:
         import ray
@@ -86,10 +137,3 @@ def put_payload(chunk: KVChunk) -> KVChunk:
 
 def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.0)
-
-
-def _cancel(ray: Any, refs: Sequence[Any]) -> None:
-    """Cancel calls nobody waits for any more (a finished call ignores it)."""
-    for ref in refs:
-        with contextlib.suppress(Exception):  # the peer may be gone: nothing left to stop
-            ray.cancel(ref)

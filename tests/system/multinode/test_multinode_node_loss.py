@@ -102,6 +102,23 @@ def test_a_pull_across_nodes_gives_the_same_tokens(
     # What the second worker did not compute came from the first one, across the nodes.
     assert dict(second.cached_tokens) == {"peer": NUM_BLOCKS * 4}
     assert second.computed_tokens == len(prompt) - NUM_BLOCKS * 4
+    # Through the object store, however often: a holder's shared-memory slots are for its own
+    # node's pullers (the first pull never finds one: the ring makes them when first asked).
+    import ray
+
+    holder, holder_name = pair[WorkerId(first.worker_id)]
+    puller = actors[WorkerId(second.worker_id)]
+    params = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    for _ in range(3):
+        ray.get(puller.flush.remote(), timeout=60)
+        stream = puller.generate.options(num_returns="streaming").remote(
+            prompt, params, uuid.uuid4().hex, None, HolderHint(holder_name, NUM_BLOCKS)
+        )
+        deltas = [ray.get(ref, timeout=120) for ref in stream]
+        assert [t for d in deltas for t in d.token_ids] == _tokens(pulled)
+        assert deltas[-1].usage.cached_tokens == {"peer": NUM_BLOCKS * 4}
+    sent = ray.get(holder.stats.remote(), timeout=60).tiering
+    assert sent["peer_exported_chunks"] >= 4 and sent["peer_exported_local_chunks"] == 0
 
 
 def test_the_holders_node_removed_mid_pull_costs_a_recompute(

@@ -1,14 +1,16 @@
-"""The holder's side of a pull: stage a run at a step boundary, seal it off the loop.
+"""The holder's side of a pull: stage a run at a step boundary, seal and ship it off the loop.
 
 `stage_run` is the only part that touches the engine: between two steps (`AsyncEngine.call`) it
 finds the leading run of a prompt's blocks this worker holds and copies it, in one batched
-gather, into a fresh host buffer `[num_blocks, layers, ...]` — a few milliseconds per chunk,
-bounded by `peer_stage_mb`. From then on the buffer belongs to the transfer: nothing the engine
-does next can move or overwrite what is sent. `seal` (the digest) runs on another thread, and
-the buffer leaves the process as a numpy array through Ray's object store (out of band, no
-pickle). The exporter is given the prompt's token ids and the request's cache salt, not hashes:
-it computes the hashes itself under that salt, so a request can only ever be served blocks of
-its own tenant. The puller's side is `workers.engine.peer.pull`.
+gather, into the chunk's staging room `[num_blocks, layers, ...]` — a few milliseconds per
+chunk, bounded by `peer_stage_mb`. For a puller on this worker's Ray node the room is a
+shared-memory slot the puller reads in place (the gather is the holder's only copy); for one on
+another node, a reused host buffer whose payload is then copied into Ray's object store
+(`workers.transfer.staging`). From then on the room belongs to the transfer: nothing the engine
+does next can move or overwrite what is sent. `seal` (the digest) runs on another thread. The
+exporter is given the prompt's token ids and the request's cache salt, not hashes: it computes
+the hashes itself under that salt, so a request can only ever be served blocks of its own
+tenant. The puller's side is `workers.engine.peer.pull`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,7 +30,10 @@ from cachesvc.codec import KVBlock
 from cachesvc.hashing import hash_blocks, root_hash
 from cachesvc.types import BlockHash, BlockId
 from workers.engine.kv_copy import gather_blocks, kv_to_numpy
+from workers.engine.peer.pull import PULL_CHUNK_BLOCKS
 from workers.transfer.chunk import KVChunk, chunk_digest
+from workers.transfer.slots import PullerProcess
+from workers.transfer.staging import Stager, Staging
 
 if TYPE_CHECKING:  # the engine imports this package (its pull side): a type, not a cycle
     from workers.engine.async_engine import AsyncEngine
@@ -161,85 +166,139 @@ def seal(staged: StagedRun, key: bytes, mode: str, fingerprint: str) -> KVChunk:
 
 class ChunkExporter:
     """Serves a holder's chunks: at most `max_exports` at once (the rest wait their turn, and a
-    cancelled one leaves the queue), each staged between two steps into a reused buffer, then
-    sealed and shipped on a thread. `ship` moves a sealed chunk's payload out of the buffer (the
-    actor's puts it into Ray's object store: `workers.transfer.ray_link.put_payload`); once it
-    returns, the buffer serves the next chunk. Create and use it on the actor's event loop."""
+    cancelled one leaves the queue), each staged between two steps — into a same-node slot for
+    a puller on this node, else into a reused buffer — then sealed and shipped on a thread
+    (`workers.transfer.staging`). `node_id`: this worker's Ray node (None outside Ray: no
+    slots). Create and use it on the actor's event loop."""
 
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        key: bytes,
-        digest: str,
-        ship: Callable[[KVChunk], KVChunk],
-    ) -> None:
+    def __init__(self, engine: AsyncEngine, key: bytes, digest: str, node_id: str | None) -> None:
         config = engine.engine.config
         self.engine = engine
         self.key = key
         self.digest = digest
-        self.ship = ship
-        self.max_bytes = config.peer_stage_mb << 20
-        self._slots = asyncio.Semaphore(config.peer_max_exports)
-        self._hashes: OrderedDict[tuple[str | None, int, bytes], list[BlockHash]] = OrderedDict()
-        self._hashes_lock = threading.Lock()  # its threads key and fill it
-        self._buffers: list[torch.Tensor] = []  # free staging buffers (page faults cost more
-        # than the copy itself on a CPU: fresh host memory for every chunk halves the rate)
+        self.stager = _stager(engine.engine, node_id)
+        self._exporting = asyncio.Semaphore(config.peer_max_exports)
+        self._prompts: OrderedDict[tuple[str | None, int, bytes], _Prompt] = OrderedDict()
+        self._prompts_lock = threading.Lock()  # its threads key and fill it
         self.num_exported_chunks = 0
         self.num_exported_bytes = 0
 
     async def export(
-        self, token_ids: Sequence[int], cache_salt: str | None, start_block: int, end_block: int
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        start_block: int,
+        end_block: int,
+        puller: PullerProcess | None = None,
     ) -> KVChunk:
         """The chunk of blocks `start_block .. end_block - 1` this worker holds (its leading
-        run, maybe empty). Waits on the engine's loop for one staging copy, no more."""
-        hashes = await self._prompt_hashes(token_ids, cache_salt)
-        async with self._slots:
-            buffer = self._buffers.pop() if self._buffers else self._new_buffer()
-            staged = await self.engine.call(
-                lambda e: stage_run(
-                    e, token_ids, cache_salt, start_block, end_block, buffer, hashes
+        run, maybe empty), through a slot leased to `puller` when it is on this node. Waits on
+        the engine's loop for one staging copy, no more."""
+        prompt = await self._prompt(token_ids, cache_salt)
+        async with self._exporting:
+            staging = self.stager.take(puller, end_block - start_block)
+            shipping: asyncio.Future[KVChunk] | None = None
+            try:
+                staged = await self.engine.call(
+                    lambda e: stage_run(
+                        e,
+                        prompt.ids,
+                        cache_salt,
+                        start_block,
+                        end_block,
+                        staging.buffer,
+                        prompt.hashes,
+                    )
                 )
-            )
-            fingerprint = self.engine.engine.loaded.fingerprint
-            shipping = asyncio.ensure_future(
-                asyncio.to_thread(self._seal_and_ship, staged, fingerprint)
-            )
-            # The buffer is free again once the payload left it, even if this call is cancelled.
-            shipping.add_done_callback(lambda _: self._buffers.append(buffer))
-            chunk = await asyncio.shield(shipping)
+                shipping = asyncio.ensure_future(
+                    asyncio.to_thread(self._seal_and_ship, staged, staging)
+                )
+                chunk = await asyncio.shield(shipping)
+            except BaseException:
+                self._give_up(staging, shipping)
+                raise
+            self.stager.finish(staging, delivered=True)
         self.num_exported_chunks += 1
         self.num_exported_bytes += staged.payload.nbytes
         return chunk
 
     def counters(self) -> dict[str, float]:
-        """What this worker sent to pullers, for its load report (`cachesvc_worker_tiering`)."""
+        """What this worker sent to pullers, for its load report (`cachesvc_worker_tiering`):
+        chunks and bytes, how many went through same-node slots, and its slots' state."""
         return {
             "peer_exported_chunks": float(self.num_exported_chunks),
             "peer_exported_bytes": float(self.num_exported_bytes),
+            **self.stager.counters(),
         }
 
-    async def _prompt_hashes(
-        self, token_ids: Sequence[int], cache_salt: str | None
-    ) -> list[BlockHash]:
-        """The prompt's hashes under `cache_salt`, computed once per pull (every chunk of it
-        asks), off the loop: keying a long prompt alone is a millisecond, hashing it more."""
-        return await asyncio.to_thread(self._hashes_of, token_ids, cache_salt)
+    def close(self) -> None:
+        """Close the slots' segments (a puller still reading one keeps it mapped)."""
+        self.stager.close()
 
-    def _hashes_of(self, token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
+    async def _prompt(self, token_ids: Sequence[int], cache_salt: str | None) -> _Prompt:
+        """The prompt's ids and hashes under `cache_salt`, computed once per pull (every chunk
+        of it asks) on a thread: hashing a long prompt is milliseconds. The puller sends the
+        ids as one numpy array, keyed here at once; a list is keyed on the thread (converting
+        32K ints alone is a millisecond)."""
+        if isinstance(token_ids, np.ndarray):
+            key = _prompt_key(token_ids, cache_salt)
+            with self._prompts_lock:
+                prompt = self._prompts.get(key)
+            if prompt is not None:
+                return prompt
+        return await asyncio.to_thread(self._prompt_of, token_ids, cache_salt)
+
+    def _prompt_of(self, token_ids: Sequence[int], cache_salt: str | None) -> _Prompt:
         ids = np.asarray(token_ids, dtype=np.uint32)
-        key = (cache_salt, len(ids), xxhash.xxh3_128_digest(ids.tobytes()))
-        with self._hashes_lock:
-            hashes = self._hashes.get(key)
-        if hashes is None:
-            hashes = prompt_hashes(self.engine.engine, token_ids, cache_salt)
-            with self._hashes_lock:
-                self._hashes[key] = hashes
-                while len(self._hashes) > _HASHED_PROMPTS:
-                    self._hashes.popitem(last=False)
-        return hashes
+        key = _prompt_key(ids, cache_salt)
+        with self._prompts_lock:
+            prompt = self._prompts.get(key)
+        if prompt is None:
+            as_list = ids.tolist()
+            prompt = _Prompt(as_list, prompt_hashes(self.engine.engine, as_list, cache_salt))
+            with self._prompts_lock:
+                self._prompts[key] = prompt
+                while len(self._prompts) > _HASHED_PROMPTS:
+                    self._prompts.popitem(last=False)
+        return prompt
 
-    def _new_buffer(self) -> torch.Tensor:
-        return staging_buffer(self.engine.engine, self.max_bytes)
+    def _give_up(self, staging: Staging, shipping: asyncio.Future[KVChunk] | None) -> None:
+        """Nobody gets the chunk (the call was cancelled or failed): its room is free again once
+        the shipping, if any, ends, and a slot leased for it is taken back."""
+        if shipping is None:
+            self.stager.finish(staging, delivered=False)
+        else:
+            shipping.add_done_callback(lambda _: self.stager.finish(staging, delivered=False))
 
-    def _seal_and_ship(self, staged: StagedRun, fingerprint: str) -> KVChunk:
-        return self.ship(seal(staged, self.key, self.digest, fingerprint))
+    def _seal_and_ship(self, staged: StagedRun, staging: Staging) -> KVChunk:
+        fingerprint = self.engine.engine.loaded.fingerprint
+        return self.stager.ship(staging, seal(staged, self.key, self.digest, fingerprint))
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    ids: list[int]
+    hashes: list[BlockHash]
+
+
+def _prompt_key(ids: np.ndarray, cache_salt: str | None) -> tuple[str | None, int, bytes]:
+    ids = ids.astype(np.uint32, copy=False)
+    return (cache_salt, len(ids), xxhash.xxh3_128_digest(ids.tobytes()))
+
+
+def _stager(engine: Engine, node_id: str | None) -> Stager:
+    """The holder's staging room: buffers of `peer_stage_mb`, and `peer_shm_mb` of same-node
+    slots of one pull chunk each (a bigger chunk goes through the object store)."""
+    config = engine.config
+    caches = engine.runner.kv_caches
+    shape = block_shape(engine)
+    per_block = int(np.prod(shape)) * caches[0].element_size()
+    return Stager(
+        shape,
+        caches[0].dtype,
+        buffer_blocks=(config.peer_stage_mb << 20) // per_block,
+        slot_blocks=PULL_CHUNK_BLOCKS,
+        ring_bytes=config.peer_shm_mb << 20,
+        node_id=node_id,
+        pin=caches[0].is_cuda,
+    )
