@@ -109,6 +109,11 @@ class RouterConfig:
     # own wait.
     pd_mode: str = "auto"
     pd_stall_weight: float = 1.0
+    # Latency targets for "auto" (None: none): the mode predicted to break fewer of them wins
+    # (a request's time to first token; any stream's gap between two tokens), the delays above
+    # decide between modes that break as many.
+    pd_ttft_slo_ms: float | None = None
+    pd_itl_slo_ms: float | None = None
     # A worker with this many requests (running, waiting or in flight from this router) gets no
     # more: when every worker is that full, a call fails with RESOURCE_EXHAUSTED. None: no limit.
     max_queued_per_worker: int | None = None
@@ -205,6 +210,10 @@ class RouterConfig:
             raise ConfigError(f"pd_mode must be auto, always or never, got {self.pd_mode!r}")
         if self.pd_stall_weight < 0:
             raise ConfigError(f"pd_stall_weight must be >= 0, got {self.pd_stall_weight}")
+        for name in ("pd_ttft_slo_ms", "pd_itl_slo_ms"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be positive, got {value}")
         if self.balance_queue_factor < 1:
             raise ConfigError(
                 f"balance_queue_factor must be >= 1 (a worker may always queue as much as the "

@@ -34,6 +34,7 @@ from router.pd import (
     DECODE,
     MIXED,
     PREFILL,
+    SLO,
     DecodeLoad,
     DecodeSide,
     PDDecision,
@@ -126,6 +127,8 @@ class Disaggregation:
         # What a hand-off costs whatever its size (a second call to a worker, a step on each
         # side), learnt from measured hand-offs; the prior is what one took on a CPU worker.
         self.handoff_fixed_s = HANDOFF_FIXED_PRIOR_S
+        ttft, itl = config.pd_ttft_slo_ms, config.pd_itl_slo_ms
+        self._slo = SLO(None if ttft is None else ttft / 1e3, None if itl is None else itl / 1e3)
 
     def _calibrate(self, measured_s: float, variable_s: float) -> None:
         residual = max(0.0, measured_s - variable_s)
@@ -210,8 +213,8 @@ class Disaggregation:
         if decode.worker_id != at.worker_id:
             held = self.pool.index.longest_prefix(hashes).get(decode.worker_id)
             away = self._decode_side(decode, num_tokens, 0 if held is None else held.num_blocks)
-        weight = self.config.pd_stall_weight
-        return decide(num_tokens, block_size, here, there, away, weight, self.handoff_fixed_s)
+        weight, fixed_s = self.config.pd_stall_weight, self.handoff_fixed_s
+        return decide(num_tokens, block_size, here, there, away, weight, fixed_s, self._slo)
 
     def _decode_side(self, state: WorkerState, num_tokens: int, matched_blocks: int) -> DecodeSide:
         block_size = self.pool.model.block_size

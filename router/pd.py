@@ -62,6 +62,30 @@ class DecodeSide:
 
 
 @dataclass(frozen=True)
+class SLO:
+    """Latency targets (seconds; None: no target): the request's time to first token, and the
+    gap between two tokens of any stream (the request's own, and those decoding beside it)."""
+
+    ttft_s: float | None = None
+    itl_s: float | None = None
+
+    def misses(
+        self, ttft_s: float, own_gaps_s: Sequence[float], num_streams: int, stall_s: float
+    ) -> int:
+        """Targets a mode is predicted to break: the request's TTFT, each of its own gaps (a
+        hand-off's), and each of `num_streams` running streams whose next gap grows by
+        `stall_s` (counted against the whole target: the router does not know their steps)."""
+        misses = 0
+        if self.ttft_s is not None and ttft_s > self.ttft_s:
+            misses += 1
+        if self.itl_s is not None:
+            misses += sum(gap > self.itl_s for gap in own_gaps_s)
+            if stall_s > self.itl_s:
+                misses += num_streams
+        return misses
+
+
+@dataclass(frozen=True)
 class PDDecision:
     """Colocated or disaggregated, why, and what each mode was predicted to cost (seconds)."""
 
@@ -92,11 +116,14 @@ def decide(
     decode: DecodeSide | None = None,
     stall_weight: float = 1.0,
     handoff_fixed_s: float = 0.0,
+    slo: SLO | None = None,
 ) -> PDDecision:
     """Colocated on `colocated.worker`, or prefill on `prefill.worker` and decode on
     `decode.worker` (default: the colocated one). `None` for `prefill` (no prefill worker) or a
     decode worker that cannot pull is colocated. `handoff_fixed_s` is what a hand-off costs
-    whatever its size (a second call, a step on each side: the router measures it)."""
+    whatever its size (a second call, a step on each side: the router measures it). With an
+    `slo`, the mode that breaks fewer targets wins (`SLO.misses`), and the delays decide only
+    between modes that break as many."""
     decode = colocated if decode is None else decode
     local_s = colocated.uncached_tokens * colocated.token_s
     colocated_ttft = colocated.queued_tokens * colocated.token_s + local_s
@@ -121,11 +148,18 @@ def decide(
     stays = colocated_ttft + stall_weight * colocated_stall
     moves = ttft + handoff + stall_weight * stall
     disaggregate = moves < stays
+    missed = ""
+    if slo is not None:
+        kept = slo.misses(colocated_ttft, (), colocated.num_running, local_s)
+        moved = slo.misses(ttft, (handoff,), decode.num_running, tail_s + LANDING_SHARE * pull_s)
+        if kept != moved:
+            disaggregate = moved < kept
+        missed = f"; SLO misses {moved} moved vs {kept} kept"
     reason = (
         f"{'disaggregated' if disaggregate else 'colocated'}: moved {moves * 1e3:.0f} ms "
         f"(prefill {ttft * 1e3:.0f} + handoff {handoff * 1e3:.0f} + stall {stall * 1e3:.0f}) "
         f"vs kept {stays * 1e3:.0f} ms (prefill {colocated_ttft * 1e3:.0f} + stall "
-        f"{colocated_stall * 1e3:.0f} over {colocated.num_running} streams)"
+        f"{colocated_stall * 1e3:.0f} over {colocated.num_running} streams){missed}"
     )
     return PDDecision(
         disaggregate,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cachesvc.types import WorkerId
-from router.pd import DecodeLoad, DecodeSide, PrefillSide, decide, pick_decode
+from router.pd import SLO, DecodeLoad, DecodeSide, PrefillSide, decide, pick_decode
 
 BLOCK = 16
 TOKEN_S = 1e-4  # 10 000 prompt tokens a second
@@ -88,3 +88,25 @@ def test_config_names_a_bad_mode() -> None:
         RouterConfig(pd_mode="sometimes")
     with pytest.raises(ConfigError, match="pd_stall_weight"):
         RouterConfig(pd_stall_weight=-1)
+
+
+def test_an_itl_target_protects_the_running_streams() -> None:
+    """The prefill worker's queue makes moving slower in total, but colocated the 4 streams
+    each wait 0.8 s for a token: with a 0.2 s target, fewer targets break moved."""
+    decode, prefill = _decode(8000, running=4), _prefill(8000, queued=100_000)
+    assert not decide(8000, BLOCK, decode, prefill).disaggregate
+    d = decide(8000, BLOCK, decode, prefill, slo=SLO(itl_s=0.2))
+    assert d.disaggregate and "SLO misses 0 moved vs 4 kept" in d.reason
+
+
+def test_a_ttft_target_keeps_it_home_when_nobody_decodes() -> None:
+    decode, prefill = _decode(8000, running=0), _prefill(8000, queued=100_000)
+    d = decide(8000, BLOCK, decode, prefill, slo=SLO(ttft_s=2.0, itl_s=0.2))
+    assert not d.disaggregate  # moved breaks the TTFT target (10.8 s), kept breaks none
+
+
+def test_slo_counts_what_breaks() -> None:
+    slo = SLO(ttft_s=1.0, itl_s=0.1)
+    assert slo.misses(0.5, (), 8, 0.05) == 0
+    assert slo.misses(1.5, (0.2,), 8, 0.2) == 1 + 1 + 8
+    assert SLO().misses(100.0, (100.0,), 8, 100.0) == 0

@@ -53,6 +53,14 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="with prefill workers: decide per request from calibrated costs and load (auto), "
         "hand every request to a prefill worker (always), or none (never)",
     )
+    for name, what in (("ttft", "time to first token"), ("itl", "gap between two tokens")):
+        serve.add_argument(
+            f"--pd-{name}-slo-ms",
+            type=float,
+            default=None,
+            help=f"with --pd-mode auto: the {what} to keep within; the mode predicted to break "
+            "fewer targets wins",
+        )
     serve.add_argument("--ray-address", default=None, help="Ray cluster (default: start one)")
     serve.add_argument(
         "--placement",
@@ -217,6 +225,8 @@ def _router_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_queued_per_worker": args.max_queued_per_worker,
         "max_inflight": args.max_inflight,
         "pd_mode": args.pd_mode,
+        "pd_ttft_slo_ms": args.pd_ttft_slo_ms,
+        "pd_itl_slo_ms": args.pd_itl_slo_ms,
         **_response_cache_options(args),
         "tenant_tokens": () if tenants is None else load_tenant_tokens(tenants),
         "tls_cert_file": args.tls_cert_file,

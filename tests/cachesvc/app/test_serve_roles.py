@@ -100,3 +100,5 @@ def test_pd_mode_flag_reaches_the_router() -> None:
     args = ["serve", "--prefill-workers", "1", "--decode-workers", "1", "--pd-mode", "always"]
     assert serve_config(build_parser().parse_args(args)).router.pd_mode == "always"
     assert serve_config(build_parser().parse_args(["serve"])).router.pd_mode == "auto"
+    slo = serve_config(build_parser().parse_args(["serve", "--pd-itl-slo-ms", "250"])).router
+    assert (slo.pd_itl_slo_ms, slo.pd_ttft_slo_ms) == (250.0, None)
