@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from cachesvc.bench.kv_transfer_stages import format_stages, measure_stages
 from cachesvc.bench.table import format_table, write_json
 from cachesvc.types import BlockId
 
@@ -86,6 +87,7 @@ class BenchHolder:
 
         from workers.transfer.chunk import chunk_key
         from workers.transfer.staging import Stager
+        from workers.transfer.threads import transfer_executor
 
         self.caches = list(torch.randn(BLOCK_SHAPE[0], num_blocks, *BLOCK_SHAPE[1:]).unbind(0))
         self.digest = digest
@@ -95,6 +97,7 @@ class BenchHolder:
         node = ray.get_runtime_context().get_node_id()
         ring = RING_MB << 20
         self.stager = Stager(BLOCK_SHAPE, torch.float32, CHUNK_BLOCKS, CHUNK_BLOCKS, ring, node)
+        self._threads = transfer_executor(2, "kv-export")
         self._hashed: tuple[int, list[Any]] = (-1, [])
 
     async def ready(self) -> bool:
@@ -113,30 +116,35 @@ class BenchHolder:
     async def export_chunk(
         self, token_ids: Sequence[int], salt: Any, lo: int, hi: int, puller: Any = None
     ) -> Any:
-        """The data plane's holder, as `ChunkExporter` serves it: a gather into a same-node slot
-        or a reused buffer at the 'step boundary', then the seal (and, from a buffer, the put
-        into the object store) on a thread."""
+        """The data plane's holder, as `ChunkExporter` serves it: on a transfer thread, a
+        gather into a same-node slot or a reused buffer, the seal and (from a buffer) the put
+        into the object store. (A worker first pins the run at a step boundary: no blocks move
+        here, so there is nothing to pin.)"""
         from workers.engine.kv_copy import gather_blocks, kv_to_numpy
-        from workers.engine.peer.export import StagedRun, seal
+        from workers.engine.peer.stage import StagedRun, seal
 
         hashes = tuple(self.hashes(token_ids)[lo:hi])
         async with self._exporting:
             staging = self.stager.take(puller, hi - lo)
-            try:
+
+            def copy_seal_ship() -> Any:
                 gather_blocks(self.caches, _ids(lo, hi), staging.buffer[: hi - lo])
                 rows = kv_to_numpy(staging.buffer[: hi - lo])
                 staged = StagedRun(lo, "float32", rows, hashes)
+                sealed = seal(staged, self.key, self.digest, self.fingerprint)
+                return self.stager.ship(staging, sealed)
 
-                def seal_and_ship() -> Any:
-                    sealed = seal(staged, self.key, self.digest, self.fingerprint)
-                    return self.stager.ship(staging, sealed)
-
-                chunk = await asyncio.to_thread(seal_and_ship)
+            try:
+                loop = asyncio.get_running_loop()
+                chunk = await loop.run_in_executor(self._threads, copy_seal_ship)
             except BaseException:
                 self.stager.finish(staging, delivered=False)
                 raise
             self.stager.finish(staging, delivered=True)
             return chunk
+
+    async def noop(self, token_ids: Any, salt: Any, lo: int, hi: int, puller: Any = None) -> None:
+        """A chunk's call that stages nothing: what a call costs by itself."""
 
     def counters(self) -> dict[str, float]:
         return self.stager.counters()
@@ -208,6 +216,23 @@ class BenchPuller:
             # The only copy on this side; the chunk's slot is released when it goes.
             write_host(self.caches, _ids(lo, lo + chunk.num_blocks), list(chunk.payload))
 
+    def calls(self, holder: str, num_blocks: int) -> float:
+        """Seconds for a pull's calls to the holder, made as a pull makes them, each answering
+        nothing: the Ray calls' share of a pull."""
+        import ray
+
+        handle = ray.get_actor(holder, namespace=self.namespace)
+        ids = np.arange(num_blocks * BLOCK_TOKENS, dtype=np.uint32)
+        began = time.perf_counter()
+        ref = ray.put(ids)
+        asked: list[Any] = [
+            handle.noop.remote(ref, None, lo, lo + CHUNK_BLOCKS, None)
+            for lo in range(0, num_blocks, CHUNK_BLOCKS)
+        ]
+        for answer in asked:
+            answer.future().result()
+        return time.perf_counter() - began
+
     def _pull_blobs(self, holder: str, ids: list[int], chunks: list[tuple[int, int]]) -> None:
         import ray
 
@@ -227,13 +252,14 @@ class BenchPuller:
             write_host(self.caches, _ids(lo, lo + len(blocks)), [b.array for b in blocks])  # type: ignore[union-attr]
 
 
-def run_paths(sizes: Sequence[int], repeats: int) -> list[PathResult]:
-    """Every path at every size, between two actors of the connected Ray cluster."""
+def run_paths(sizes: Sequence[int], repeats: int) -> tuple[list[PathResult], float]:
+    """Every path at every size, between two actors of the connected Ray cluster, the repeats
+    taken in turns (a noisy moment costs every path alike); and the seconds of the largest
+    pull's Ray calls by themselves."""
     import ray
 
     namespace = ray.get_runtime_context().namespace
     max_blocks = max(sizes) // BLOCK_TOKENS
-    results: list[PathResult] = []
     block_bytes = int(np.prod(BLOCK_SHAPE)) * 4
     options = {"num_cpus": 0, "max_concurrency": 8, "namespace": namespace}
     holder_cls: Any = ray.remote(BenchHolder)
@@ -244,18 +270,23 @@ def run_paths(sizes: Sequence[int], repeats: int) -> list[PathResult]:
     }
     puller = puller_cls.options(**options).remote(max_blocks, namespace)
     ray.get([h.ready.remote() for h in holders.values()])
+    results: list[PathResult] = []
     for tokens in sizes:
         n = tokens // BLOCK_TOKENS
+        names = {path: f"bench-holder-{'strict' if 'strict' in path else 'fast'}" for path in PATHS}
+        for path in PATHS:  # a warm-up pull of the whole size: the holder's slots get made
+            ray.get(puller.pull.remote(names[path], path, n if "shared" in path else 1))
+        times: dict[str, list[float]] = {path: [] for path in PATHS}
+        for _ in range(repeats):
+            for path in PATHS:
+                times[path].append(ray.get(puller.pull.remote(names[path], path, n)))
         for path in PATHS:
-            mode = "strict" if "strict" in path else "fast"
-            name = f"bench-holder-{mode}"
-            ray.get(puller.pull.remote(name, path, min(n, CHUNK_BLOCKS)))  # warm up
-            best = min(ray.get(puller.pull.remote(name, path, n)) for _ in range(repeats))
-            results.append(PathResult(path, tokens, n * block_bytes, best))
-            print(f"  {path:16s} {tokens:6d} tokens: {results[-1].gbps:.2f} GB/s", file=sys.stderr)
+            results.append(PathResult(path, tokens, n * block_bytes, min(times[path])))
+            print(f"  {path:24s} {tokens:6d} tokens: {results[-1].gbps:.2f} GB/s", file=sys.stderr)
+    call_s = min(ray.get(puller.calls.remote("bench-holder-fast", max_blocks)) for _ in range(3))
     for actor in (*holders.values(), puller):
         ray.kill(actor)
-    return results
+    return results, call_s
 
 
 def format_paths(results: Sequence[PathResult], copy_gbps: float) -> str:
@@ -289,11 +320,14 @@ def run_kv_transfer_bench(
     try:
         copy_gbps = memcpy_gbps()
         print("pull paths:", file=sys.stderr)
-        paths = run_paths(sizes, repeats=2 if quick else 3)
+        paths, call_s = run_paths(sizes, repeats=2 if quick else 3)
+        stages = measure_stages(max(sizes) // BLOCK_TOKENS, BLOCK_SHAPE, CHUNK_BLOCKS, call_s)
         copy_after = memcpy_gbps()
         copy = max(copy_gbps, copy_after)
         print("\nKV between two workers, best of the repeats:")
         print(format_paths(paths, copy))
+        print("\nwhat each stage of the largest pull costs, and the bound they set here:")
+        print(format_stages(stages, copy))
         holder: dict[str, Any] = {}
         if with_holder:
             from cachesvc.bench.kv_transfer_holder import format_holder, run_holder
@@ -308,6 +342,7 @@ def run_kv_transfer_bench(
         {
             "memcpy_gbps": copy,
             "paths": [asdict(p) | {"gbps": p.gbps} for p in paths],
+            "stages": asdict(stages),
             "holder": holder,
         },
     )

@@ -1,10 +1,12 @@
 """Part two of `cachesvc bench kv-transfer`: the holder's own decode while it serves pulls.
 
 Two real workers (the default model, or a tiny one). The holder computes a context, then decodes
-a long greedy stream, once alone and once while the other worker — with pulls on — answers
-requests for that context again and again, pulling it from the holder each time (it flushes its
-own cache between them). The stream's inter-token gaps, measured where the router would see
-them, are compared; the puller's planner's predicted pull time is set against the measured one.
+a long greedy stream three times: alone; beside the other worker decoding a stream of its own
+(what sharing the host with a busy worker costs, pulls or not); and while the other worker — with
+pulls on — answers requests for that context again and again, pulling it from the holder each
+time (it flushes its own cache between them). The stream's inter-token gaps, measured where the
+router would see them, are compared; the puller's planner's predicted pull time is set against
+the measured one.
 """
 
 from __future__ import annotations
@@ -57,11 +59,40 @@ async def _pull_again_and_again(
     return count
 
 
+async def _beside_a_neighbor(
+    holder: Any, neighbor: Any, context: list[int], out: int
+) -> list[float]:
+    """The holder's gaps while the other worker decodes a stream of its own (no pulls): what
+    sharing the host with a busy worker costs, the floor for serving pulls beside one."""
+    from workers.sampling_params import SamplingParams
+
+    params = asdict(SamplingParams(max_tokens=3 * out, temperature=0.0, ignore_eos=True))
+    request_id = f"bench-neighbor-{len(context)}"
+    gen = neighbor.generate.options(num_returns="streaming").remote(
+        context[::-1], params, request_id, None
+    )
+    first = asyncio.Event()
+
+    async def follow() -> None:
+        async for ref in gen:
+            await ref
+            first.set()
+
+    following = asyncio.ensure_future(follow())
+    await first.wait()  # its prompt computed: it decodes from now on
+    gaps = await _stream_gaps(holder, [*context, 3], out)
+    await neighbor.abort.remote(request_id)
+    await following
+    return gaps
+
+
 async def _measure(
     actors: dict[str, Any], names: dict[str, str], context: list[int], out: int
 ) -> dict[str, Any]:
     holder, puller = actors["holder"], actors["puller"]
     alone = await _stream_gaps(holder, [*context, 1], out)
+    beside = await _beside_a_neighbor(holder, puller, context, out)
+    await puller.flush.remote()
     stop = asyncio.Event()
     pulls = asyncio.ensure_future(
         _pull_again_and_again(puller, names["holder"], context, len(context) // 16, stop)
@@ -77,6 +108,8 @@ async def _measure(
         "decode_tokens": out,
         "alone_p50_ms": p50(alone) * 1000,
         "alone_p99_ms": percentile(alone, 0.99) * 1000,
+        "beside_p50_ms": p50(beside) * 1000,
+        "beside_p99_ms": percentile(beside, 0.99) * 1000,
         "serving_p50_ms": p50(serving) * 1000,
         "serving_p99_ms": percentile(serving, 0.99) * 1000,
         "pulls": num_pulls,
@@ -123,13 +156,21 @@ def run_holder(quick: bool, model: str | None) -> dict[str, Any]:
 def format_holder(r: dict[str, Any]) -> str:
     if not r:
         return "(not measured)"
+    alone_p99 = max(r["alone_p99_ms"], 1e-9)
     rows = [
         ["alone", f"{r['alone_p50_ms']:.1f}", f"{r['alone_p99_ms']:.1f}", "-", "-"],
+        [
+            "beside a decoding neighbor",
+            f"{r['beside_p50_ms']:.1f}",
+            f"{r['beside_p99_ms']:.1f}",
+            f"{r['beside_p99_ms'] / alone_p99:.2f}x",
+            "-",
+        ],
         [
             f"serving {r['pulls']} pulls",
             f"{r['serving_p50_ms']:.1f}",
             f"{r['serving_p99_ms']:.1f}",
-            f"{r['serving_p99_ms'] / max(r['alone_p99_ms'], 1e-9):.2f}x",
+            f"{r['serving_p99_ms'] / alone_p99:.2f}x",
             f"{r['predicted_s']:.2f} / {r['measured_s']:.2f}",
         ],
     ]

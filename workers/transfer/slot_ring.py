@@ -35,6 +35,7 @@ from workers.transfer.slots import (
     alive,
     header,
 )
+from workers.transfer.threads import lower_priority
 
 
 @dataclass(eq=False)
@@ -78,6 +79,7 @@ class SlotRing:
         return None
 
     def _grow(self) -> None:
+        lower_priority()  # writing a slot's pages is no step's business
         try:
             slot = _make_slot(self.slot_bytes)
         except OSError:  # out of memory for it: the object store it is

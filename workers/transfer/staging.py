@@ -54,9 +54,10 @@ class Stager:
         self.slot_blocks = max(1, min(slot_blocks, self.buffer_blocks))
         self.node_id = node_id
         self.pin = pin
-        block_bytes = torch.Size(self.block_shape).numel() * dtype.itemsize
-        num_slots = ring_bytes // (self.slot_blocks * block_bytes)
-        self.ring = SlotRing(self.slot_blocks * block_bytes, num_slots) if num_slots else None
+        self.block_bytes = torch.Size(self.block_shape).numel() * dtype.itemsize
+        slot_bytes = self.slot_blocks * self.block_bytes
+        num_slots = ring_bytes // slot_bytes
+        self.ring = SlotRing(slot_bytes, num_slots) if num_slots else None
         self._buffers: list[torch.Tensor] = []  # free ones: fresh host memory's page faults
         # cost more than the copy itself on a CPU, so buffers are reused
         self._views: dict[Slot, torch.Tensor] = {}

@@ -1,16 +1,16 @@
-"""The holder's side of a pull: stage a run at a step boundary, seal and ship it off the loop.
+"""The holder's side of a pull: the `ChunkExporter` its actor serves `export_chunk` with.
 
-`stage_run` is the only part that touches the engine: between two steps (`AsyncEngine.call`) it
-finds the leading run of a prompt's blocks this worker holds and copies it, in one batched
-gather, into the chunk's staging room `[num_blocks, layers, ...]` — a few milliseconds per
-chunk, bounded by `peer_stage_mb`. For a puller on this worker's Ray node the room is a
-shared-memory slot the puller reads in place (the gather is the holder's only copy); for one on
-another node, a reused host buffer whose payload is then copied into Ray's object store
-(`workers.transfer.staging`). From then on the room belongs to the transfer: nothing the engine
-does next can move or overwrite what is sent. `seal` (the digest) runs on another thread. The
-exporter is given the prompt's token ids and the request's cache salt, not hashes: it computes
-the hashes itself under that salt, so a request can only ever be served blocks of its own
-tenant. The puller's side is `workers.engine.peer.pull`.
+For each chunk a puller asks for, the exporter pins the run at a step boundary (`stage.pin_run`:
+lookups and a reference per block, microseconds on the engine's loop), then on a transfer
+thread gathers it into the chunk's staging room, seals it and ships it (`stage.copy_run`,
+`stage.seal`), and gives the pins back at a later boundary. For a puller on this worker's Ray
+node the room is a shared-memory slot the puller reads in place (the gather is the holder's only
+copy); for one on another node, a reused host buffer whose payload is then copied into Ray's
+object store (`workers.transfer.staging`). From then on the room belongs to the transfer:
+nothing the engine does next can move or overwrite what is sent. The exporter is given the
+prompt's token ids and the request's cache salt, not hashes: it computes the hashes itself under
+that salt, so a request can only ever be served blocks of its own tenant. The puller's side is
+`workers.engine.peer.pull`.
 """
 
 from __future__ import annotations
@@ -20,20 +20,26 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import xxhash
 
-from cachesvc.codec import KVBlock
-from cachesvc.hashing import hash_blocks, root_hash
-from cachesvc.types import BlockHash, BlockId
-from workers.engine.kv_copy import gather_blocks, kv_to_numpy
+from cachesvc.types import BlockHash
 from workers.engine.peer.pull import PULL_CHUNK_BLOCKS
-from workers.transfer.chunk import KVChunk, chunk_digest
+from workers.engine.peer.stage import (
+    PinnedRun,
+    block_shape,
+    copy_run,
+    pin_run,
+    prompt_hashes,
+    seal,
+    unpin,
+)
+from workers.transfer.chunk import KVChunk
 from workers.transfer.slots import PullerProcess
 from workers.transfer.staging import Stager, Staging
+from workers.transfer.threads import transfer_executor
 
 if TYPE_CHECKING:  # the engine imports this package (its pull side): a type, not a cycle
     from workers.engine.async_engine import AsyncEngine
@@ -41,127 +47,6 @@ if TYPE_CHECKING:  # the engine imports this package (its pull side): a type, no
 
 
 _HASHED_PROMPTS = 8  # prompts whose hashes an exporter keeps: the pulls it serves now
-
-
-@dataclass(frozen=True)
-class StagedRun:
-    """A run of blocks copied out of the engine, not yet sealed."""
-
-    start_block: int
-    dtype: str
-    payload: np.ndarray  # [num_blocks, layers, ...], the cache's storage dtype, owned
-    hashes: tuple[BlockHash, ...]
-    lossy: bool = False
-
-
-def prompt_hashes(
-    engine: Engine, token_ids: Sequence[int], cache_salt: str | None
-) -> list[BlockHash]:
-    """The hashes of a prompt's full blocks under `cache_salt`, as the engine's own requests
-    compute them."""
-    bs = engine.config.block_size
-    root = root_hash(engine.loaded.fingerprint, bs, cache_salt or "")
-    return hash_blocks(list(token_ids), bs, root)
-
-
-def held_in_tier(engine: Engine, hashes: Sequence[BlockHash], i: int) -> KVBlock | None:
-    """Block `i` of a chain from a local tier (DRAM, NVMe: not the shared Redis tier, which
-    the puller reads itself), else None."""
-    tiering = engine.tiering
-    if tiering is None:
-        return None
-    local = {t.name for t in tiering.manager.local}
-    held = [name for name in tiering.manager.held_locally(hashes[i]) if name in local]
-    if not held:
-        return None
-    result = tiering.manager.read([(held[0], [hashes[i]])])
-    tiering.manager.settle(result)
-    return result.blocks[0] if result.blocks else None
-
-
-def block_shape(engine: Engine) -> tuple[int, ...]:
-    """One block's KV across the layers, as the engine's caches hold it."""
-    caches = engine.runner.kv_caches
-    return (len(caches), *caches[0].shape[1:])
-
-
-def staging_buffer(engine: Engine, max_bytes: int) -> torch.Tensor:
-    """A host buffer for runs of at most `max_bytes` (one block at least), in the caches'
-    dtype: pinned when the caches are on a GPU, so the gather's copy to the host is one DMA."""
-    caches = engine.runner.kv_caches
-    shape = block_shape(engine)
-    per_block = int(np.prod(shape)) * caches[0].element_size()
-    num = max(1, max_bytes // per_block)
-    return torch.empty((num, *shape), dtype=caches[0].dtype, pin_memory=caches[0].is_cuda)
-
-
-@torch.inference_mode()
-def stage_run(
-    engine: Engine,
-    token_ids: Sequence[int],
-    cache_salt: str | None,
-    start_block: int,
-    end_block: int,
-    buffer: torch.Tensor,
-    hashes: Sequence[BlockHash] | None = None,
-) -> StagedRun:
-    """Copy blocks `start_block .. end_block - 1` of a prompt under `cache_salt` that this engine
-    holds, up to the first it lacks and at most as many as `buffer` (`staging_buffer`) holds,
-    into `buffer`: the device pool's run in one gather, then what its local tiers hold after
-    it. The run's payload is a view of `buffer`. `hashes`: the prompt's under `cache_salt`,
-    when the caller has them already. Run it between steps; does not mutate the cache (tier
-    reads count as reads)."""
-    if hashes is None:
-        hashes = prompt_hashes(engine, token_ids, cache_salt)
-    hashes = hashes[: max(0, end_block)]
-    first = max(0, start_block)
-    end = min(len(hashes), first + buffer.shape[0])
-    device = _device_run(engine, hashes, token_ids, first, end)
-    if device:
-        gather_blocks(engine.runner.kv_caches, device, buffer[: len(device)])
-    rows = kv_to_numpy(buffer)  # a view: writing it writes the buffer
-    # Lossy KV (dequantized, or computed over it) travels marked: the puller lands it marked,
-    # so it never reaches a lossless tier there either.
-    lossy = engine.pool.any_lossy(device)
-    num = len(device)
-    for i in range(first + num, end):
-        block = held_in_tier(engine, hashes, i)
-        if block is None:
-            break
-        rows[num] = block.array
-        lossy = lossy or block.lossy
-        num += 1
-    run = tuple(hashes[first : first + num])
-    return StagedRun(first, engine.config.dtype, rows[:num], run, lossy)
-
-
-def _device_run(
-    engine: Engine, hashes: Sequence[BlockHash], token_ids: Sequence[int], start: int, end: int
-) -> list[BlockId]:
-    """The device blocks of `hashes[start:end]`, up to the first the pool does not hold."""
-    bs = engine.config.block_size
-    out: list[BlockId] = []
-    for i in range(start, end):
-        block_id = engine.pool.lookup(hashes[i], token_ids[i * bs : (i + 1) * bs])
-        if block_id is None:
-            break
-        out.append(block_id)
-    return out
-
-
-def seal(staged: StagedRun, key: bytes, mode: str, fingerprint: str) -> KVChunk:
-    """The chunk of a staged run with its digest: pure, off the engine's loop."""
-    digest = chunk_digest(
-        key,
-        mode,
-        fingerprint,
-        staged.start_block,
-        staged.hashes,
-        staged.dtype,
-        staged.payload,
-        staged.lossy,
-    )
-    return KVChunk(staged.start_block, staged.dtype, staged.payload, digest, staged.lossy)
 
 
 class ChunkExporter:
@@ -177,6 +62,11 @@ class ChunkExporter:
         self.key = key
         self.digest = digest
         self.stager = _stager(engine.engine, node_id)
+        self._kv_caches = engine.engine.runner.kv_caches
+        self._unpinning: set[asyncio.Future[Any]] = set()
+        # Hashing prompts and sealing chunks, below the engine's priority and apart from the
+        # default executor the engine's steps run in.
+        self._threads = transfer_executor(config.peer_max_exports, "kv-export")
         self._exporting = asyncio.Semaphore(config.peer_max_exports)
         self._prompts: OrderedDict[tuple[str | None, int, bytes], _Prompt] = OrderedDict()
         self._prompts_lock = threading.Lock()  # its threads key and fill it
@@ -199,28 +89,42 @@ class ChunkExporter:
             staging = self.stager.take(puller, end_block - start_block)
             shipping: asyncio.Future[KVChunk] | None = None
             try:
-                staged = await self.engine.call(
-                    lambda e: stage_run(
-                        e,
-                        prompt.ids,
-                        cache_salt,
-                        start_block,
-                        end_block,
-                        staging.buffer,
-                        prompt.hashes,
-                    )
+                run = await self._pin(prompt, cache_salt, start_block, end_block, staging)
+                shipping = asyncio.get_running_loop().run_in_executor(
+                    self._threads, self._copy_seal_ship, run, staging
                 )
-                shipping = asyncio.ensure_future(
-                    asyncio.to_thread(self._seal_and_ship, staged, staging)
-                )
+                # The pins go back once the copy is done, whatever becomes of this call.
+                shipping.add_done_callback(lambda _: self._unpin(run))
                 chunk = await asyncio.shield(shipping)
             except BaseException:
                 self._give_up(staging, shipping)
                 raise
             self.stager.finish(staging, delivered=True)
         self.num_exported_chunks += 1
-        self.num_exported_bytes += staged.payload.nbytes
+        self.num_exported_bytes += run.num_blocks * self.stager.block_bytes
         return chunk
+
+    async def _pin(
+        self, prompt: _Prompt, cache_salt: str | None, start: int, end: int, staging: Staging
+    ) -> PinnedRun:
+        """Pin the run at the engine's next step boundary. Cancelled meanwhile, the pins taken
+        anyway are given back."""
+        pinning = asyncio.ensure_future(
+            self.engine.call(
+                lambda e: pin_run(
+                    e, prompt.ids, cache_salt, start, end, staging.buffer.shape[0], prompt.hashes
+                )
+            )
+        )
+        try:
+            return await asyncio.shield(pinning)
+        except asyncio.CancelledError:
+            pinning.add_done_callback(self._unpin_pinned)
+            raise
+
+    def _unpin_pinned(self, pinning: asyncio.Future[PinnedRun]) -> None:
+        if not pinning.cancelled() and pinning.exception() is None:
+            self._unpin(pinning.result())
 
     def counters(self) -> dict[str, float]:
         """What this worker sent to pullers, for its load report (`cachesvc_worker_tiering`):
@@ -233,6 +137,7 @@ class ChunkExporter:
 
     def close(self) -> None:
         """Close the slots' segments (a puller still reading one keeps it mapped)."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
         self.stager.close()
 
     async def _prompt(self, token_ids: Sequence[int], cache_salt: str | None) -> _Prompt:
@@ -246,7 +151,8 @@ class ChunkExporter:
                 prompt = self._prompts.get(key)
             if prompt is not None:
                 return prompt
-        return await asyncio.to_thread(self._prompt_of, token_ids, cache_salt)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, self._prompt_of, token_ids, cache_salt)
 
     def _prompt_of(self, token_ids: Sequence[int], cache_salt: str | None) -> _Prompt:
         ids = np.asarray(token_ids, dtype=np.uint32)
@@ -270,9 +176,18 @@ class ChunkExporter:
         else:
             shipping.add_done_callback(lambda _: self.stager.finish(staging, delivered=False))
 
-    def _seal_and_ship(self, staged: StagedRun, staging: Staging) -> KVChunk:
+    def _copy_seal_ship(self, run: PinnedRun, staging: Staging) -> KVChunk:
+        """On a transfer thread: the pinned run into its room, sealed, on its way."""
+        staged = copy_run(self._kv_caches, run, staging.buffer)
         fingerprint = self.engine.engine.loaded.fingerprint
         return self.stager.ship(staging, seal(staged, self.key, self.digest, fingerprint))
+
+    def _unpin(self, run: PinnedRun) -> None:
+        """Give the run's pins back at the engine's next step boundary (now, when idle)."""
+        if run.device:
+            task = asyncio.ensure_future(self.engine.call(lambda e: unpin(e, run)))
+            self._unpinning.add(task)  # kept until done: a task nobody holds may be collected
+            task.add_done_callback(self._unpinning.discard)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Generator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,6 +32,7 @@ from cachesvc.tiers.results import Transfer
 from cachesvc.types import BlockHash
 from workers.engine.request import PeerSource
 from workers.transfer.chunk import KVChunk, verify_chunk
+from workers.transfer.threads import transfer_executor
 
 PEER_PREFIX = "peer:"
 # Blocks per call of a pull: when a peer dies mid-run the chunks that arrived still land. The
@@ -124,8 +125,9 @@ class PeerPuller:
         self.chunk_blocks = PULL_CHUNK_BLOCKS
         self.stats = PeerStats()
         self._lock = threading.Lock()
-        # Pulls wait on the network, not the cores: a few at once, apart from the tiers' reads.
-        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-peer")
+        # Pulls wait on the network, not the cores: a few at once, apart from the tiers' reads,
+        # below the engine's priority (their digest checks take cores from its steps).
+        self._executor = transfer_executor(4, "kv-peer")
 
     def submit(
         self,

@@ -22,8 +22,8 @@ from cachesvc.calibration import DEFAULT_TIER_COSTS
 from cachesvc.config import ConfigError, EngineConfig, TierConfig
 from cachesvc.planner import TierCost
 from workers.engine.engine import Engine
-from workers.engine.peer.export import seal, stage_run, staging_buffer
 from workers.engine.peer.pull import peer_tier
+from workers.engine.peer.stage import seal, stage_run, staging_buffer
 from workers.engine.request import PeerSource
 from workers.model.loader import LoadedModel, load_model
 from workers.sampling_params import SamplingParams
@@ -397,6 +397,29 @@ def test_staging_gathers_what_read_block_reads_and_keeps_to_its_cap(loaded: Load
     one_block = full.payload[0].nbytes
     capped = stage_run(holder, PROMPT, None, 2, NUM_FULL, staging_buffer(holder, 3 * one_block))
     assert capped.payload.shape[0] == 3 and capped.hashes == full.hashes[:3]
+
+
+def test_a_pinned_run_outlives_a_flush_until_unpinned(loaded: LoadedModel) -> None:
+    """The exporter copies a run off the engine's loop while the engine steps on: pinned at a
+    step boundary, its blocks are neither dropped nor handed out before the copy is done."""
+    from workers.engine.peer.stage import copy_run, pin_run, unpin
+
+    holder = _engine(loaded)
+    _run(holder, PROMPT)
+    buffer = staging_buffer(holder, 1 << 30)
+    expected = stage_run(holder, PROMPT, None, 0, NUM_FULL, buffer).payload.copy()
+    run = pin_run(holder, PROMPT, None, 0, NUM_FULL, NUM_FULL)
+    assert len(run.device) == NUM_FULL
+    holder.flush()  # drops every cached block nobody holds
+    taken = holder.pool.allocate(holder.pool.num_free)  # and new KV takes every free one
+    assert not set(taken) & set(run.device)
+    for i, h in enumerate(run.hashes):
+        assert holder.pool.lookup(h, PROMPT[i * BS : (i + 1) * BS]) == run.device[i]
+    staged = copy_run(holder.runner.kv_caches, run, buffer)
+    np.testing.assert_array_equal(staged.payload, expected)
+    holder.pool.free(taken)
+    unpin(holder, run)
+    _check_pool(holder)
 
 
 def test_a_strict_digest_covers_the_payload(loaded: LoadedModel) -> None:

@@ -30,7 +30,7 @@ from cachesvc.config import EngineConfig, TierConfig
 from cachesvc.tiers.tier_manager import TierManager
 from cachesvc.types import BlockId
 from workers.engine.engine import Engine
-from workers.engine.peer.export import seal, stage_run, staging_buffer
+from workers.engine.peer.stage import seal, stage_run, staging_buffer
 from workers.engine.request import PeerSource
 from workers.sampling_params import SamplingParams
 from workers.transfer.chunk import KVChunk, chunk_key
