@@ -24,11 +24,12 @@ from typing import Any
 
 from cachesvc.index import IndexSnapshot, MemoryPrefixIndex
 from cachesvc.sim.cost_profile import CostProfile
-from cachesvc.sim.pd import COLOCATED, PDRoutes, choose_among, device_blocks, roles_for
-from cachesvc.sim.seq import SimPeer, SimSeq
+from cachesvc.sim.pd import COLOCATED, PDRoutes, choose_among, joining, roles_for
+from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.trace import BLOCK_SIZE, SimRequest
 from cachesvc.sim.worker import SimWorker
 from cachesvc.types import WorkerId
+from router.pd import SLO as TargetsSLO
 from router.policy import Policy, make_policy
 
 _INCARNATION = "simulated"
@@ -59,6 +60,7 @@ class PDSetup:
     mode: str = COLOCATED
     num_prefill: int = 0
     stall_weight: float = 1.0  # `router.pd.decide`'s weight of the decode streams' loss
+    slo: TargetsSLO | None = None  # the router's latency targets for `decide` (None: none)
 
 
 @dataclass
@@ -161,11 +163,7 @@ class _Cluster:
         worker, choice = choose_among(self.policy, req, live, matches, holders)
         run.reasons[choice.decision.reason] += 1
         run.assigned[req.index] = worker.worker_id
-        peer = None
-        if choice.holder is not None:
-            holder = next(w for w in self.workers if w.worker_id == choice.holder)
-            peer = SimPeer(holder, choice.holder_blocks)
-        return worker, SimSeq(req, device_blocks(matches, worker), peer)
+        return worker, joining(req, worker, choice, matches, self.workers)
 
     def join(self, worker: SimWorker, seq: SimSeq, now: float, run: SimRun) -> None:
         """`seq` joins `worker`'s queue; an idle worker starts stepping."""
@@ -196,7 +194,13 @@ def replay(
     run = SimRun(policy, peer_pull, [], cluster.workers, cluster.index, pd=pd)
     if pd is not None and pd.mode != COLOCATED:
         run.pd_routes = PDRoutes(
-            pd.mode, cluster.workers, cluster.index, cluster.policy, pd.stall_weight
+            pd.mode,
+            cluster.workers,
+            cluster.index,
+            cluster.policy,
+            pd.stall_weight,
+            peer_pull,
+            pd.slo,
         )
     events = cluster.events
     i = 0

@@ -41,6 +41,7 @@ from router.pd import (
     DECODE,
     MIXED,
     PREFILL,
+    SLO,
     DecodeLoad,
     DecodeSide,
     PDDecision,
@@ -100,10 +101,23 @@ def choose_among(
     return next(w for w in workers if w.worker_id == choice.decision.worker), choice
 
 
-def device_blocks(matches: Mapping[WorkerId, PrefixMatch], worker: SimWorker) -> int:
-    """Blocks of the prompt the index says `worker` holds on its device."""
+def joining(
+    req: SimRequest,
+    worker: SimWorker,
+    choice: Choice,
+    matches: Mapping[WorkerId, PrefixMatch],
+    workers: Sequence[SimWorker],
+    prefill_only: bool = False,
+) -> SimSeq:
+    """`req` as it joins `worker`, the policy's `choice`: the device prefix the index says it
+    holds there, and the holder named to it (any of `workers`)."""
     match = matches.get(worker.worker_id)
-    return 0 if match is None else match.blocks_by_tier.get(TIER_HBM, 0)
+    device = 0 if match is None else match.blocks_by_tier.get(TIER_HBM, 0)
+    peer = None
+    if choice.holder is not None:
+        holder = next(w for w in workers if w.worker_id == choice.holder)
+        peer = SimPeer(holder, choice.holder_blocks)
+    return SimSeq(req, device, peer, prefill_only=prefill_only)
 
 
 class PDRoutes:
@@ -122,15 +136,21 @@ class PDRoutes:
         index: MemoryPrefixIndex,
         policy: Policy,
         stall_weight: float = 1.0,
+        peer_pull: bool = False,
+        slo: SLO | None = None,
     ) -> None:
         assert mode in (ALWAYS, DECIDE), "colocated runs route as without roles"
         self.mode = mode
+        self.workers = workers
         self.index = index
         self.policy = policy
+        # With the router's `peer_pull`, any worker may be named as the holder of a prefix.
+        self.holders = [w.worker_id for w in workers] if peer_pull else []
         self.stall_weight = stall_weight
         self.prefill_side = [w for w in workers if w.role == PREFILL]
         self.decode_side = [w for w in workers if w.role in SERVING_ROLES]
         self.handoff_fixed_s = HANDOFF_FIXED_PRIOR_S
+        self.slo = slo  # the router's latency targets (`pd_ttft_slo_ms`, `pd_itl_slo_ms`)
         self.decisions: dict[int, PDDecision] = {}  # request index -> the decision
         self._decode_on: dict[int, SimWorker] = {}  # a prefill under way -> its decode worker
         self._unmeasured: list[SimSeq] = []  # handed off, second token not seen yet
@@ -143,8 +163,8 @@ class PDRoutes:
         if not prefill_side or not decode_side:
             return None
         matches = self.index.longest_prefix(req.hashes[: req.num_full_blocks])
-        colocated, here = choose_among(self.policy, req, decode_side, matches)
-        prefill, there = choose_among(self.policy, req, prefill_side, matches)
+        colocated, here = choose_among(self.policy, req, decode_side, matches, self.holders)
+        prefill, there = choose_among(self.policy, req, prefill_side, matches, self.holders)
         loads = [_decode_load(w) for w in decode_side]
         decode = next(w for w in decode_side if w.worker_id == pick_decode(loads))
         held = matches.get(decode.worker_id)
@@ -156,15 +176,16 @@ class PDRoutes:
             _decode_side(req, decode, 0 if held is None else held.num_blocks),
             self.stall_weight,
             self.handoff_fixed_s,
+            self.slo,
         )
         if self.mode == ALWAYS:
             decision = dataclasses.replace(decision, disaggregate=True, reason="always")
         self.decisions[req.index] = decision
         if not decision.disaggregate:
-            seq = SimSeq(req, device_blocks(matches, colocated))
+            seq = joining(req, colocated, here, matches, self.workers)
             return Routed(colocated, seq, decision.reason)
         # A one-token answer is done when its prefill is: nothing to hand over.
-        seq = SimSeq(req, device_blocks(matches, prefill), prefill_only=req.output_len > 1)
+        seq = joining(req, prefill, there, matches, self.workers, req.output_len > 1)
         if seq.prefill_only:
             self._decode_on[req.index] = decode
         return Routed(prefill, seq, decision.reason, decode)

@@ -28,6 +28,7 @@ from cachesvc.sim.loop import ClusterSpec, PDSetup, SimRun, replay
 from cachesvc.sim.pd import ALWAYS, COLOCATED, DECIDE
 from cachesvc.sim.simulate import SimulateArgs, cluster_spec, load_requests, profile_for
 from cachesvc.sim.trace import SimRequest
+from router.pd import SLO as TargetsSLO
 
 DEFAULT_LOADS = (0.5, 0.8, 1.0, 1.2)
 KEEPS_UP = 0.95  # completed requests per second of the makespan, as a share of the offered
@@ -44,21 +45,23 @@ class PDRow:
     num_workers: int
     num_prefill: int  # prefill workers (0 colocated); the rest decode
     stall_weight: float  # decide's (0.0 when it is not called)
+    pulls: bool  # the router named holders to pull prefixes from
     result: Goodput
     decisions: Mapping[str, int]  # decide's reasons, without their numbers, counted
     wall_s: float
 
 
-Replay = Callable[[Sequence[SimRequest], PDSetup], SimRun]
+Replay = Callable[[Sequence[SimRequest], PDSetup, bool], SimRun]
 
 
 def replayer(
     profile: CostProfile, spec: ClusterSpec, policy: str, options: Mapping[str, Any]
 ) -> Replay:
-    """Replays a workload on one cluster with a given `PDSetup`."""
+    """Replays a workload on one cluster with a given `PDSetup`, with pulls between workers
+    (the router naming holders, as it does by default) or not."""
 
-    def run(requests: Sequence[SimRequest], pd: PDSetup) -> SimRun:
-        return replay(requests, profile, spec, policy, options, pd=pd)
+    def run(requests: Sequence[SimRequest], pd: PDSetup, peer_pull: bool) -> SimRun:
+        return replay(requests, profile, spec, policy, options, peer_pull, pd)
 
     return run
 
@@ -89,7 +92,7 @@ def estimate_capacity(requests: Sequence[SimRequest], run: Replay) -> float:
 
     def ok(rate: float) -> bool:
         scaled = at_rate(requests, rate)
-        return keeps_up(run(scaled, colocated), scaled)
+        return keeps_up(run(scaled, colocated, False), scaled)
 
     rate = offered_rps(requests)
     if ok(rate):
@@ -112,9 +115,10 @@ def one_run(
     pd: PDSetup,
     slo: SLO,
     load: float = 0.0,
+    peer_pull: bool = True,
 ) -> PDRow:
     """Replay `requests` in one mode; its row."""
-    result = run(requests, pd)
+    result = run(requests, pd, peer_pull)
     reasons: dict[str, int] = {}
     if result.pd_routes is not None:
         for d in result.pd_routes.decisions.values():
@@ -128,6 +132,7 @@ def one_run(
         len(result.workers),
         pd.num_prefill,
         weight,
+        peer_pull,
         goodput(result, slo),
         reasons,
         result.wall_s,
@@ -141,20 +146,26 @@ def sweep(
     slo: SLO,
     loads: Sequence[float] = DEFAULT_LOADS,
     stall_weight: float | None = None,
+    targets: TargetsSLO | None = None,
 ) -> tuple[float, list[PDRow]]:
-    """(capacity, every replay's row): each load, colocated, and always-disaggregated and
-    per-request decisions at every prefill:decode ratio."""
+    """(capacity, every replay's row): at each load, colocated, always-disaggregated and
+    per-request decisions at every prefill:decode ratio, each without and with the router
+    naming holders to pull prefixes from (a hand-off pulls either way); with `targets`, decide
+    against the router's latency targets too."""
     weight = stall_weight if stall_weight is not None else slo.stall_weight(mean_output(requests))
     capacity = estimate_capacity(requests, run)
     _say(f"capacity: {capacity:.2f} requests/s colocated; decide's stall weight {weight:.3f}")
     rows = []
     for load in loads:
         scaled = at_rate(requests, load * capacity)
-        setups = [PDSetup(COLOCATED)] + [
-            PDSetup(mode, n, weight) for mode in (ALWAYS, DECIDE) for n in range(1, num_workers)
+        setups = [(PDSetup(COLOCATED), pulls) for pulls in (False, True)] + [
+            (PDSetup(mode, n, weight, targets), pulls)
+            for mode in (ALWAYS, DECIDE)
+            for n in range(1, num_workers)
+            for pulls in (False, True)
         ]
-        for pd in setups:
-            row = one_run(scaled, run, pd, slo, load)
+        for pd, pulls in setups:
+            row = one_run(scaled, run, pd, slo, load, pulls)
             rows.append(row)
             _say(f"  load {load:g} {_label(row)}: goodput {row.result.goodput_rps:.2f}/s")
     return capacity, rows
@@ -178,7 +189,8 @@ def best_rows(rows: Sequence[PDRow]) -> list[PDRow]:
 
 def format_rows(rows: Sequence[PDRow], slo: SLO) -> str:
     """The table of `rows`, then the SLO it was measured against."""
-    headers = ["load", "req/s", "mode", "P:D", "goodput/s", "met", "TTFT met", "ITL met"]
+    headers = ["load", "req/s", "mode", "P:D", "pulls", "goodput/s", "met", "TTFT met"]
+    headers += ["ITL met"]
     headers += ["TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "disagg"]
     body = [
         [
@@ -186,6 +198,7 @@ def format_rows(rows: Sequence[PDRow], slo: SLO) -> str:
             r.rate_rps,
             r.mode,
             _ratio(r),
+            "yes" if r.pulls else "no",
             r.result.goodput_rps,
             r.result.attainment,
             r.result.ttft_met,
@@ -242,7 +255,7 @@ def run_pd(args: SimulateArgs) -> int:
     returns 0."""
     policies = args.policies or ("prefix_aware",)
     if len(policies) > 1 or "+" in policies[0]:
-        raise ValueError("--pd and --pd-sweep route with one --policy, without pulls")
+        raise ValueError("--pd and --pd-sweep route with one --policy (pulls: --peer-pull)")
     requests = load_requests(args)
     spec = cluster_spec(args, requests)
     options = args.policy_options if policies[0] == "prefix_aware" else {}
@@ -253,19 +266,29 @@ def run_pd(args: SimulateArgs) -> int:
         f"{mean_output(requests):.0f}; {spec.num_workers} workers x {spec.device_blocks} "
         f"device blocks; profile {args.profile}"
     )
+    targets = router_targets(args.slo) if args.pd_decide_slo else None
     capacity: float | None = None
     if args.pd_sweep:
         capacity, rows = sweep(
-            requests, run, spec.num_workers, args.slo, args.loads, args.stall_weight
+            requests, run, spec.num_workers, args.slo, args.loads, args.stall_weight, targets
         )
     else:
         mode = args.pd or COLOCATED
         weight = args.stall_weight
         if weight is None:
             weight = args.slo.stall_weight(mean_output(requests))
-        rows = [one_run(requests, run, PDSetup(mode, args.prefill_workers, weight), args.slo)]
+        # Roles need pulls; colocated serving has them with --peer-pull.
+        pulls = args.peer_pull or mode != COLOCATED
+        pd = PDSetup(mode, args.prefill_workers, weight, targets)
+        rows = [one_run(requests, run, pd, args.slo, peer_pull=pulls)]
     print(report(capacity, rows, args.slo, args.json_path, args.plot_path))
     return 0
+
+
+def router_targets(slo: SLO) -> TargetsSLO:
+    """The router's latency targets for `decide` (`pd_ttft_slo_ms`, `pd_itl_slo_ms`) set to
+    `slo`'s, as an operator serving to that SLO would set them."""
+    return TargetsSLO(slo.ttft_ms / 1e3, slo.itl_ms / 1e3)
 
 
 def _ratio(row: PDRow) -> str:
@@ -275,7 +298,8 @@ def _ratio(row: PDRow) -> str:
 
 
 def _label(row: PDRow) -> str:
-    return row.mode if row.mode == COLOCATED else f"{row.mode} {row.num_prefill}P"
+    pulls = "+pull" if row.pulls else ""
+    return row.mode + pulls if row.mode == COLOCATED else f"{row.mode} {row.num_prefill}P"
 
 
 def _say(line: str) -> None:

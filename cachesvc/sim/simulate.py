@@ -134,6 +134,7 @@ class SimulateArgs:
     slo: SLO = SLO()
     loads: tuple[float, ...] = (0.5, 0.8, 1.0, 1.2)  # fractions of the estimated capacity
     stall_weight: float | None = None  # decide's; None: the SLO's (`SLO.stall_weight`)
+    pd_decide_slo: bool = False  # decide against the router's latency targets, set to `slo`'s
 
 
 def parse_sweep(text: str) -> tuple[str, list[str]]:

@@ -224,6 +224,12 @@ def _add_pd_arguments(sim: Any) -> None:
         help="decide's weight of the decode streams' loss (default: from the SLO and the mean "
         "answer)",
     )
+    pd.add_argument(
+        "--pd-decide-slo",
+        action="store_true",
+        help="decide also against the router's latency targets (pd_ttft_slo_ms, "
+        "pd_itl_slo_ms), set to --slo-ttft-ms and --slo-itl-ms",
+    )
 
 
 def _pairs(text: str, flag: str, kind: type = int) -> tuple[Any, ...]:
@@ -302,6 +308,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             slo=SLO(args.slo_ttft_ms, args.slo_itl_ms),
             loads=loads,
             stall_weight=args.pd_stall_weight,
+            pd_decide_slo=args.pd_decide_slo,
         )
     )
 

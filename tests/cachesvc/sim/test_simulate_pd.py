@@ -47,7 +47,7 @@ def test_a_disaggregated_request_takes_the_profiles_time(write_trace: WriteTrace
     # 1024 bytes at 1 ns), computes the tail (10 tokens and the first token: 11 ms) for the
     # second token, then decodes the third and the fourth (1 ms each).
     prompt = 2 * BLOCK_SIZE + 10
-    requests = load_trace(write_trace([(0, prompt, 4, [1, 2, 3])]))
+    requests = load_trace(write_trace([(0, prompt, 4, [1, 2, 3]), (5000, prompt, 4, [7, 8, 9])]))
     run = replay(requests, UNIT, SPEC, "least_loaded", pd=PDSetup(ALWAYS, 1))
     prefill, decode = _seq_of(run, 0, prefill=True), _seq_of(run, 0)
     assert run.assigned[0] == "w0" and prefill.generated == 1
@@ -57,10 +57,16 @@ def test_a_disaggregated_request_takes_the_profiles_time(write_trace: WriteTrace
     assert decode.token_times == pytest.approx([1.034, second, second + 1e-3, second + 2e-3])
     assert decode.cached["peer"] == 2 * BLOCK_SIZE, "the full blocks were pulled"
     assert decode.num_computed == 11 + 2, "the tail, then one token per step"
-    [done] = outcomes(run)
+    done = outcomes(run)[0]
     assert done.disaggregated and done.ttft_s == pytest.approx(1.034)
     assert done.gaps_s == pytest.approx((pull_s + 11e-3, 1e-3, 1e-3))
-    assert run.workers[0].loads.pulled_blocks == 0 and run.workers[1].loads.pulled_blocks == 2
+    assert run.workers[0].loads.pulled_blocks == 0 and run.workers[1].loads.pulled_blocks == 4
+    # The hand-off's fixed cost, learnt as the router learns it: predicted from the request's
+    # size were the pull's bytes and the tail; the pull's round trip (1 ms) was not. From the
+    # router's prior (20 ms), one measurement moves it a fifth of the way.
+    assert run.pd_routes is not None
+    assert run.pd_routes.decisions[0].handoff_fixed_s == pytest.approx(0.02)
+    assert run.pd_routes.decisions[1].handoff_fixed_s == pytest.approx(0.02 + 0.2 * (1e-3 - 0.02))
 
 
 def _stream_and_long_prompt(write_trace: WriteTrace, stall_weight: float) -> SimRun:
@@ -178,9 +184,13 @@ def test_the_command_line_runs_one_mode_and_the_sweep(
     result = json.loads(out.read_text())
     assert result["capacity_rps"] > 0
     runs = result["runs"]
-    assert [(r["load"], r["mode"]) for r in runs] == [
-        (load, mode) for load in (0.5, 1.0) for mode in ("colocated", "always", "decide")
+    assert [(r["load"], r["mode"], r["pulls"]) for r in runs] == [
+        (load, mode, pulls)
+        for load in (0.5, 1.0)
+        for mode in ("colocated", "always", "decide")
+        for pulls in (False, True)
     ]
-    assert all(r["best"] for r in runs), "one ratio per mode with 2 workers"
+    best = sorted((r["load"], r["mode"]) for r in runs if r["best"])
+    assert best == [(load, m) for load in (0.5, 1.0) for m in ("always", "colocated", "decide")]
     assert main([*base, "--pd", "decide", "--prefill-workers", "2"]) == 2
     assert main([*base, "--pd-sweep", "--loads", "0"]) == 2
