@@ -18,9 +18,20 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from cachesvc.bench.pd_workload import (
+    ALONE,
+    BLOCK_SIZE,
+    NUM_WORKERS,
+    SETUPS,
+    WITH_PROMPTS,
+    PDRequest,
+    PDShape,
+    phase_requests,
+)
 from cachesvc.bench.table import format_table
 
 
@@ -33,24 +44,8 @@ class PDBenchArgs:
     pd_mode: str = "auto"
 
     @property
-    def streams(self) -> int:
-        return 2 if self.quick else 4
-
-    @property
-    def decode_tokens(self) -> int:
-        return 64 if self.quick else 160
-
-    @property
-    def long_prompts(self) -> int:
-        return 2 if self.quick else 4
-
-    @property
-    def long_tokens(self) -> int:
-        return 1024 if self.quick else 2048
-
-    @property
-    def interval_s(self) -> float:
-        return 1.5
+    def shape(self) -> PDShape:
+        return PDShape(self.quick)
 
 
 @dataclass
@@ -61,13 +56,17 @@ class PhaseResult:
     phase: str  # "decodes alone" | "with long prompts"
     gaps_s: list[float] = field(default_factory=list)  # the decodes' inter-token gaps
     ttft_s: list[float] = field(default_factory=list)  # the long prompts' TTFTs
+    # The long prompts' TTFTs as their workers measured them (from the engine's arrival).
+    worker_ttft_s: list[float] = field(default_factory=list)
     disaggregated: int = 0  # long prompts handed to a prefill worker
     kv_moved_tokens: int = 0
 
     def row(self, baseline_p99: float | None) -> list[Any]:
-        p50, p99 = _pct(self.gaps_s, 50), _pct(self.gaps_s, 99)
+        p50, p99 = percentile(self.gaps_s, 50), percentile(self.gaps_s, 99)
         ratio = "-" if not baseline_p99 else f"{p99 / baseline_p99:.2f}x"
-        ttft = (_pct(self.ttft_s, 50) * 1e3, _pct(self.ttft_s, 99) * 1e3) if self.ttft_s else None
+        ttft = None
+        if self.ttft_s:
+            ttft = (percentile(self.ttft_s, 50) * 1e3, percentile(self.ttft_s, 99) * 1e3)
         return [
             self.setup,
             self.phase,
@@ -80,7 +79,8 @@ class PhaseResult:
         ]
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q`th percentile (1..99), interpolated; 0.0 of nothing."""
     if not values:
         return 0.0
     if len(values) == 1:
@@ -88,11 +88,7 @@ def _pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(3, vocab - 1) for _ in range(n)]
-
-
-async def _stream(stub: Any, ids: list[int], max_tokens: int) -> tuple[list[float], Any]:
+async def _stream(stub: Any, ids: Sequence[int], max_tokens: int) -> tuple[list[float], Any]:
     """Arrival times of the stream's messages (from the call), and its usage."""
     from proto.cachesvc.v1 import cachesvc_pb2 as pb
 
@@ -113,33 +109,34 @@ async def _stream(stub: Any, ids: list[int], max_tokens: int) -> tuple[list[floa
     return stamps, usage
 
 
-async def _phase(
-    stub: Any, args: PDBenchArgs, setup: str, with_prompts: bool, vocab: int, seed: int
-) -> PhaseResult:
-    rng = random.Random(seed)
-    result = PhaseResult(setup, "with long prompts" if with_prompts else "decodes alone")
-    decodes = [
-        asyncio.create_task(_stream(stub, _ids(rng, 48, vocab), args.decode_tokens))
-        for _ in range(args.streams)
-    ]
-    if with_prompts:
-        await asyncio.sleep(2 * args.interval_s)  # the decodes are under way
-        longs = []
-        for _ in range(args.long_prompts):
-            ids = _ids(rng, args.long_tokens, vocab)
-            longs.append(asyncio.create_task(_stream(stub, ids, 8)))
-            await asyncio.sleep(args.interval_s)
-        for stamps, usage in await asyncio.gather(*longs):
-            result.ttft_s.append(stamps[0])
-            if usage is not None and usage.prefill_worker_id:
-                result.disaggregated += 1
-                result.kv_moved_tokens += usage.kv_transfer_tokens
-    for stamps, _ in await asyncio.gather(*decodes):
-        result.gaps_s += [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+async def _send_at(stub: Any, request: PDRequest, start: float) -> tuple[list[float], Any]:
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, start + request.offset_s - loop.time()))
+    return await _stream(stub, request.prompt_ids, request.max_tokens)
+
+
+async def _phase(stub: Any, shape: PDShape, setup: str, phase: str, vocab: int) -> PhaseResult:
+    """Send the phase's requests (`pd_workload.phase_requests`) at their offsets."""
+    requests = phase_requests(shape, phase, vocab)
+    start = asyncio.get_running_loop().time()
+    done = await asyncio.gather(*(_send_at(stub, r, start) for r in requests))
+    result = PhaseResult(setup, phase)
+    for request, (stamps, usage) in zip(requests, done, strict=True):
+        if not request.long:
+            result.gaps_s += [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+            continue
+        result.ttft_s.append(stamps[0])
+        if usage is not None:
+            result.worker_ttft_s.append(usage.ttft_ms / 1e3)
+        if usage is not None and usage.prefill_worker_id:
+            result.disaggregated += 1
+            result.kv_moved_tokens += usage.kv_transfer_tokens
     return result
 
 
-async def _run_setup(actors: dict[Any, Any], model: str, args: PDBenchArgs, setup: str) -> list:
+async def _run_setup(
+    actors: dict[Any, Any], model: str, args: PDBenchArgs, setup: str
+) -> list[PhaseResult]:
     import grpc
 
     from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
@@ -155,17 +152,16 @@ async def _run_setup(actors: dict[Any, Any], model: str, args: PDBenchArgs, setu
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.InferenceStub(channel)
-            await _stream(stub, _ids(random.Random(0), 64, vocab), 4)  # warm the path
-            alone = await _phase(stub, args, setup, False, vocab, 1)
-            mixed = await _phase(stub, args, setup, True, vocab, 2)
+            rng = random.Random(0)
+            await _stream(stub, [rng.randrange(3, vocab - 1) for _ in range(64)], 4)  # warm up
+            return [await _phase(stub, args.shape, setup, p, vocab) for p in (ALONE, WITH_PROMPTS)]
     finally:
         await server.stop(grace_s=1.0)
         await router.close()
-    return [alone, mixed]
 
 
-def run_pd_bench(args: PDBenchArgs) -> int:
-    """Blocking entry point of `cachesvc bench pd`; prints the table, returns 0."""
+def measure_pd(args: PDBenchArgs) -> list[PhaseResult]:
+    """Run both setups over real workers (blocking); what the client saw in each phase."""
     import tempfile
     from pathlib import Path
 
@@ -175,7 +171,6 @@ def run_pd_bench(args: PDBenchArgs) -> int:
     from workers.cluster import WorkerGroup, spawn_workers, stop_workers
     from workers.text.default_model import default_model_path
 
-    setups = {"2 mixed": (0, 0), "1 prefill + 1 decode": (1, 1)}
     results: list[PhaseResult] = []
     with tempfile.TemporaryDirectory(prefix="cachesvc-bench-pd-") as tmp:
         model = args.model or str(default_model_path())
@@ -184,17 +179,20 @@ def run_pd_bench(args: PDBenchArgs) -> int:
 
             folder = Path(tmp) / "tiny-llama"
             model = str(write_tiny_model(folder, vocab_size=512, max_position_embeddings=4096))
-        blocks = (args.streams * (48 + args.decode_tokens) + 2 * args.long_tokens) // 16 + 64
         engine = EngineConfig.from_env(
-            model=model, block_size=16, num_blocks=blocks * 2, num_threads=1, peer_pull=True
+            model=model,
+            block_size=BLOCK_SIZE,
+            num_blocks=args.shape.num_blocks,
+            num_threads=1,
+            peer_pull=True,
         )
         ray.init(include_dashboard=False, log_to_driver=False)
         try:
-            for setup, (num_prefill, num_decode) in setups.items():
+            for setup, (num_prefill, num_decode) in SETUPS.items():
                 namespace = f"bench-pd-{uuid.uuid4().hex[:6]}"
                 group = WorkerGroup(
                     engine,
-                    2,
+                    NUM_WORKERS,
                     namespace=namespace,
                     device="cpu",
                     num_prefill=num_prefill,
@@ -208,9 +206,16 @@ def run_pd_bench(args: PDBenchArgs) -> int:
                     stop_workers(actors)
         finally:
             ray.shutdown()
+    return results
+
+
+def run_pd_bench(args: PDBenchArgs) -> int:
+    """Blocking entry point of `cachesvc bench pd`; prints the table, returns 0."""
+    results = measure_pd(args)
     print(format_results(results))
     if args.json_path:
         import json
+        from pathlib import Path
 
         Path(args.json_path).write_text(json.dumps([asdict(r) for r in results], indent=1))
     return 0
@@ -230,7 +235,7 @@ def format_results(results: list[PhaseResult]) -> str:
     rows = []
     baseline: dict[str, float] = {}
     for r in results:
-        if r.phase == "decodes alone":
-            baseline[r.setup] = _pct(r.gaps_s, 99)
-        rows.append(r.row(None if r.phase == "decodes alone" else baseline.get(r.setup)))
+        if r.phase == ALONE:
+            baseline[r.setup] = percentile(r.gaps_s, 99)
+        rows.append(r.row(None if r.phase == ALONE else baseline.get(r.setup)))
     return format_table(headers, rows)

@@ -5,16 +5,24 @@ tier (in a temporary folder), so its start-up calibration probes both tiers and 
 the device caches (`workers/engine/tiering/calibration.py`). Then timed engine steps:
 
 * prefill: one request of k new tokens after a cached prefix of ctx tokens, alone in its step,
-  for a few (k, ctx); fitted by the planner's own fit (`cachesvc.calibration.fit_compute`);
+  for a few (k, ctx), the median of three; fitted by the planner's own fit
+  (`cachesvc.calibration.fit_compute`);
 * decode: B requests of ctx tokens each decoding together, for a few (B, ctx); the step's time
   is fitted to a fixed cost, B and the sum of contexts (non-negative).
 
 About two minutes on one CPU core: the shapes stay within a few thousand tokens. One torch
 thread by default: with another process on the second core, two-thread steps swing by 10x.
+
+Then, unless told not to, what a live deployment adds to those steps (`calibrate_live`: the
+router's and Ray's hop, the worker's own work between steps, two workers sharing the host).
+What neither measures (a pull's cost, the holder's staging: `cachesvc bench kv-transfer`) is
+kept from the profile being replaced.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import sys
 import tempfile
 import time
@@ -22,12 +30,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from cachesvc.calibration import ComputeSample, fit_compute
+from cachesvc.sim.calibrate_live import measure_live_terms
 from cachesvc.sim.cost_profile import CostProfile, DecodeCost, TierReadCost
 
 BLOCK_SIZE = 16
 PREFILL_SHAPES = ((128, 0), (512, 0), (1024, 0), (128, 1024), (512, 1024), (256, 2048))
 DECODE_SHAPES = ((1, 256), (8, 256), (1, 1024), (4, 1024))
 DECODE_STEPS = 8
+PREFILL_REPEATS = 3
+# A few of those shapes again: how fast the machine steps now against a profile.
+SPEED_PREFILL_SHAPES = ((256, 0), (512, 0))
+SPEED_DECODE_SHAPES = ((1, 256), (2, 512))
 _VOCAB_LOW = 100  # token ids from here up: clear of special tokens
 
 
@@ -38,11 +51,12 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(_VOCAB_LOW, vocab) for _ in range(n)]
 
 
-def _engine(model: str | None, folder: str, threads: int | None) -> Any:
+def _engine(model: str | None, folder: str | None, threads: int | None) -> Any:
+    """An engine for timing; with a `folder`, a DRAM and an NVMe tier in it."""
     from cachesvc.config import EngineConfig, TierConfig
     from workers.engine.engine import Engine
 
-    tiers = TierConfig(dram_mb=64, nvme_path=folder, nvme_mb=64)
+    tiers = TierConfig() if folder is None else TierConfig(dram_mb=64, nvme_path=folder, nvme_mb=64)
     config = EngineConfig(
         model=model,
         block_size=BLOCK_SIZE,
@@ -66,21 +80,22 @@ def _timed_step(engine: Any) -> float:
 
 
 def measure_prefill(engine: Any, shapes: Sequence[tuple[int, int]]) -> list[ComputeSample]:
-    """One sample per (k, ctx): the best of two timed steps prefilling k tokens after a cached
-    prefix of ctx tokens."""
+    """One sample per (k, ctx): the median of three timed steps prefilling k tokens after a
+    cached prefix of ctx tokens (the median, not the best: live steps see the machine as it
+    is, other work included)."""
     vocab = engine.loaded.config.vocab_size
     samples = []
     for i, (k, ctx) in enumerate(shapes):
         prefix = _tokens(ctx, 1000 + i, vocab)
         if ctx:
             engine.generate([prefix + _tokens(BLOCK_SIZE, 1, vocab)], _params(1))
-        best = float("inf")
-        for repeat in range(2):
+        seconds = []
+        for repeat in range(PREFILL_REPEATS):
             engine.add_request(prefix + _tokens(k, 2000 + 10 * i + repeat, vocab), _params(1))
-            best = min(best, _timed_step(engine))
+            seconds.append(_timed_step(engine))
             while engine.has_unfinished():
                 engine.step()
-        samples.append(ComputeSample.of([(k, ctx)], best))
+        samples.append(ComputeSample.of([(k, ctx)], statistics.median(seconds)))
     return samples
 
 
@@ -129,8 +144,35 @@ def fit_decode(samples: Sequence[tuple[int, int, float]]) -> DecodeCost:
     return DecodeCost(*(float(v) for v in best[1]))
 
 
-def calibrate_profile(model: str | None = None, threads: int = 1) -> CostProfile:
-    """Measure a profile on this machine (see the module docstring); prints progress."""
+def calibrate_profile(
+    model: str | None = None,
+    threads: int = 1,
+    base: CostProfile | None = None,
+    live: bool = True,
+) -> CostProfile:
+    """Measure a profile on this machine (see the module docstring), keeping from `base` what
+    is not measured here; with `live`, the live path's terms too. Prints progress."""
+    profile = measure_engine(model, threads)
+    sources = ["cachesvc simulate calibrate: timed engine steps and the engine's tier probes"]
+    if base is not None:
+        profile = dataclasses.replace(
+            profile, peer=base.peer, stage_s_per_byte=base.stage_s_per_byte
+        )
+        sources.append(f"peer and stage_s_per_byte kept from {base.name} (bench kv-transfer)")
+    if live:
+        terms = measure_live_terms(profile, model)
+        profile = dataclasses.replace(
+            profile,
+            hop_s=terms.hop_s,
+            step_overhead_s=terms.step_overhead_s,
+            contention=terms.contention,
+        )
+        sources.append(f"live path through a router and 2 Ray workers: {terms.describe()}")
+    return dataclasses.replace(profile, source="; ".join(sources))
+
+
+def measure_engine(model: str | None = None, threads: int = 1) -> CostProfile:
+    """The engine's own terms, measured on this machine."""
     import numpy as np
 
     began = time.perf_counter()
@@ -167,5 +209,25 @@ def calibrate_profile(model: str | None = None, threads: int = 1) -> CostProfile
         land_s_per_byte=land,
         max_num_batched_tokens=max_tokens,
         max_num_seqs=max_seqs,
-        source="cachesvc simulate calibrate: timed engine steps and the engine's tier probes",
     )
+
+
+def measure_slowdown(profile: CostProfile, model: str | None = None) -> float:
+    """How much slower than `profile` predicts this machine steps the engine now (one torch
+    thread): the median, over a few of the calibration's shapes, of measured over predicted
+    (1.0: as calibrated; 2.0: twice as slow, from other work on the machine). ~15 s."""
+    engine = _engine(model, None, 1)
+    try:
+        engine.generate([_tokens(64, 7, engine.loaded.config.vocab_size)], _params(2))
+        prefills = measure_prefill(engine, SPEED_PREFILL_SHAPES)
+        ratios = [
+            sample.seconds / profile.engine_step_s([shape], [])
+            for shape, sample in zip(SPEED_PREFILL_SHAPES, prefills, strict=True)
+        ]
+        ratios += [
+            seconds / profile.engine_step_s([], [ctx // batch] * batch)
+            for batch, ctx, seconds in measure_decode(engine, SPEED_DECODE_SHAPES)
+        ]
+    finally:
+        engine.close()
+    return statistics.median(ratios)

@@ -10,6 +10,12 @@ from a lower tier takes from what it reads:
     pull(n)       = peer.latency + n * bytes_per_block * peer.seconds_per_byte     (from a holder)
     land(n)       = n * bytes_per_block * land_s_per_byte                          (into the device)
 
+A live deployment adds three terms to the engine's own times (`calibrate_live` measures them
+through a real router and Ray workers; a profile of the device alone leaves them at zero):
+
+    live step     = (step_s + step_overhead) * (1 + contention * other workers stepping)
+    client's TTFT = the engine's TTFT + hop                  (its tokens' gaps are unchanged)
+
 The prefill terms are the planner's own `ComputeCost`, and the tier terms its `TierCost`: the
 simulated workers plan fetches with the same cost model their time comes from. A pull from
 another worker moves raw blocks (`bytes_per_block` of the device's layout); its cost defaults to
@@ -20,6 +26,7 @@ writes one measured on this machine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -73,6 +80,13 @@ class CostProfile:
     stage_s_per_byte: float = 0.0
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    # The live path (see the module docstring): a request's trip from the client through the
+    # router and Ray to the engine and its first token's trip back; the worker's own work
+    # between two steps (streaming a step's outputs); and how much longer a step takes for
+    # each other worker stepping on the same host (they share its cores and the router's).
+    hop_s: float = 0.0
+    step_overhead_s: float = 0.0
+    contention: float = 0.0
     source: str = ""  # where the numbers come from: a measurement, or published figures
 
     def __post_init__(self) -> None:
@@ -82,10 +96,14 @@ class CostProfile:
             raise ValueError(f"profile {self.name}: prefill.beta_s must be positive")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError(f"profile {self.name}: step limits must be positive")
+        if min(self.hop_s, self.step_overhead_s, self.contention) < 0:
+            raise ValueError(f"profile {self.name}: the live path's terms must be >= 0")
 
-    def step_s(self, chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
-        """Seconds of one step computing prefill `chunks` of (new tokens, context) and one
-        token of each sequence decoding after `decode_contexts` tokens."""
+    def engine_step_s(
+        self, chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int]
+    ) -> float:
+        """Seconds of one `Engine.step` computing prefill `chunks` of (new tokens, context) and
+        one token of each sequence decoding after `decode_contexts` tokens."""
         c, d = self.prefill, self.decode
         k = sum(n for n, _ in chunks)
         attention = sum(n * (ctx + n / 2) for n, ctx in chunks)
@@ -95,6 +113,31 @@ class CostProfile:
             + c.gamma_s * attention
             + d.per_seq_s * len(decode_contexts)
             + d.per_context_token_s * sum(decode_contexts)
+        )
+
+    def step_s(
+        self,
+        chunks: Sequence[tuple[int, int]],
+        decode_contexts: Sequence[int],
+        others_stepping: int = 0,
+    ) -> float:
+        """Seconds of that step on a live worker, from one step's start to the next's, while
+        `others_stepping` other workers of its host step too."""
+        engine_s = self.engine_step_s(chunks, decode_contexts)
+        return (engine_s + self.step_overhead_s) * (1 + self.contention * others_stepping)
+
+    def slowed(self, factor: float) -> CostProfile:
+        """The same device `factor` times slower at computing (and at the live path's CPU
+        work): a machine that other work shares (`calibrate.measure_slowdown`)."""
+        c, d = self.prefill, self.decode
+        return dataclasses.replace(
+            self,
+            prefill=ComputeCost(c.alpha_s * factor, c.beta_s * factor, c.gamma_s * factor),
+            decode=DecodeCost(
+                d.base_s * factor, d.per_seq_s * factor, d.per_context_token_s * factor
+            ),
+            hop_s=self.hop_s * factor,
+            step_overhead_s=self.step_overhead_s * factor,
         )
 
     def cost_model(self, block_size: int, peer_pull: bool = False) -> CostModel:
@@ -132,6 +175,9 @@ class CostProfile:
                 stage_s_per_byte=float(data.get("stage_s_per_byte", 0.0)),
                 max_num_batched_tokens=int(data.get("max_num_batched_tokens", 8192)),
                 max_num_seqs=int(data.get("max_num_seqs", 256)),
+                hop_s=float(data.get("hop_s", 0.0)),
+                step_overhead_s=float(data.get("step_overhead_s", 0.0)),
+                contention=float(data.get("contention", 0.0)),
                 source=str(data.get("source", "")),
             )
         except (KeyError, TypeError) as exc:

@@ -27,7 +27,7 @@ from cachesvc.sim.cost_profile import CostProfile
 from cachesvc.sim.pd import COLOCATED, PDRoutes, choose_among, joining, roles_for
 from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.trace import BLOCK_SIZE, SimRequest
-from cachesvc.sim.worker import SimWorker
+from cachesvc.sim.worker import Host, SimWorker
 from cachesvc.types import WorkerId
 from router.pd import SLO as TargetsSLO
 from router.policy import Policy, make_policy
@@ -96,6 +96,7 @@ class _Cluster:
     ) -> None:
         setup = pd or PDSetup()
         roles = roles_for(setup.mode, spec.num_workers, setup.num_prefill)
+        host = Host()  # the workers share one machine (the profile's contention)
         self.workers = [
             SimWorker(
                 WorkerId(f"w{i}"),
@@ -108,6 +109,7 @@ class _Cluster:
                 # so report a pull cost), whether the router names holders or not.
                 peer_pull or pd is not None,
                 roles[i],
+                host,
             )
             for i in range(spec.num_workers)
         ]

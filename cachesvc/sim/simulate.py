@@ -126,6 +126,9 @@ class SimulateArgs:
     plot_path: str | None = None
     # Replay what `cachesvc bench routing --workload trace` sends instead of the full trace.
     like_bench_routing: bool = False
+    # Or what `cachesvc bench pd` sends (`like_bench_pd`), at its `--quick` sizes with `quick`.
+    like_bench_pd: bool = False
+    quick: bool = False
     # Prefill/decode roles (`pd_sweep`): one mode ("colocated", "always", "decide") with
     # `prefill_workers` of the workers prefilling, or the sweep over modes, ratios and loads.
     pd: str | None = None

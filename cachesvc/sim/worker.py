@@ -13,6 +13,11 @@ the engine; the event loop wakes an idle worker when its first pull arrives (`ne
 Every change of what the worker holds is an event in its `EventLog`, which the event loop feeds
 to the router's prefix index. Each output token's time is kept on its request
 (`SimSeq.token_times`); a worker's role only says what the router sends it (`pd`).
+
+Time is a live worker's (`CostProfile.step_s`): each step pays the worker's own work between
+steps, and, on a `Host` its cluster shares, is slower for each other worker stepping when it
+starts. A token is timed when its client sees it, the profile's `hop_s` after its step; a
+hand-off's decode waits that long too (the router passes it on) before its pull can land.
 """
 
 from __future__ import annotations
@@ -32,6 +37,20 @@ from router.pd import MIXED
 from workers.protocol import BlockCosts
 
 
+class Host:
+    """The machine a cluster's workers share: when each one's step under way ends, so that a
+    step is priced with the others stepping at its start (`CostProfile.contention`)."""
+
+    def __init__(self) -> None:
+        self._step_ends: dict[WorkerId, float] = {}
+
+    def others_stepping(self, worker_id: WorkerId, now: float) -> int:
+        return sum(1 for w, end in self._step_ends.items() if w != worker_id and end > now)
+
+    def stepping(self, worker_id: WorkerId, until: float) -> None:
+        self._step_ends[worker_id] = until
+
+
 class SimWorker:
     """A worker's scheduler, block pool and tiers; `start_step` and `finish_step` bracket one
     engine step, which the event loop times."""
@@ -46,8 +65,11 @@ class SimWorker:
         block_size: int = BLOCK_SIZE,
         peer_pull: bool = False,
         role: str = MIXED,
+        host: Host | None = None,
     ) -> None:
         self.worker_id = worker_id
+        # Only a profile with contention needs to know who else steps.
+        self.host = host if profile.contention > 0 else None
         self.role = role  # what the router sends it (`router.pd`): it schedules any request
         self.block_size = block_size
         self.profile = profile
@@ -168,7 +190,10 @@ class SimWorker:
         if not self._step:
             return None
         self.num_steps += 1
-        duration = self._step_s() + extra_s
+        others = 0 if self.host is None else self.host.others_stepping(self.worker_id, now)
+        duration = self._step_s(others) + extra_s
+        if self.host is not None:
+            self.host.stepping(self.worker_id, now + duration)
         self.busy_s += duration
         return duration
 
@@ -183,9 +208,10 @@ class SimWorker:
             if seq.computed < seq.num_tokens:
                 continue
             seq.generated += 1
-            seq.token_times.append(now)
+            seen = now + self.profile.hop_s  # when the client sees the token
+            seq.token_times.append(seen)
             if seq.first_token_s is None:
-                seq.first_token_s = now
+                seq.first_token_s = seen
             if seq.generated >= seq.num_to_generate:
                 seq.finish_s = now
                 self.running.remove(seq)
@@ -194,14 +220,14 @@ class SimWorker:
         self._step = []
         return finished
 
-    def _step_s(self) -> float:
+    def _step_s(self, others_stepping: int) -> float:
         chunks, decodes = [], []
         for seq, k in self._step:
             if k == 1 and seq.generated > 0:
                 decodes.append(seq.computed)
             else:
                 chunks.append((k, seq.computed))
-        return self.profile.step_s(chunks, decodes)
+        return self.profile.step_s(chunks, decodes, others_stepping)
 
     def _schedule(self, seq: SimSeq, k: int) -> None:
         """Compute `k` tokens of `seq` this step; the full prompt blocks they complete are
@@ -307,6 +333,6 @@ class SimWorker:
         seq.computed = len(hits) * self.block_size
         if seq.num_preemptions == 0:
             seq.cached = {TIER_HBM: seq.computed}
-        if seq.pulls_prompt:
-            return self.loads.plan_handoff(seq, len(hits), now)
+        if seq.pulls_prompt:  # the router's call for it comes a hop after the first token
+            return self.loads.plan_handoff(seq, len(hits), now + self.profile.hop_s)
         return self.loads.plan(seq, len(hits), now)

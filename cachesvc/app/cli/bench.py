@@ -75,6 +75,7 @@ def add_bench_parser(sub: Any) -> None:
         "--pd-mode", default="auto", choices=("auto", "always"), help="the router's pd_mode"
     )
     _add_routing_bench_parser(bench_sub)
+    _add_agreement_parser(bench_sub)
     rb = bench_sub.add_parser("router", help="the router's own cost per decision, per stage")
     rb.add_argument("--json", dest="json_path", help="also write the results to this file")
     rb.add_argument("--quick", action="store_true", help="fewer prompts, a few seconds")
@@ -101,6 +102,24 @@ def run_bench_command(args: argparse.Namespace) -> int:
     """Run the suite `args.suite`; returns the exit status."""
     if args.suite == "routing":
         return _run_routing_bench_command(args)
+    if args.suite == "sim-agreement":
+        from cachesvc.sim.agreement import AgreementArgs, run_agreement
+
+        try:
+            agreement = AgreementArgs(
+                args.trace,
+                args.quick,
+                args.runs,
+                args.profile,
+                args.calibrate,
+                args.profile_out,
+                tuple(args.only or ("routing", "pd")),
+                args.model,
+                args.json_path,
+            )
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        return run_agreement(agreement)
     if args.suite == "router" and args.doors:
         from cachesvc.bench.door_overhead import run_door_overhead_bench
 
@@ -166,6 +185,28 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
         return run_prefix_cache_bench(args)
     raise CliError(f"unknown benchmark {args.suite!r}")
+
+
+def _add_agreement_parser(bench_sub: Any) -> None:
+    b = bench_sub.add_parser(
+        "sim-agreement",
+        help="the simulator against live bench routing and bench pd runs, figure by figure",
+    )
+    b.add_argument("--trace", help="the Mooncake JSONL trace bench routing samples")
+    b.add_argument("--quick", action="store_true", help="both benches' --quick sizes")
+    b.add_argument("--runs", type=int, default=3, help="live runs of each bench (medians)")
+    b.add_argument("--profile", default="cpu-calibrated", help="the simulator's cost profile")
+    b.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure the profile first (cachesvc simulate calibrate), in the same sitting",
+    )
+    b.add_argument("--profile-out", default=None, help="with --calibrate: keep the profile here")
+    b.add_argument(
+        "--only", action="append", choices=("routing", "pd"), help="one bench (repeatable)"
+    )
+    b.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
+    b.add_argument("--json", dest="json_path", help="also write every run and figure here")
 
 
 def _add_routing_bench_parser(bench_sub: Any) -> None:

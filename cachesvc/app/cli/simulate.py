@@ -46,6 +46,11 @@ def add_simulate_parser(sub: Any) -> None:
         "--threads", type=int, default=1, help="torch CPU threads (default 1: steady timings)"
     )
     cal.add_argument("--out", default=None, help="profile file (default: profiles/cpu-calibrated)")
+    cal.add_argument(
+        "--no-live",
+        action="store_true",
+        help="the engine's steps only: skip the live path's terms (a router and 2 Ray workers)",
+    )
 
     sim.add_argument(
         "--workload",
@@ -116,6 +121,15 @@ def add_simulate_parser(sub: Any) -> None:
         action="store_true",
         help="replay what `cachesvc bench routing --workload trace` sends for this trace "
         "(a scaled-down sample, 16-token blocks) rather than the full trace",
+    )
+    sim.add_argument(
+        "--like-bench-pd",
+        action="store_true",
+        help="replay what `cachesvc bench pd` sends, on its two setups (2 mixed workers; 1 "
+        "prefill + 1 decode, decided per request as the router's pd_mode auto, or --pd always)",
+    )
+    sim.add_argument(
+        "--quick", action="store_true", help="with --like-bench-pd: the bench's --quick sizes"
     )
     sim.add_argument(
         "--sweep",
@@ -249,7 +263,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     from cachesvc.sim.trace import HotPrefix
     from router.config import RouterConfig
 
-    if args.workload == "trace" and not args.trace:
+    if args.workload == "trace" and not args.trace and not args.like_bench_pd:
         raise CliError(
             "simulate needs --trace FILE (a Mooncake JSONL trace) or --workload hot-prefix"
         )
@@ -264,6 +278,10 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     if not loads or min(loads) <= 0:
         raise CliError(f"--loads takes positive fractions of the capacity, got {args.loads}")
     run = run_pd if args.pd is not None or args.pd_sweep else run_simulate
+    if args.like_bench_pd:
+        from cachesvc.sim.like_bench_pd import run_like_bench_pd
+
+        run = run_like_bench_pd
     return run(
         SimulateArgs(
             trace=args.trace,
@@ -302,6 +320,8 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             json_path=args.json_path,
             plot_path=args.plot_path,
             like_bench_routing=args.like_bench_routing,
+            like_bench_pd=args.like_bench_pd,
+            quick=args.quick,
             pd=args.pd,
             prefill_workers=args.prefill_workers,
             pd_sweep=args.pd_sweep,
@@ -314,11 +334,15 @@ def run_simulate_command(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from cachesvc.sim.calibrate import calibrate_profile
-    from cachesvc.sim.cost_profile import PROFILE_DIR, save_profile
+    from pathlib import Path
 
-    profile = calibrate_profile(args.model, args.threads)
-    path = args.out or str(PROFILE_DIR / f"{profile.name}.json")
+    from cachesvc.sim.calibrate import calibrate_profile
+    from cachesvc.sim.cost_profile import PROFILE_DIR, load_profile, save_profile
+
+    path = args.out or str(PROFILE_DIR / "cpu-calibrated.json")
+    # What is not measured here (pulls) is kept from the profile replaced, else the stored one.
+    base = load_profile(path if Path(path).is_file() else "cpu-calibrated")
+    profile = calibrate_profile(args.model, args.threads, base, live=not args.no_live)
     save_profile(profile, path)
     print(f"wrote {path}")
     for field in dataclasses.fields(profile):

@@ -1,0 +1,114 @@
+"""`cachesvc simulate --like-bench-pd` on the bench's two setups, and the figures `cachesvc bench
+sim-agreement` compares: each live run kept, judged on their median, hit ratios by difference
+and latencies relative to it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cachesvc.bench.pd import PhaseResult
+from cachesvc.bench.pd_workload import ALONE, SETUPS, WITH_PROMPTS, PDShape
+from cachesvc.bench.routing_report import PolicyResult
+from cachesvc.planner import ComputeCost
+from cachesvc.sim.agreement_report import (
+    HIT_RATIO,
+    Figure,
+    format_figures,
+    pd_figures,
+    routing_figures,
+)
+from cachesvc.sim.cost_profile import CostProfile, DecodeCost, TierReadCost, save_profile
+from cachesvc.sim.like_bench_pd import replay_bench_pd
+from cachesvc.sim.report import SimSummary
+
+# Slow enough that the quick bench's decodes (64 tokens at 60 ms) still run when its first long
+# prompt (1024 tokens at 2 ms) arrives at 3 s; pulls cost a little.
+SLOW = CostProfile(
+    name="slow",
+    description="test clock",
+    kv_bytes_per_token=1000.0,
+    prefill=ComputeCost(alpha_s=0.0, beta_s=2e-3, gamma_s=0.0),
+    decode=DecodeCost(base_s=0.06, per_seq_s=0.0, per_context_token_s=0.0),
+    peer=TierReadCost(5e-3, 1e-9),
+)
+
+
+def test_the_bench_pd_replay_keeps_its_setups_and_hands_off_under_running_decodes() -> None:
+    shape = PDShape(quick=True)
+    results = replay_bench_pd(SLOW, shape)
+    assert [(r.setup, r.phase) for r in results] == [
+        (setup, phase) for setup in SETUPS for phase in (ALONE, WITH_PROMPTS)
+    ]
+    for r in results:
+        assert len(r.gaps_s) == shape.streams * (shape.decode_tokens - 1)
+        assert len(r.ttft_s) == (shape.long_prompts if r.phase == WITH_PROMPTS else 0)
+    mixed, paired = results[1], results[3]
+    assert mixed.disaggregated == 0, "two mixed workers: no prefill worker to hand off to"
+    assert paired.disaggregated >= 1 and paired.kv_moved_tokens >= shape.long_tokens
+    # Colocated, a long prompt's prefill stalls a decode stream for its whole prefill (2 s);
+    # handed to the prefill worker, it does not.
+    assert max(mixed.gaps_s) > 2.0 > max(paired.gaps_s)
+    always = replay_bench_pd(SLOW, shape, "always")[3]
+    assert always.disaggregated == shape.long_prompts
+
+
+def test_the_command_line_replays_the_bench_pd(tmp_path: Path) -> None:
+    from cachesvc.app.cli.main import main
+
+    profile, out = tmp_path / "slow.json", tmp_path / "out.json"
+    save_profile(SLOW, profile)
+    args = ["simulate", "--like-bench-pd", "--quick", "--profile", str(profile)]
+    assert main([*args, "--json", str(out)]) == 0
+    phases = json.loads(out.read_text())
+    assert [p["phase"] for p in phases] == [ALONE, WITH_PROMPTS] * 2
+    assert main([*args, "--pd", "colocated"]) == 2, "the bench has no colocated-only setup"
+
+
+def _policy(name: str, hit: float, p50: float, p99: float) -> PolicyResult:
+    return PolicyResult(name, "trace", 24, 0, hit, 0, p50, p99, 1.0, 1.0, {})
+
+
+def _summary(name: str, hit: float, p50: float, p99: float) -> SimSummary:
+    return SimSummary(
+        name, "", 24, 0, hit, {}, 0.7, hit / 0.7, p50, p99, 1.0, 0, 0.0, 1.0, 0, 1.0, {}, {}, 0.0
+    )
+
+
+def test_routing_figures_are_judged_on_the_live_median() -> None:
+    runs = [[_policy("rr", 0.50, 100, 400)], [_policy("rr", 0.52, 300, 500)]]
+    runs.append([_policy("rr", 0.51, 200, 900)])
+    hit, p50, p99 = routing_figures(runs, [_summary("rr", 0.53, 180, 700)])
+    assert (hit.name, hit.live, hit.live_median) == (HIT_RATIO, (0.50, 0.52, 0.51), 0.51)
+    assert hit.error == pytest.approx(0.02) and hit.agrees, "hit ratios: within 0.02"
+    assert p50.error == pytest.approx(-0.10) and p50.agrees, "180 against a median of 200"
+    assert p99.error == pytest.approx(0.40) and not p99.agrees, "700 against 500: 40% over"
+    text = format_figures([hit, p50, p99])
+    assert "2 of 3 figures agree" in text and "largest latency error 40%" in text
+
+
+def test_pd_figures_compare_percentiles_of_the_gaps_and_the_long_prompts() -> None:
+    live = [
+        PhaseResult("2 mixed", ALONE, gaps_s=[0.1] * 10),
+        PhaseResult("2 mixed", WITH_PROMPTS, gaps_s=[0.1] * 99 + [3.0], ttft_s=[2.0, 2.4]),
+    ]
+    simulated = [
+        PhaseResult("2 mixed", ALONE, gaps_s=[0.09] * 10),
+        PhaseResult("2 mixed", WITH_PROMPTS, gaps_s=[0.1] * 100, ttft_s=[2.0, 2.2]),
+    ]
+    figures = pd_figures([live, live], simulated)
+    names = [(f.row, f.name) for f in figures]
+    assert names == [
+        ("2 mixed, decodes alone", "ITL p50 ms"),
+        ("2 mixed, decodes alone", "ITL p99 ms"),
+        ("2 mixed, with long prompts", "ITL p50 ms"),
+        ("2 mixed, with long prompts", "ITL p99 ms"),
+        ("2 mixed, with long prompts", "long TTFT p50 ms"),
+        ("2 mixed, with long prompts", "long TTFT p99 ms"),
+    ]
+    assert figures[0].error == pytest.approx(-0.1)
+    assert not figures[3].agrees, "the simulator misses the stall the live p99 shows"
+    slowed = Figure("pd", "r", "ITL p50 ms", (100.0, 120.0), 80.0, at_speed=(105.0, 115.0))
+    assert slowed.at_speed_error == pytest.approx(0.0) and not slowed.agrees
