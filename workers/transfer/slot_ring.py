@@ -68,8 +68,9 @@ class SlotRing:
         ring has room, one more slot is made on a thread of its own (its pages written there,
         not on a pull's path), for a later chunk."""
         with self._lock:
+            seen: dict[tuple[int, int], bool] = {}
             for slot in self._slots:
-                if not slot.taken and self._free(slot):
+                if not slot.taken and self._free(slot, seen):
                     slot.taken = True
                     return slot
             if self._growing or len(self._slots) >= self.max_slots:
@@ -126,8 +127,9 @@ class SlotRing:
 
     def num_leased(self) -> int:
         """Slots leased to a live puller now (those of dead pullers are taken back here)."""
+        seen: dict[tuple[int, int], bool] = {}  # a puller's liveness, read once per call
         with self._lock:
-            return sum(1 for s in self._slots if not s.taken and not self._free(s))
+            return sum(1 for s in self._slots if not s.taken and not self._free(s, seen))
 
     def close(self) -> None:
         """Close the segments' fds: a puller's mapping keeps its segment until it lets go; the
@@ -137,12 +139,16 @@ class SlotRing:
                 os.close(slot.fd)
             self._slots.clear()
 
-    def _free(self, slot: Slot) -> bool:
-        """Whether the slot's last lease ended (under the lock)."""
+    def _free(self, slot: Slot, seen: dict[tuple[int, int], bool]) -> bool:
+        """Whether the slot's last lease ended (under the lock); `seen` keeps the pullers'
+        liveness for the caller's pass over the slots (a file read each)."""
         h = slot.header
         if h[RELEASED] == h[LEASED]:
             return True
-        if alive(int(h[PULLER_PID]), int(h[PULLER_START])):
+        puller = (int(h[PULLER_PID]), int(h[PULLER_START]))
+        if puller not in seen:
+            seen[puller] = alive(*puller)
+        if seen[puller]:
             return False
         h[RELEASED] = h[LEASED]  # its puller is gone: nobody reads it any more
         self.num_reclaimed += 1
