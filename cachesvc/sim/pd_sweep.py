@@ -299,7 +299,7 @@ def _ratio(row: PDRow) -> str:
 
 def _label(row: PDRow) -> str:
     pulls = "+pull" if row.pulls else ""
-    return row.mode + pulls if row.mode == COLOCATED else f"{row.mode} {row.num_prefill}P"
+    return (row.mode if row.mode == COLOCATED else f"{row.mode} {row.num_prefill}P") + pulls
 
 
 def _say(line: str) -> None:
