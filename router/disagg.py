@@ -19,6 +19,7 @@ always colocated.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -249,6 +250,30 @@ class Disaggregation:
         if handoff.prefill is None or handoff.decode is None:
             return
         outcome.pd_predicted_handoff_ms = round(handoff.decision.handoff_s * 1e3, 2)
+        # The decode worker counts the request from now, not from the hand-off: requests
+        # arriving during this prefill see it and pair elsewhere when it is busier.
+        decode = self.pool.state(handoff.decode)
+        decode.num_inflight += 1
+        try:
+            async with contextlib.aclosing(
+                self._prefill(handoff, progress, request_id, outcome, part_stream, record, req)
+            ) as deltas:
+                async for delta in deltas:
+                    yield delta
+        finally:
+            decode.num_inflight -= 1
+
+    async def _prefill(
+        self,
+        handoff: Handoff,
+        progress: RequestProgress,
+        request_id: str,
+        outcome: RequestOutcome,
+        part_stream: PartStream,
+        record: Callable[[Usage], None],
+        req: Any,
+    ) -> AsyncGenerator[StreamDelta, None]:
+        assert handoff.prefill is not None and handoff.decode is not None
         params = {**progress.params, "max_tokens": 1}
         part = Part(None, progress.prompt_ids, params)
         limit = int(progress.params.get("max_tokens", 1))
@@ -284,7 +309,7 @@ class Disaggregation:
             self.metrics.pd_fallbacks.labels("prefill_failed_after_token").inc()
         finally:
             await stream.aclose()
-        if progress.samples[0].finished:
+        if all(sample.finished for sample in progress.samples):
             return
         if not handoff.handed_off:  # the prefill worker failed after its token
             progress.hand_off()

@@ -7,6 +7,7 @@ worker costs a recompute on the decode side, never an error."""
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -202,6 +203,46 @@ def test_frozen_prefill_worker_costs_a_recompute(
     assert tokens == expected
     assert usage.worker_id == DECODE and not usage.prefill_worker_id
     assert usage.computed_tokens == PROMPT_TOKENS
+    _flush(server)
+
+
+def test_decode_worker_counts_the_request_while_its_prefill_runs(
+    start_router: Any, roles: dict[WorkerId, Any]
+) -> None:
+    """Paired at planning: while the prefill worker holds the request (frozen here, not long
+    enough to be declared unhealthy), the decode worker already counts it, so requests arriving
+    meanwhile see it; the count goes when the request ends."""
+    import os
+    import signal
+    import threading
+
+    import ray
+
+    server = start_router(roles, pd_mode="always")
+    admin = pb_grpc.AdminStub(server.channel())
+
+    def inflight() -> dict[str, int]:
+        listed = admin.ListWorkers(pb.ListWorkersRequest()).workers
+        return {w.worker_id: w.num_inflight for w in listed}
+
+    pid = int(ray.get(roles[PREFILL].__ray_call__.remote(lambda self: os.getpid()), timeout=60))
+    answers: list[Any] = []
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        call = threading.Thread(
+            target=lambda: answers.append(_answer(_generate(server, _prompt(95), GREEDY)))
+        )
+        call.start()
+        deadline = time.monotonic() + 3
+        while inflight() != {PREFILL: 1, DECODE: 1} and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen = inflight()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    call.join(timeout=120)
+    assert seen == {PREFILL: 1, DECODE: 1}
+    assert answers and answers[0][2].prefill_worker_id == PREFILL
+    assert inflight() == {PREFILL: 0, DECODE: 0}
     _flush(server)
 
 
