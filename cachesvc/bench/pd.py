@@ -42,6 +42,8 @@ class PDBenchArgs:
     tiny: bool = False
     json_path: str | None = None
     pd_mode: str = "auto"
+    # The router's target for a stream's gap between two tokens (`pd_itl_slo_ms`; None: none).
+    itl_slo_ms: float | None = None
 
     @property
     def shape(self) -> PDShape:
@@ -144,7 +146,9 @@ async def _run_setup(
     from router.config import RouterConfig
     from router.server import RouterServer
 
-    config = RouterConfig(port=0, response_cache_mb=0, pd_mode=args.pd_mode)
+    config = RouterConfig(
+        port=0, response_cache_mb=0, pd_mode=args.pd_mode, pd_itl_slo_ms=args.itl_slo_ms
+    )
     router = await build_router(actors, config, model)
     server = RouterServer(router, config)
     await server.start()

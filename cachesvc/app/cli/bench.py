@@ -74,6 +74,12 @@ def add_bench_parser(sub: Any) -> None:
     pd.add_argument(
         "--pd-mode", default="auto", choices=("auto", "always"), help="the router's pd_mode"
     )
+    pd.add_argument(
+        "--itl-slo-ms",
+        type=float,
+        default=None,
+        help="the router's pd_itl_slo_ms: a stream's gap between two tokens to keep within",
+    )
     _add_routing_bench_parser(bench_sub)
     _add_agreement_parser(bench_sub)
     rb = bench_sub.add_parser("router", help="the router's own cost per decision, per stage")
@@ -160,7 +166,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from cachesvc.bench.pd import PDBenchArgs, run_pd_bench
 
         return run_pd_bench(
-            PDBenchArgs(args.quick, args.model, args.tiny, args.json_path, args.pd_mode)
+            PDBenchArgs(
+                args.quick, args.model, args.tiny, args.json_path, args.pd_mode, args.itl_slo_ms
+            )
         )
     if args.suite == "kv-transfer":
         from cachesvc.bench.kv_transfer import run_kv_transfer_bench
