@@ -1,13 +1,14 @@
 """The holder's ring of same-node staging slots (`workers.transfer.slots` says what a slot is).
 
-Slots are made on need, up to `max_slots`, one at a time on a thread of their own, and kept: a
-fresh segment's pages are faulted in once, when it is made (first-touch page faults cost more
-than the copy itself: 3-7 ms per MiB on this VM), never on a pull's path; a chunk
-that finds no free slot goes through the object store meanwhile. A slot is free when its last
-lease was released by its puller, or when that puller's process is gone (a killed puller leaks
-nothing for longer than the next look). A live puller's lease is never taken back, however old:
-the puller may land the rows at any later step, and overwriting them would land wrong KV. With
-every slot leased, `take` says so and the holder sends through the object store instead.
+Slots are made on need, up to `max_slots`, one after the other on a thread of their own (one per
+chunk that found none free), and kept: a fresh segment's pages are faulted in once, when it is
+made (first-touch page faults cost more than the copy itself: 3-7 ms per MiB on this VM), never
+on a pull's path; a chunk that finds no free slot goes through the object store meanwhile. A
+slot is free when its last lease was released by its puller, or when that puller's process is
+gone (a killed puller leaks nothing for longer than the next look). A live puller's lease is
+never taken back, however old: the puller may land the rows at any later step, and overwriting
+them would land wrong KV. With every slot leased, `take` says so and the holder sends through
+the object store instead.
 
 Thread-safe: the exporter takes and leases slots on its loop and threads, its load report
 counts them.
@@ -59,36 +60,45 @@ class SlotRing:
         self.slot_bytes = slot_bytes
         self.max_slots = max_slots
         self._slots: list[Slot] = []
-        self._growing = False  # a slot is being made, on a thread
+        self._due = 0  # slots to be made, by one thread at a time
         self._lock = threading.Lock()
         self.num_reclaimed = 0  # leases taken back from pullers that died
 
     def take(self) -> Slot | None:
-        """A free slot to stage a chunk into, or None. Never blocks: when none is free and the
-        ring has room, one more slot is made on a thread of its own (its pages written there,
-        not on a pull's path), for a later chunk."""
+        """A free slot to stage a chunk into, or None. Never blocks: each time none is free
+        and the ring has room, one more slot is due, made on a thread of its own (its pages
+        written there, not on a pull's path) for a later chunk."""
         with self._lock:
             seen: dict[tuple[int, int], bool] = {}
             for slot in self._slots:
                 if not slot.taken and self._free(slot, seen):
                     slot.taken = True
                     return slot
-            if self._growing or len(self._slots) >= self.max_slots:
+            if len(self._slots) + self._due >= self.max_slots:
                 return None
-            self._growing = True
+            self._due += 1
+            if self._due > 1:  # the thread making them is on its way
+                return None
         threading.Thread(target=self._grow, name="kv-slot-grow", daemon=True).start()
         return None
 
     def _grow(self) -> None:
+        """Make the slots that are due, one after the other (a pull that found none free
+        wants as many as it missed)."""
         lower_priority()  # writing a slot's pages is no step's business
-        try:
-            slot = _make_slot(self.slot_bytes)
-        except OSError:  # out of memory for it: the object store it is
-            slot = None
-        with self._lock:
-            self._growing = False
-            if slot is not None:
+        while True:
+            try:
+                slot: Slot | None = _make_slot(self.slot_bytes)
+            except OSError:  # out of memory for it: the object store it is
+                slot = None
+            with self._lock:
+                if slot is None:
+                    self._due = 0
+                    return
                 self._slots.append(slot)
+                self._due -= 1
+                if not self._due:
+                    return
 
     def lease(self, slot: Slot, puller: PullerProcess, array: np.ndarray) -> SlotRef:
         """Lease a taken slot, whose data `array` (a view of `slot.data`) now holds, to
