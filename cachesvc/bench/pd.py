@@ -190,7 +190,7 @@ def measure_pd(args: PDBenchArgs) -> list[PhaseResult]:
             num_threads=1,
             peer_pull=True,
         )
-        ray.init(include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
         try:
             for setup, (num_prefill, num_decode) in SETUPS.items():
                 namespace = f"bench-pd-{uuid.uuid4().hex[:6]}"
