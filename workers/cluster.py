@@ -39,6 +39,13 @@ PLACEMENTS: tuple[str, ...] = get_args(Placement)
 _RAY_STRATEGY = {"spread": "SPREAD", "any": "DEFAULT"}
 
 
+# A prefill worker stages a handed-off prompt's KV at its next step boundary, and its steps are
+# long prefills (seconds each on a CPU): a decode worker waits for one rather than recompute the
+# prompt, which would stall every stream it decodes for as long. A holder that is gone fails the
+# pull at once; one that is frozen costs this wait, then the recompute.
+DECODE_PULL_TIMEOUT_S = 30.0
+
+
 class AttachError(ConfigError):
     """No workers to attach to, or workers already running where new ones would start."""
 
@@ -98,11 +105,17 @@ class WorkerGroup:
     def engine_of(self, index: int, engine: EngineConfig) -> EngineConfig:
         """`engine` (the group's, as `worker_resources` adapted it) for worker `index`: its
         role, and peer pulls on in a group with roles, for decode workers pull the KV that
-        prefill workers computed (and any worker may be asked for a prefix it lacks). Pure."""
+        prefill workers computed (and any worker may be asked for a prefix it lacks). A decode
+        worker waits at least `DECODE_PULL_TIMEOUT_S` for a pull. Pure."""
+        role = self.role_of(index)
+        timeout_s = engine.peer_pull_timeout_s
+        if role == "decode":
+            timeout_s = max(timeout_s, DECODE_PULL_TIMEOUT_S)
         return dataclasses.replace(
             engine,
-            role=self.role_of(index),
+            role=role,
             peer_pull=engine.peer_pull or self.uses_roles,
+            peer_pull_timeout_s=timeout_s,
         )
 
 

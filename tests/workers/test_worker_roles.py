@@ -8,6 +8,7 @@ import pytest
 from cachesvc.config import ConfigError, EngineConfig
 from cachesvc.types import WorkerId
 from workers.cluster import (
+    DECODE_PULL_TIMEOUT_S,
     WorkerGroup,
     placement_report,
     role_resource,
@@ -66,8 +67,17 @@ def test_each_worker_runs_its_roles_engine_with_peer_pulls_on_when_roles_are_use
     assert [e.role for e in engines] == ["prefill", "decode", "mixed"]
     # Decode workers pull what prefill workers computed: every worker of the group may pull.
     assert all(e.peer_pull for e in engines)
+    # A decode worker waits for a prefill worker's step boundary rather than recompute.
+    assert engines[1].peer_pull_timeout_s == DECODE_PULL_TIMEOUT_S
+    assert engines[0].peer_pull_timeout_s == ENGINE.peer_pull_timeout_s
     # Everything else is the group's engine, unchanged.
-    assert engines[1] == EngineConfig(model="tiny", device="cpu", role="decode", peer_pull=True)
+    assert engines[1] == EngineConfig(
+        model="tiny",
+        device="cpu",
+        role="decode",
+        peer_pull=True,
+        peer_pull_timeout_s=DECODE_PULL_TIMEOUT_S,
+    )
 
 
 def test_a_group_without_roles_keeps_its_engine_as_configured() -> None:
