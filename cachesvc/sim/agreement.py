@@ -54,6 +54,7 @@ class AgreementArgs:
     benches: tuple[str, ...] = BENCHES
     model: str | None = None
     json_path: str | None = None
+    itl_slo_ms: float | None = None  # bench pd's --itl-slo-ms, live and simulated
 
     def __post_init__(self) -> None:
         if self.runs < 1:
@@ -90,7 +91,7 @@ def live_routing(args: AgreementArgs) -> list[PolicyResult]:
     engine = EngineConfig.from_env(
         model=args.model, block_size=16, num_blocks=ROUTING_BLOCKS, num_threads=1
     )
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     actors: dict[Any, Any] = {}
     try:
         namespace = f"agreement-{uuid.uuid4().hex[:6]}"
@@ -111,7 +112,8 @@ def live_runs(args: AgreementArgs, profile: CostProfile) -> list[LiveRun]:
         slow_before = measure_slowdown(profile, args.model)
         _say(f"live run {i + 1} of {args.runs}: load {before:.1f}, slowdown {slow_before:.2f}")
         routing = live_routing(args) if "routing" in args.benches else []
-        pd = measure_pd(PDBenchArgs(args.quick, args.model)) if "pd" in args.benches else []
+        bench_pd = PDBenchArgs(args.quick, args.model, itl_slo_ms=args.itl_slo_ms)
+        pd = measure_pd(bench_pd) if "pd" in args.benches else []
         after = os.getloadavg()[0]
         slowdown = (slow_before + measure_slowdown(profile, args.model)) / 2
         runs.append(LiveRun(routing, pd, before, after, slowdown))
@@ -150,7 +152,7 @@ def simulated_figures(
     if "routing" in args.benches:
         figures += routing_figures([r.routing for r in runs], simulated_routing(args, profile))
     if "pd" in args.benches:
-        simulated = replay_bench_pd(profile, PDShape(args.quick))
+        simulated = replay_bench_pd(profile, PDShape(args.quick), itl_slo_ms=args.itl_slo_ms)
         figures += pd_figures([r.pd for r in runs], simulated)
     return figures
 

@@ -5,10 +5,12 @@ tier (in a temporary folder), so its start-up calibration probes both tiers and 
 the device caches (`workers/engine/tiering/calibration.py`). Then timed engine steps:
 
 * prefill: one request of k new tokens after a cached prefix of ctx tokens, alone in its step,
-  for a few (k, ctx), the median of three; fitted by the planner's own fit
-  (`cachesvc.calibration.fit_compute`);
+  for a few (k, ctx) from 16 tokens up, the median of three; fitted by the planner's own fit
+  (`cachesvc.calibration.fit_compute`), each error relative to its step's time;
 * decode: B requests of ctx tokens each decoding together, for a few (B, ctx); the step's time
-  is fitted to a fixed cost, B and the sum of contexts (non-negative).
+  is fitted to a fixed cost, B and the sum of contexts (non-negative, errors relative); then
+  steps of 1 to 8 sequences at a short context, kept as a table (small batches are far from
+  linear on a CPU).
 
 About two minutes on one CPU core: the shapes stay within a few thousand tokens. One torch
 thread by default: with another process on the second core, two-thread steps swing by 10x.
@@ -30,118 +32,68 @@ from collections.abc import Sequence
 from typing import Any
 
 from cachesvc.calibration import ComputeSample, fit_compute
-from cachesvc.sim.calibrate_live import measure_live_terms
+from cachesvc.planner import ComputeCost
+from cachesvc.sim.calibrate_live import STREAM_CONTEXT, LiveTerms, measure_live_terms
 from cachesvc.sim.cost_profile import CostProfile, DecodeCost, TierReadCost
+from cachesvc.sim.engine_timing import (
+    BLOCK_SIZE,
+    greedy,
+    measure_decode,
+    measure_prefill,
+    timing_engine,
+    tokens,
+)
 
-BLOCK_SIZE = 16
-PREFILL_SHAPES = ((128, 0), (512, 0), (1024, 0), (128, 1024), (512, 1024), (256, 2048))
-DECODE_SHAPES = ((1, 256), (8, 256), (1, 1024), (4, 1024))
-DECODE_STEPS = 8
-PREFILL_REPEATS = 3
+# Short chunks too: a step's fixed cost is most of a short prompt's (the routing bench's prompts
+# are 8-128 tokens), and the fits weigh each shape's error relative to its time.
+PREFILL_SHAPES = (
+    (16, 0),
+    (32, 0),
+    (64, 0),
+    (128, 0),
+    (512, 0),
+    (1024, 0),
+    (32, 512),
+    (128, 1024),
+    (512, 1024),
+    (256, 2048),
+)
+DECODE_SHAPES = ((1, 64), (2, 64), (1, 256), (8, 256), (1, 1024), (4, 1024))
+# Decode steps of 1..BATCH_TABLE sequences at a short context, each the median of three rounds.
+BATCH_TABLE, BATCH_CONTEXT, BATCH_ROUNDS = 8, 64, 3
 # A few of those shapes again: how fast the machine steps now against a profile.
 SPEED_PREFILL_SHAPES = ((256, 0), (512, 0))
 SPEED_DECODE_SHAPES = ((1, 256), (2, 512))
-_VOCAB_LOW = 100  # token ids from here up: clear of special tokens
 
 
-def _tokens(n: int, seed: int, vocab: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(_VOCAB_LOW, vocab) for _ in range(n)]
-
-
-def _engine(model: str | None, folder: str | None, threads: int | None) -> Any:
-    """An engine for timing; with a `folder`, a DRAM and an NVMe tier in it."""
-    from cachesvc.config import EngineConfig, TierConfig
-    from workers.engine.engine import Engine
-
-    tiers = TierConfig() if folder is None else TierConfig(dram_mb=64, nvme_path=folder, nvme_mb=64)
-    config = EngineConfig(
-        model=model,
-        block_size=BLOCK_SIZE,
-        kv_cache_mb=256,  # the engine's other defaults (step budget, sequences) go in the profile
-        num_threads=threads,
-        tiers=tiers,
-    )
-    return Engine(config)
-
-
-def _params(max_tokens: int) -> Any:
-    from workers.sampling_params import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-def _timed_step(engine: Any) -> float:
-    start = time.perf_counter()
-    engine.step()
-    return time.perf_counter() - start
-
-
-def measure_prefill(engine: Any, shapes: Sequence[tuple[int, int]]) -> list[ComputeSample]:
-    """One sample per (k, ctx): the median of three timed steps prefilling k tokens after a
-    cached prefix of ctx tokens (the median, not the best: live steps see the machine as it
-    is, other work included)."""
-    vocab = engine.loaded.config.vocab_size
-    samples = []
-    for i, (k, ctx) in enumerate(shapes):
-        prefix = _tokens(ctx, 1000 + i, vocab)
-        if ctx:
-            engine.generate([prefix + _tokens(BLOCK_SIZE, 1, vocab)], _params(1))
-        seconds = []
-        for repeat in range(PREFILL_REPEATS):
-            engine.add_request(prefix + _tokens(k, 2000 + 10 * i + repeat, vocab), _params(1))
-            seconds.append(_timed_step(engine))
-            while engine.has_unfinished():
-                engine.step()
-        samples.append(ComputeSample.of([(k, ctx)], statistics.median(seconds)))
-    return samples
-
-
-def measure_decode(engine: Any, shapes: Sequence[tuple[int, int]]) -> list[tuple[int, int, float]]:
-    """(sequences, sum of their contexts, seconds per step) of decode-only steps."""
-    vocab = engine.loaded.config.vocab_size
-    out = []
-    engine.generate([_tokens(32, 3, vocab)], _params(DECODE_STEPS))  # the first decodes warm up
-    for i, (batch, ctx) in enumerate(shapes):
-        for j in range(batch):
-            engine.add_request(_tokens(ctx, 5000 + 100 * i + j, vocab), _params(DECODE_STEPS + 4))
-        for _ in range(64):  # until every prompt is computed (one step each is typical)
-            if all(r.num_computed_tokens >= r.num_prompt_tokens for r in _running(engine)):
-                break
-            engine.step()
-        engine.step()  # the first decode step may still allocate
-        seconds = [_timed_step(engine) for _ in range(DECODE_STEPS)]
-        while engine.has_unfinished():
-            engine.step()
-        out.append((batch, batch * (ctx + 2), sorted(seconds)[len(seconds) // 2]))
-    return out
-
-
-def _running(engine: Any) -> list[Any]:
-    return [*engine.scheduler.waiting, *engine.scheduler.running]
+def fit_prefill(samples: Sequence[ComputeSample]) -> ComputeCost:
+    """The planner's fit, each sample's error relative to its time (a short prompt's step
+    counts as much as a long one's)."""
+    return fit_compute(samples, [1 / s.seconds**2 for s in samples])
 
 
 def fit_decode(samples: Sequence[tuple[int, int, float]]) -> DecodeCost:
-    """Non-negative least squares of decode steps on (1, sequences, context tokens): the best
-    fit among the subsets of coefficients whose values are all >= 0."""
+    """Non-negative least squares of decode steps on (1, sequences, context tokens), errors
+    relative to each step's time: the best fit among the subsets of coefficients whose values
+    are all >= 0."""
     import numpy as np
 
     x = np.array([[1.0, float(b), float(c)] for b, c, _ in samples])
     y = np.array([s for _, _, s in samples])
+    w = 1 / y  # relative errors
     best: tuple[float, np.ndarray] | None = None
     for cols in ([0, 1, 2], [0, 1], [0, 2], [1, 2], [0], [1]):
-        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        coef, *_ = np.linalg.lstsq(x[:, cols] * w[:, None], y * w, rcond=None)
         if (coef < 0).any():
             continue
         full = np.zeros(3)
         full[cols] = coef
-        residual = float(((x @ full - y) ** 2).sum())
+        residual = float((((x @ full - y) * w) ** 2).sum())
         if best is None or residual < best[0]:
             best = (residual, full)
     assert best is not None, "one coefficient alone always fits non-negative times"
-    return DecodeCost(*(float(v) for v in best[1]))
+    base, per_seq, per_context = (float(v) for v in best[1])
+    return DecodeCost(base, per_seq, per_context)
 
 
 def calibrate_profile(
@@ -149,26 +101,54 @@ def calibrate_profile(
     threads: int = 1,
     base: CostProfile | None = None,
     live: bool = True,
+    engine: bool = True,
 ) -> CostProfile:
     """Measure a profile on this machine (see the module docstring), keeping from `base` what
-    is not measured here; with `live`, the live path's terms too. Prints progress."""
-    profile = measure_engine(model, threads)
-    sources = ["cachesvc simulate calibrate: timed engine steps and the engine's tier probes"]
-    if base is not None:
-        profile = dataclasses.replace(
-            profile, peer=base.peer, stage_s_per_byte=base.stage_s_per_byte
-        )
-        sources.append(f"peer and stage_s_per_byte kept from {base.name} (bench kv-transfer)")
+    is not measured here: with `engine`, the engine's terms; with `live`, the live path's.
+    Prints progress."""
+    if not engine and base is None:
+        raise ValueError("measuring the live path alone needs a profile to add it to")
+    sources = []
+    if engine:
+        profile = measure_engine(model, threads)
+        sources.append("cachesvc simulate calibrate: timed engine steps and its tier probes")
+        if base is not None:
+            profile = dataclasses.replace(
+                profile, peer=base.peer, stage_s_per_byte=base.stage_s_per_byte
+            )
+            sources.append(f"peer and stage_s_per_byte kept from {base.name} (bench kv-transfer)")
+    else:
+        assert base is not None
+        profile = base
+        sources.append(base.source.partition("; live path")[0])
     if live:
-        terms = measure_live_terms(profile, model)
-        profile = dataclasses.replace(
-            profile,
-            hop_s=terms.hop_s,
-            step_overhead_s=terms.step_overhead_s,
-            contention=terms.contention,
+        terms = measure_live_terms(model)
+        slowdown = terms_slowdown(profile, terms)
+        profile = with_live_terms(profile, terms)
+        sources.append(
+            f"live path through a router and 2 Ray workers: {terms.describe()}; the engine "
+            f"stepped {slowdown:.2f}x its profile meanwhile: hop and overheads divided by that"
         )
-        sources.append(f"live path through a router and 2 Ray workers: {terms.describe()}")
     return dataclasses.replace(profile, source="; ".join(sources))
+
+
+def with_live_terms(profile: CostProfile, terms: LiveTerms) -> CostProfile:
+    """`profile` with the live path's `terms`, its times brought to the profile's speed: the
+    engine stepped `terms.engine_step_ms` here while they were measured, against the profile's
+    own step for it (other work on the machine slows both alike)."""
+    slowdown = terms_slowdown(profile, terms)
+    return dataclasses.replace(
+        profile,
+        hop_s=terms.hop_s / slowdown,
+        step_overhead_s=terms.step_overhead_s / slowdown,
+        token_overhead_s=terms.token_overhead_s / slowdown,
+        contention=terms.contention,
+    )
+
+
+def terms_slowdown(profile: CostProfile, terms: LiveTerms) -> float:
+    """How much slower than `profile` the engine stepped while `terms` were measured."""
+    return terms.engine_step_ms / 1e3 / profile.engine_step_s([], [STREAM_CONTEXT])
 
 
 def measure_engine(model: str | None = None, threads: int = 1) -> CostProfile:
@@ -177,16 +157,17 @@ def measure_engine(model: str | None = None, threads: int = 1) -> CostProfile:
 
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cachesvc-calibrate-") as folder:
-        engine = _engine(model, folder, threads)
+        engine = timing_engine(model, folder, threads)
         try:
             tiering = engine.tiering
             assert tiering is not None, "the engine was given tiers"
             model_name = engine.loaded.path.name
             print(f"calibrating {model_name}: prefill", file=sys.stderr, flush=True)
-            engine.generate([_tokens(64, 7, engine.loaded.config.vocab_size)], _params(2))
-            prefill = fit_compute(measure_prefill(engine, PREFILL_SHAPES))
+            engine.generate([tokens(64, 7, engine.loaded.config.vocab_size)], greedy(2))
+            prefill = fit_prefill(measure_prefill(engine, PREFILL_SHAPES))
             print("calibrating: decode", file=sys.stderr, flush=True)
             decode = fit_decode(measure_decode(engine, DECODE_SHAPES))
+            decode = dataclasses.replace(decode, by_batch_s=measure_batch_table(engine, decode))
             model_costs = tiering.costs.model()
             block_bytes = float(np.prod(tiering.block_shape)) * tiering.kv_caches[0].element_size()
             tiers = {
@@ -212,13 +193,25 @@ def measure_engine(model: str | None = None, threads: int = 1) -> CostProfile:
     )
 
 
+def measure_batch_table(engine: Any, fitted: DecodeCost) -> tuple[float, ...]:
+    """Decode steps of 1..`BATCH_TABLE` sequences at `BATCH_CONTEXT` tokens each, less their
+    context's share by the `fitted` cost: the median of `BATCH_ROUNDS` rounds over every
+    batch size (a busy moment weighs on one round of each, not on one size)."""
+    shapes = [(b, BATCH_CONTEXT) for b in range(1, BATCH_TABLE + 1)]
+    rounds = [measure_decode(engine, shapes) for _ in range(BATCH_ROUNDS)]
+    return tuple(
+        statistics.median(r[i][2] for r in rounds) - fitted.per_context_token_s * rounds[0][i][1]
+        for i in range(len(shapes))
+    )
+
+
 def measure_slowdown(profile: CostProfile, model: str | None = None) -> float:
     """How much slower than `profile` predicts this machine steps the engine now (one torch
     thread): the median, over a few of the calibration's shapes, of measured over predicted
     (1.0: as calibrated; 2.0: twice as slow, from other work on the machine). ~15 s."""
-    engine = _engine(model, None, 1)
+    engine = timing_engine(model, None, 1)
     try:
-        engine.generate([_tokens(64, 7, engine.loaded.config.vocab_size)], _params(2))
+        engine.generate([tokens(64, 7, engine.loaded.config.vocab_size)], greedy(2))
         prefills = measure_prefill(engine, SPEED_PREFILL_SHAPES)
         ratios = [
             sample.seconds / profile.engine_step_s([shape], [])

@@ -3,19 +3,21 @@ two real Ray workers on this machine (the second half of `cachesvc simulate cali
 
 A client sees more than `Engine.step` takes: its request and each token travel through the
 router's gRPC door and Ray (`hop_s`); between two steps the worker's event loop streams the
-step's outputs and the next step waits for it (`step_overhead_s`); and workers on one host share
-its cores with each other and with the router (`contention`). Three measurements, with the
-workers idle but for what is sent:
+step's outputs, a delta per sequence, and the next step waits for it (`step_overhead_s`,
+`token_overhead_s`); and workers on one host share its cores with each other and with the
+router (`contention`). Measured with the workers idle but for what is sent:
 
 * hop: one-token requests of a short prompt, one at a time: the client's time to first token
   less the worker's own (`Usage.ttft_ms`, from the engine's arrival to the token);
-* step overhead: one decoding stream alone: the median gap between its tokens, as the client
-  sees them, less the profile's decode step for its context;
-* contention: one stream on each worker at once: their median gap over the lone stream's, less
-  one (per other worker stepping).
+* overheads: one decoding stream alone on a worker, then two on one worker: the median gap
+  between their tokens, as the client sees them, less the median `Engine.step` of one and of
+  two sequences at that context, timed in this process between the streams (so both see the
+  machine alike); what the second stream adds is the per-sequence part, the rest per step;
+* contention: one stream on each worker at once: their median gap over the lone streams' of
+  the same round, less one (per other worker stepping); the median over the rounds.
 
-Each is a median over several rounds, alone and together interleaved, so that work elsewhere on
-the machine weighs on both alike.
+Each is a median over several rounds, interleaved, so that work elsewhere on the machine weighs
+on all alike.
 """
 
 from __future__ import annotations
@@ -27,17 +29,18 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from cachesvc.sim.cost_profile import CostProfile
+from cachesvc.sim.engine_timing import measure_decode, timing_engine
 
 NUM_WORKERS = 2
 HOP_REQUESTS = 12
 HOP_PROMPT_LEN = 32
 STREAM_PROMPT_LEN = 48
 STREAM_TOKENS = 48
-ROUNDS = 3
+STREAM_CONTEXT = STREAM_PROMPT_LEN + STREAM_TOKENS // 2  # a lone stream's mean context
+ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -46,43 +49,61 @@ class LiveTerms:
 
     hop_s: float
     step_overhead_s: float
+    token_overhead_s: float
     contention: float
     client_ttft_ms: float  # the one-token requests'
     worker_ttft_ms: float
     gap_alone_ms: float
+    gap_pair_ms: float
     gap_together_ms: float
-    engine_step_ms: float  # the profile's decode step for the lone stream
+    engine_step_ms: float  # the engine's own step of one sequence, timed here
+    engine_pair_ms: float  # of two
 
     def describe(self) -> str:
         return (
             f"hop {self.hop_s * 1e3:.1f} ms (client TTFT {self.client_ttft_ms:.0f} - worker's "
-            f"{self.worker_ttft_ms:.0f}), step overhead {self.step_overhead_s * 1e3:.1f} ms (gap "
-            f"alone {self.gap_alone_ms:.1f} - engine step {self.engine_step_ms:.1f}), contention "
+            f"{self.worker_ttft_ms:.0f}); overhead {self.step_overhead_s * 1e3:.1f} ms a step "
+            f"+ {self.token_overhead_s * 1e3:.1f} ms a sequence (gap alone "
+            f"{self.gap_alone_ms:.1f} against the engine's {self.engine_step_ms:.1f}, two on one "
+            f"worker {self.gap_pair_ms:.1f} against {self.engine_pair_ms:.1f}); contention "
             f"{self.contention:.2f} (gap with both workers stepping {self.gap_together_ms:.1f})"
         )
 
 
-def terms_from(
-    profile: CostProfile,
-    hops_ms: Sequence[tuple[float, float]],
-    gaps_alone_ms: Sequence[float],
-    gaps_together_ms: Sequence[float],
-) -> LiveTerms:
-    """The terms from the measurements (pure): `hops_ms` holds (client, worker) TTFTs of the
-    one-token requests; the gaps are the streams' client-side inter-token gaps."""
-    context = STREAM_PROMPT_LEN + STREAM_TOKENS // 2
-    step_ms = profile.engine_step_s([], [context]) * 1e3
-    alone = statistics.median(gaps_alone_ms)
-    together = statistics.median(gaps_together_ms)
+@dataclass
+class LiveSamples:
+    """What the live measurement saw (ms)."""
+
+    hops_ms: list[tuple[float, float]] = field(default_factory=list)  # (client, worker) TTFT
+    alone_ms: list[float] = field(default_factory=list)  # gaps: one stream on a worker
+    pair_ms: list[float] = field(default_factory=list)  # two streams on one worker
+    together_ms: list[float] = field(default_factory=list)  # one on each worker at once
+    engine_one_ms: list[float] = field(default_factory=list)  # the engine's steps, here
+    engine_pair_ms: list[float] = field(default_factory=list)
+    # Per round, together's median gap over alone's: contention from the rounds' median, so
+    # that other work starting or stopping between two rounds moves one ratio, not the median.
+    together_ratios: list[float] = field(default_factory=list)
+
+
+def terms_from(samples: LiveSamples) -> LiveTerms:
+    """The terms from the measurements (pure); none below zero."""
+    median = statistics.median
+    alone, pair = median(samples.alone_ms), median(samples.pair_ms)
+    one, two = median(samples.engine_one_ms), median(samples.engine_pair_ms)
+    token_ms = max(0.0, (pair - two) - (alone - one))
+    ratios = samples.together_ratios or [median(samples.together_ms) / alone]
     return LiveTerms(
-        hop_s=max(0.0, statistics.median(c - w for c, w in hops_ms)) / 1e3,
-        step_overhead_s=max(0.0, alone - step_ms) / 1e3,
-        contention=max(0.0, together / alone - 1),
-        client_ttft_ms=statistics.median(c for c, _ in hops_ms),
-        worker_ttft_ms=statistics.median(w for _, w in hops_ms),
+        hop_s=max(0.0, median(c - w for c, w in samples.hops_ms)) / 1e3,
+        step_overhead_s=max(0.0, alone - one - token_ms) / 1e3,
+        token_overhead_s=token_ms / 1e3,
+        contention=max(0.0, median(ratios) - 1),
+        client_ttft_ms=median(c for c, _ in samples.hops_ms),
+        worker_ttft_ms=median(w for _, w in samples.hops_ms),
         gap_alone_ms=alone,
-        gap_together_ms=together,
-        engine_step_ms=step_ms,
+        gap_pair_ms=pair,
+        gap_together_ms=median(samples.together_ms),
+        engine_step_ms=one,
+        engine_pair_ms=two,
     )
 
 
@@ -112,31 +133,46 @@ def _gaps(stamps: Sequence[float]) -> list[float]:
     return [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
 
 
-async def _measure(stub: Any, vocab: int) -> tuple[list[tuple[float, float]], list, list]:
-    rng = random.Random(0)
+def _engine_steps_ms(engine: Any, batch: int) -> float:
+    """The engine's decode step of `batch` sequences at the streams' mean context, here."""
+    [(_, _, seconds)] = measure_decode(engine, [(batch, STREAM_CONTEXT)])
+    return seconds * 1e3
 
-    def ids(n: int) -> list[int]:
-        return [rng.randrange(3, vocab - 1) for _ in range(n)]
+
+async def _measure(both: Any, one: Any, vocab: int, engine: Any) -> LiveSamples:
+    """`both` routes over the two workers (round robin), `one` over the first alone."""
+    rng = random.Random(0)
+    out = LiveSamples()
+
+    def stream() -> Any:
+        return [rng.randrange(3, vocab - 1) for _ in range(STREAM_PROMPT_LEN)], STREAM_TOKENS
 
     for _ in range(2 * NUM_WORKERS):  # first calls are slow
-        await _stream(stub, ids(64), 4)
-    hops = []
+        await _stream(both, [rng.randrange(3, vocab - 1) for _ in range(64)], 4)
     for _ in range(HOP_REQUESTS):
-        stamps, usage = await _stream(stub, ids(HOP_PROMPT_LEN), 1)
-        hops.append((stamps[0], usage.ttft_ms))
-    alone: list[float] = []
-    together: list[float] = []
+        ids = [rng.randrange(3, vocab - 1) for _ in range(HOP_PROMPT_LEN)]
+        stamps, usage = await _stream(both, ids, 1)
+        out.hops_ms.append((stamps[0], usage.ttft_ms))
     for _ in range(ROUNDS):
-        # Round robin: consecutive requests go to the workers in turn.
-        for _ in range(NUM_WORKERS):
-            alone += _gaps((await _stream(stub, ids(STREAM_PROMPT_LEN), STREAM_TOKENS))[0])
-        both = [_stream(stub, ids(STREAM_PROMPT_LEN), STREAM_TOKENS) for _ in range(NUM_WORKERS)]
-        for stamps, _ in await asyncio.gather(*both):
+        # The workers are idle while the engine here steps (blocking calls, on purpose).
+        out.engine_one_ms.append(_engine_steps_ms(engine, 1))
+        out.engine_pair_ms.append(_engine_steps_ms(engine, 2))
+        alone: list[float] = []
+        together: list[float] = []
+        for _ in range(NUM_WORKERS):  # round robin: one stream on each worker in turn
+            alone += _gaps((await _stream(both, *stream()))[0])
+        both_at_once = [_stream(both, *stream()) for _ in range(NUM_WORKERS)]
+        for stamps, _ in await asyncio.gather(*both_at_once):
             together += _gaps(stamps)
-    return hops, alone, together
+        for stamps, _ in await asyncio.gather(*(_stream(one, *stream()) for _ in range(2))):
+            out.pair_ms += _gaps(stamps)
+        out.alone_ms += alone
+        out.together_ms += together
+        out.together_ratios.append(statistics.median(together) / statistics.median(alone))
+    return out
 
 
-async def _through_router(actors: Any, model: str) -> tuple[list[tuple[float, float]], list, list]:
+async def _through_routers(actors: Any, model: str, engine: Any) -> LiveSamples:
     import grpc
 
     from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
@@ -145,20 +181,35 @@ async def _through_router(actors: Any, model: str) -> tuple[list[tuple[float, fl
     from router.server import RouterServer
 
     config = RouterConfig(port=0, response_cache_mb=0, policy="round_robin")
-    router = await build_router(actors, config, model)
-    server = RouterServer(router, config)
-    await server.start()
+    first = next(iter(actors))
+    routers = [
+        await build_router(actors, config, model),
+        await build_router({first: actors[first]}, config, model),
+    ]
+    servers = [RouterServer(router, config) for router in routers]
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            return await _measure(pb_grpc.InferenceStub(channel), router.pool.model.vocab_size)
+        for server in servers:
+            await server.start()
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{servers[0].port}") as both,
+            grpc.aio.insecure_channel(f"127.0.0.1:{servers[1].port}") as one,
+        ):
+            return await _measure(
+                pb_grpc.InferenceStub(both),
+                pb_grpc.InferenceStub(one),
+                routers[0].pool.model.vocab_size,
+                engine,
+            )
     finally:
-        await server.stop(grace_s=1.0)
-        await router.close()
+        for server, router in zip(servers, routers, strict=True):
+            await server.stop(grace_s=1.0)
+            await router.close()
 
 
-def measure_live_terms(profile: CostProfile, model: str | None = None) -> LiveTerms:
+def measure_live_terms(model: str | None = None) -> LiveTerms:
     """Start two workers (one torch thread each, as the live benches do) behind a router on
-    this machine and measure the live path's terms against `profile` (blocking, ~1 minute)."""
+    this machine, and an engine in this process, and measure the live path's terms (blocking,
+    ~1 minute)."""
     import ray
 
     from cachesvc.config import EngineConfig
@@ -168,14 +219,16 @@ def measure_live_terms(profile: CostProfile, model: str | None = None) -> LiveTe
     model = model or str(default_model_path())
     print("calibrating: the live path (router, Ray, 2 workers)", file=sys.stderr, flush=True)
     engine = EngineConfig.from_env(model=model, block_size=16, num_blocks=512, num_threads=1)
-    ray.init(include_dashboard=False, log_to_driver=False)
+    here = timing_engine(model, None, 1)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     try:
         namespace = f"calibrate-{uuid.uuid4().hex[:6]}"
         actors = spawn_workers(WorkerGroup(engine, NUM_WORKERS, namespace, device="cpu"))
         try:
-            hops, alone, together = asyncio.run(_through_router(actors, model))
+            samples = asyncio.run(_through_routers(actors, model, here))
         finally:
             stop_workers(actors)
     finally:
         ray.shutdown()
-    return terms_from(profile, hops, alone, together)
+        here.close()
+    return terms_from(samples)

@@ -3,17 +3,19 @@
 A profile predicts how long one engine step takes from what it computes, and how long a fetch
 from a lower tier takes from what it reads:
 
-    step_s        = fixed + beta * sum(k) + gamma * sum(k * (ctx + k / 2))       (prefill chunks)
+    step_s        = alpha + beta * sum(k) + gamma * sum(k * (ctx + k / 2))       (prefill chunks)
                     + per_seq * num_decodes + per_context_token * sum(decode ctx) (decode tokens)
-    fixed         = alpha with prefill chunks in the step, else the decode step's base
+    decode step   = by_batch[B] + per_context_token * sum(decode ctx)           (no prefill chunk)
+    by_batch[B]   = measured for small B, else base + per_seq * B
     read(tier, n) = latency + n * bytes_per_block * seconds_per_byte
     pull(n)       = peer.latency + n * bytes_per_block * peer.seconds_per_byte     (from a holder)
     land(n)       = n * bytes_per_block * land_s_per_byte                          (into the device)
 
-A live deployment adds three terms to the engine's own times (`calibrate_live` measures them
+A live deployment adds four terms to the engine's own times (`calibrate_live` measures them
 through a real router and Ray workers; a profile of the device alone leaves them at zero):
 
-    live step     = (step_s + step_overhead) * (1 + contention * other workers stepping)
+    live step     = (step_s + step_overhead + token_overhead * sequences in the step)
+                    * (1 + contention * other workers stepping)
     client's TTFT = the engine's TTFT + hop                  (its tokens' gaps are unchanged)
 
 The prefill terms are the planner's own `ComputeCost`, and the tier terms its `TierCost`: the
@@ -43,11 +45,41 @@ PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 @dataclass(frozen=True)
 class DecodeCost:
     """A decode-only step: a fixed cost (`base_s`), then per sequence its token and the reading
-    of its context's KV."""
+    of its context's KV. Where `by_batch_s` holds a measured step of that many sequences (at a
+    short context), it replaces the first two: a CPU's matrix kernels make small batches far
+    from linear (here 2 and 3 sequences step slower than 4)."""
 
     base_s: float
     per_seq_s: float
     per_context_token_s: float
+    by_batch_s: tuple[float, ...] = ()  # [B - 1]: a step of B sequences
+
+    def step_s(self, num_seqs: int, sum_context: int) -> float:
+        if 0 < num_seqs <= len(self.by_batch_s):
+            fixed = self.by_batch_s[num_seqs - 1]
+        else:
+            fixed = self.base_s + self.per_seq_s * num_seqs
+        return fixed + self.per_context_token_s * sum_context
+
+    def scaled(self, factor: float) -> DecodeCost:
+        return DecodeCost(
+            self.base_s * factor,
+            self.per_seq_s * factor,
+            self.per_context_token_s * factor,
+            tuple(s * factor for s in self.by_batch_s),
+        )
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DecodeCost:
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"decode: {sorted(unknown)}")
+        return cls(
+            float(data["base_s"]),
+            float(data["per_seq_s"]),
+            float(data["per_context_token_s"]),
+            tuple(float(s) for s in data.get("by_batch_s", ())),
+        )
 
 
 @dataclass(frozen=True)
@@ -86,6 +118,7 @@ class CostProfile:
     # each other worker stepping on the same host (they share its cores and the router's).
     hop_s: float = 0.0
     step_overhead_s: float = 0.0
+    token_overhead_s: float = 0.0  # per sequence in the step: its output streamed
     contention: float = 0.0
     source: str = ""  # where the numbers come from: a measurement, or published figures
 
@@ -96,7 +129,7 @@ class CostProfile:
             raise ValueError(f"profile {self.name}: prefill.beta_s must be positive")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError(f"profile {self.name}: step limits must be positive")
-        if min(self.hop_s, self.step_overhead_s, self.contention) < 0:
+        if min(self.hop_s, self.step_overhead_s, self.token_overhead_s, self.contention) < 0:
             raise ValueError(f"profile {self.name}: the live path's terms must be >= 0")
 
     def engine_step_s(
@@ -105,10 +138,12 @@ class CostProfile:
         """Seconds of one `Engine.step` computing prefill `chunks` of (new tokens, context) and
         one token of each sequence decoding after `decode_contexts` tokens."""
         c, d = self.prefill, self.decode
+        if not chunks:
+            return d.step_s(len(decode_contexts), sum(decode_contexts))
         k = sum(n for n, _ in chunks)
         attention = sum(n * (ctx + n / 2) for n, ctx in chunks)
         return (
-            (c.alpha_s if chunks else d.base_s)
+            c.alpha_s
             + c.beta_s * k
             + c.gamma_s * attention
             + d.per_seq_s * len(decode_contexts)
@@ -124,20 +159,21 @@ class CostProfile:
         """Seconds of that step on a live worker, from one step's start to the next's, while
         `others_stepping` other workers of its host step too."""
         engine_s = self.engine_step_s(chunks, decode_contexts)
-        return (engine_s + self.step_overhead_s) * (1 + self.contention * others_stepping)
+        streamed = self.token_overhead_s * (len(chunks) + len(decode_contexts))
+        live_s = engine_s + self.step_overhead_s + streamed
+        return live_s * (1 + self.contention * others_stepping)
 
     def slowed(self, factor: float) -> CostProfile:
         """The same device `factor` times slower at computing (and at the live path's CPU
         work): a machine that other work shares (`calibrate.measure_slowdown`)."""
-        c, d = self.prefill, self.decode
+        c = self.prefill
         return dataclasses.replace(
             self,
             prefill=ComputeCost(c.alpha_s * factor, c.beta_s * factor, c.gamma_s * factor),
-            decode=DecodeCost(
-                d.base_s * factor, d.per_seq_s * factor, d.per_context_token_s * factor
-            ),
+            decode=self.decode.scaled(factor),
             hop_s=self.hop_s * factor,
             step_overhead_s=self.step_overhead_s * factor,
+            token_overhead_s=self.token_overhead_s * factor,
         )
 
     def cost_model(self, block_size: int, peer_pull: bool = False) -> CostModel:
@@ -163,7 +199,7 @@ class CostProfile:
                 description=str(data.get("description", "")),
                 kv_bytes_per_token=float(data["kv_bytes_per_token"]),
                 prefill=ComputeCost(**{k: float(v) for k, v in data["prefill"].items()}),
-                decode=DecodeCost(**{k: float(v) for k, v in data["decode"].items()}),
+                decode=DecodeCost.from_json(data["decode"]),
                 tiers={
                     name: TierReadCost(**{k: float(v) for k, v in t.items()})
                     for name, t in data.get("tiers", {}).items()
@@ -177,6 +213,7 @@ class CostProfile:
                 max_num_seqs=int(data.get("max_num_seqs", 256)),
                 hop_s=float(data.get("hop_s", 0.0)),
                 step_overhead_s=float(data.get("step_overhead_s", 0.0)),
+                token_overhead_s=float(data.get("token_overhead_s", 0.0)),
                 contention=float(data.get("contention", 0.0)),
                 source=str(data.get("source", "")),
             )

@@ -34,6 +34,7 @@ from cachesvc.sim.loop import ClusterSpec, PDSetup, SimRun, replay
 from cachesvc.sim.pd import ALWAYS, COLOCATED, DECIDE
 from cachesvc.sim.simulate import SimulateArgs, profile_for
 from cachesvc.sim.trace import BENCH_VOCAB_SIZE, SimRequest
+from router.pd import SLO as TargetsSLO
 from router.policy import PEER
 
 # The router's pd_mode -> the simulator's mode with a prefill worker.
@@ -61,18 +62,21 @@ def replay_bench_pd(
     profile: CostProfile,
     shape: PDShape,
     pd_mode: str = "auto",
+    itl_slo_ms: float | None = None,
     policy_options: Mapping[str, Any] | None = None,
 ) -> list[PhaseResult]:
-    """Both setups' phases, simulated (pure); in the live bench's order."""
+    """Both setups' phases, simulated (pure); in the live bench's order. `itl_slo_ms` is the
+    router's inter-token target for its decisions (`bench pd --itl-slo-ms`)."""
     from router.config import RouterConfig
 
-    router = RouterConfig(pd_mode=pd_mode)
+    router = RouterConfig(pd_mode=pd_mode, pd_itl_slo_ms=itl_slo_ms)
     options = router.policy_options() if policy_options is None else policy_options
     spec = ClusterSpec(NUM_WORKERS, device_blocks=shape.num_blocks, block_size=BLOCK_SIZE)
+    targets = None if itl_slo_ms is None else TargetsSLO(None, itl_slo_ms / 1e3)
     results = []
     for setup, (num_prefill, _) in SETUPS.items():
         mode = PD_MODES[pd_mode] if num_prefill else COLOCATED
-        pd = PDSetup(mode, num_prefill, router.pd_stall_weight)
+        pd = PDSetup(mode, num_prefill, router.pd_stall_weight, targets)
         for phase in (ALONE, WITH_PROMPTS):
             requests = phase_sim_requests(shape, phase)
             # The router names holders (its peer_pull) and the workers pull, as in the bench.
@@ -109,7 +113,9 @@ def run_like_bench_pd(args: SimulateArgs) -> int:
     if mode not in ROUTER_MODES:
         raise ValueError(f"--like-bench-pd takes --pd {DECIDE} (the router's auto) or {ALWAYS}")
     shape = PDShape(args.quick)
-    results = replay_bench_pd(profile_for(args), shape, ROUTER_MODES[mode])
+    # As bench pd's --itl-slo-ms: the router's inter-token target alone.
+    itl = args.slo.itl_ms if args.pd_decide_slo else None
+    results = replay_bench_pd(profile_for(args), shape, ROUTER_MODES[mode], itl)
     live = "cachesvc bench pd" + (" --quick" if args.quick else "")
     print(format_results(results))
     print(f"simulated ({args.profile}); `{live}` serves the same requests live")

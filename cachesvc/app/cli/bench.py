@@ -122,6 +122,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 tuple(args.only or ("routing", "pd")),
                 args.model,
                 args.json_path,
+                args.itl_slo_ms,
             )
         except ValueError as exc:
             raise CliError(str(exc)) from None
@@ -215,6 +216,9 @@ def _add_agreement_parser(bench_sub: Any) -> None:
     )
     b.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     b.add_argument("--json", dest="json_path", help="also write every run and figure here")
+    b.add_argument(
+        "--itl-slo-ms", type=float, default=None, help="bench pd's --itl-slo-ms, both sides"
+    )
 
 
 def _add_routing_bench_parser(bench_sub: Any) -> None:

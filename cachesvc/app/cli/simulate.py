@@ -51,6 +51,11 @@ def add_simulate_parser(sub: Any) -> None:
         action="store_true",
         help="the engine's steps only: skip the live path's terms (a router and 2 Ray workers)",
     )
+    cal.add_argument(
+        "--live-only",
+        action="store_true",
+        help="the live path's terms only, added to the profile --out names (or the stored one)",
+    )
 
     sim.add_argument(
         "--workload",
@@ -126,7 +131,9 @@ def add_simulate_parser(sub: Any) -> None:
         "--like-bench-pd",
         action="store_true",
         help="replay what `cachesvc bench pd` sends, on its two setups (2 mixed workers; 1 "
-        "prefill + 1 decode, decided per request as the router's pd_mode auto, or --pd always)",
+        "prefill + 1 decode, decided per request as the router's pd_mode auto, or --pd always; "
+        "with --pd-decide-slo the router's inter-token target is --slo-itl-ms, as the bench's "
+        "--itl-slo-ms)",
     )
     sim.add_argument(
         "--quick", action="store_true", help="with --like-bench-pd: the bench's --quick sizes"
@@ -342,7 +349,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     path = args.out or str(PROFILE_DIR / "cpu-calibrated.json")
     # What is not measured here (pulls) is kept from the profile replaced, else the stored one.
     base = load_profile(path if Path(path).is_file() else "cpu-calibrated")
-    profile = calibrate_profile(args.model, args.threads, base, live=not args.no_live)
+    if args.no_live and args.live_only:
+        raise CliError("--no-live and --live-only leave nothing to measure")
+    profile = calibrate_profile(
+        args.model, args.threads, base, live=not args.no_live, engine=not args.live_only
+    )
     save_profile(profile, path)
     print(f"wrote {path}")
     for field in dataclasses.fields(profile):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cachesvc.planner import ComputeCost
-from cachesvc.sim.calibrate_live import STREAM_PROMPT_LEN, STREAM_TOKENS, terms_from
+from cachesvc.sim.calibrate_live import LiveSamples, terms_from
 from cachesvc.sim.cost_profile import CostProfile, DecodeCost
 from cachesvc.sim.loop import ClusterSpec, SimRun, replay
 from cachesvc.sim.seq import SimSeq
@@ -96,14 +96,65 @@ def test_the_live_terms_are_read_checked_and_scaled(tmp_path: Path) -> None:
 
 
 def test_the_terms_come_from_the_live_medians() -> None:
-    # Client and worker TTFTs of one-token requests (ms): the hop is their median difference.
-    hops = [(110.0, 100.0), (130.0, 118.0), (95.0, 90.0)]
-    context = STREAM_PROMPT_LEN + STREAM_TOKENS // 2
-    engine_ms = UNIT.engine_step_s([], [context]) * 1e3  # 10 ms
-    terms = terms_from(UNIT, hops, gaps_alone_ms=[14.0, 15.0, 16.0], gaps_together_ms=[21.0])
+    samples = LiveSamples(
+        # Client and worker TTFTs of one-token requests: the hop is their median difference.
+        hops_ms=[(110.0, 100.0), (130.0, 118.0), (95.0, 90.0)],
+        alone_ms=[14.0, 15.0, 16.0],  # the engine steps one sequence in 10 ms: 5 ms more
+        pair_ms=[27.0],  # it steps two in 20 ms: 7 ms more, so 2 ms a sequence, 3 ms a step
+        together_ms=[21.0],
+        engine_one_ms=[9.0, 10.0, 30.0],
+        engine_pair_ms=[20.0],
+    )
+    terms = terms_from(samples)
     assert terms.hop_s == pytest.approx(0.010)
-    assert terms.step_overhead_s == pytest.approx((15.0 - engine_ms) / 1e3)
+    assert terms.token_overhead_s == pytest.approx(0.002)
+    assert terms.step_overhead_s == pytest.approx(0.003)
     assert terms.contention == pytest.approx(21.0 / 15.0 - 1)
-    # A machine faster than its profile has no negative overhead, nor negative contention.
-    fast = terms_from(UNIT, hops, gaps_alone_ms=[8.0], gaps_together_ms=[7.0])
+    # A machine that stepped slower here than in the workers gives no negative overhead, nor
+    # two streams faster than one a negative contention.
+    fast = terms_from(dataclasses.replace(samples, alone_ms=[8.0], together_ms=[7.0]))
     assert (fast.step_overhead_s, fast.contention) == (0.0, 0.0)
+    # Rounds' own ratios, where measured: one round disturbed by other work moves none.
+    rounds = dataclasses.replace(samples, together_ratios=[1.2, 1.9, 1.3])
+    assert terms_from(rounds).contention == pytest.approx(0.3)
+
+
+def test_live_terms_measured_on_a_busy_machine_are_brought_to_the_profiles_speed() -> None:
+    from cachesvc.sim.calibrate import with_live_terms
+
+    # The engine stepped one sequence in 20 ms while the terms were measured; the profile says
+    # 10 ms: the machine was twice as slow, so its hop and overheads count half.
+    samples = LiveSamples([(30.0, 20.0)], [28.0], [48.0], [42.0], [20.0], [36.0])
+    live = with_live_terms(UNIT, terms_from(samples))
+    assert (live.hop_s, live.step_overhead_s, live.token_overhead_s) == pytest.approx(
+        (0.005, 0.002, 0.002)
+    )
+    assert live.contention == pytest.approx(0.5), "a ratio: the same at any speed"
+    assert live.prefill == UNIT.prefill and live.decode == UNIT.decode
+
+
+def test_a_measured_batch_table_replaces_the_linear_decode_cost() -> None:
+    # Two sequences step slower than four, as this machine's CPU kernels do.
+    table = DecodeCost(0.05, 0.01, 1e-6, by_batch_s=(0.07, 0.12, 0.14, 0.09))
+    assert table.step_s(2, 100) == pytest.approx(0.12 + 1e-4)
+    assert table.step_s(4, 0) == pytest.approx(0.09)
+    assert table.step_s(6, 0) == pytest.approx(0.05 + 0.06), "beyond the table: linear"
+    profile = dataclasses.replace(UNIT, decode=table, token_overhead_s=0.001)
+    assert profile.step_s([], [10, 10]) == pytest.approx(0.12 + 2e-5 + 0.002)
+    assert CostProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+    with pytest.raises(ValueError, match="by_batch"):
+        CostProfile.from_json({**profile.to_json(), "decode": {"by_batch": [1.0]}})
+
+
+def test_the_prefill_fit_keeps_short_prompts_right() -> None:
+    from cachesvc.calibration import ComputeSample
+    from cachesvc.sim.calibrate import PREFILL_SHAPES, fit_prefill
+
+    truth = ComputeCost(alpha_s=0.1, beta_s=3e-3, gamma_s=1e-6)
+    samples = [ComputeSample.of([s], truth.prefill_s(*s)) for s in PREFILL_SHAPES]
+    # The longest step 10% slow (a busy moment): short steps, mostly fixed cost, stay right.
+    longest = max(range(len(samples)), key=lambda i: samples[i].seconds)
+    samples[longest] = ComputeSample.of([PREFILL_SHAPES[longest]], samples[longest].seconds * 1.1)
+    fitted = fit_prefill(samples)
+    for k, ctx in PREFILL_SHAPES[:3]:
+        assert fitted.prefill_s(k, ctx) == pytest.approx(truth.prefill_s(k, ctx), rel=0.05)

@@ -1,0 +1,100 @@
+"""An engine timed step by step, the measurements both halves of `cachesvc simulate calibrate`
+take: prefill steps of k new tokens after a cached prefix, decode-only steps of B sequences.
+The engine runs in this process on the CPU (one torch thread unless told); the workers' model
+by default.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from cachesvc.calibration import ComputeSample
+
+BLOCK_SIZE = 16
+DECODE_STEPS = 8
+PREFILL_REPEATS = 3
+_VOCAB_LOW = 100  # token ids from here up: clear of special tokens
+
+
+def tokens(n: int, seed: int, vocab: int) -> list[int]:
+    """`n` token ids drawn from `seed`, clear of the special ones."""
+    rng = random.Random(seed)
+    return [rng.randrange(_VOCAB_LOW, vocab) for _ in range(n)]
+
+
+def timing_engine(model: str | None, folder: str | None, threads: int | None) -> Any:
+    """An engine for timing; with a `folder`, a DRAM and an NVMe tier in it."""
+    from cachesvc.config import EngineConfig, TierConfig
+    from workers.engine.engine import Engine
+
+    tiers = TierConfig() if folder is None else TierConfig(dram_mb=64, nvme_path=folder, nvme_mb=64)
+    config = EngineConfig(
+        model=model,
+        block_size=BLOCK_SIZE,
+        kv_cache_mb=256,  # the engine's other defaults (step budget, sequences) go in the profile
+        num_threads=threads,
+        tiers=tiers,
+    )
+    return Engine(config)
+
+
+def greedy(max_tokens: int) -> Any:
+    """Sampling that decodes exactly `max_tokens` tokens."""
+    from workers.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def timed_step(engine: Any) -> float:
+    """Seconds of one `engine.step()`."""
+    start = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - start
+
+
+def measure_prefill(engine: Any, shapes: Sequence[tuple[int, int]]) -> list[ComputeSample]:
+    """One sample per (k, ctx): the median of three timed steps prefilling k tokens after a
+    cached prefix of ctx tokens (the median, not the best: live steps see the machine as it
+    is, other work included)."""
+    vocab = engine.loaded.config.vocab_size
+    samples = []
+    for i, (k, ctx) in enumerate(shapes):
+        prefix = tokens(ctx, 1000 + i, vocab)
+        if ctx:
+            engine.generate([prefix + tokens(BLOCK_SIZE, 1, vocab)], greedy(1))
+        seconds = []
+        for repeat in range(PREFILL_REPEATS):
+            engine.add_request(prefix + tokens(k, 2000 + 10 * i + repeat, vocab), greedy(1))
+            seconds.append(timed_step(engine))
+            while engine.has_unfinished():
+                engine.step()
+        samples.append(ComputeSample.of([(k, ctx)], statistics.median(seconds)))
+    return samples
+
+
+def measure_decode(engine: Any, shapes: Sequence[tuple[int, int]]) -> list[tuple[int, int, float]]:
+    """(sequences, sum of their contexts, seconds per step) of decode-only steps."""
+    vocab = engine.loaded.config.vocab_size
+    out = []
+    engine.generate([tokens(32, 3, vocab)], greedy(DECODE_STEPS))  # the first decodes warm up
+    for i, (batch, ctx) in enumerate(shapes):
+        for j in range(batch):
+            engine.add_request(tokens(ctx, 5000 + 100 * i + j, vocab), greedy(DECODE_STEPS + 4))
+        for _ in range(64):  # until every prompt is computed (one step each is typical)
+            if all(r.num_computed_tokens >= r.num_prompt_tokens for r in _running(engine)):
+                break
+            engine.step()
+        engine.step()  # the first decode step may still allocate
+        seconds = [timed_step(engine) for _ in range(DECODE_STEPS)]
+        while engine.has_unfinished():
+            engine.step()
+        out.append((batch, batch * (ctx + 2), sorted(seconds)[len(seconds) // 2]))
+    return out
+
+
+def _running(engine: Any) -> list[Any]:
+    return [*engine.scheduler.waiting, *engine.scheduler.running]
