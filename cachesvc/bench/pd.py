@@ -13,7 +13,6 @@ prompt to it when the decode batch would lose more than the transfer costs.
 from __future__ import annotations
 
 import asyncio
-import random
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from cachesvc.bench.pd_workload import (
     PDRequest,
     PDShape,
     phase_requests,
+    warmup_request,
 )
 from cachesvc.bench.table import format_table
 
@@ -156,8 +156,8 @@ async def _run_setup(
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.InferenceStub(channel)
-            rng = random.Random(0)
-            await _stream(stub, [rng.randrange(3, vocab - 1) for _ in range(64)], 4)  # warm up
+            warmup = warmup_request(vocab)
+            await _stream(stub, warmup.prompt_ids, warmup.max_tokens)
             return [await _phase(stub, args.shape, setup, p, vocab) for p in (ALONE, WITH_PROMPTS)]
     finally:
         await server.stop(grace_s=1.0)

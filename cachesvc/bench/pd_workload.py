@@ -1,12 +1,13 @@
 """The requests `cachesvc bench pd` sends, one list for the live bench and for its replay in the
 simulator (`cachesvc simulate --like-bench-pd`), so both serve exactly the same work.
 
-Each setup (`SETUPS`: two mixed workers, or one prefill and one decode worker) runs two phases
-one after the other. In the first, `streams` greedy decodes (a 48-token prompt, `decode_tokens`
-tokens each) start together; in the second, the same number of decodes start together and,
-from `2 * interval_s` on, `long_prompts` long prompts (`long_tokens` tokens, a short answer)
-arrive one every `interval_s`. Prompts are random token ids drawn from a seed per phase: no
-request shares a block with another.
+Each setup (`SETUPS`: two mixed workers, or one prefill and one decode worker) first serves one
+short request to warm the path (`warmup_request`), then runs two phases one after the other,
+each once the previous one is done. In the first, `streams` greedy decodes (a 48-token prompt,
+`decode_tokens` tokens each) start together; in the second, the same number of decodes start
+together and, from `2 * interval_s` on, `long_prompts` long prompts (`long_tokens` tokens, a
+short answer) arrive one every `interval_s`. Prompts are random token ids drawn from a seed per
+phase: no request shares a block with another.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ ALONE, WITH_PROMPTS = "decodes alone", "with long prompts"
 PHASE_SEEDS = {ALONE: 1, WITH_PROMPTS: 2}
 DECODE_PROMPT_LEN = 48
 LONG_OUTPUT_LEN = 8
+WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 64, 4
 BLOCK_SIZE = 16
 
 
@@ -65,6 +67,12 @@ class PDRequest:
     prompt_ids: tuple[int, ...]
     max_tokens: int
     long: bool  # a long prompt (its TTFT is reported), else a decode stream (its gaps are)
+
+
+def warmup_request(vocab_size: int) -> PDRequest:
+    """The request served before the phases (first calls are slow), not reported."""
+    rng = random.Random(0)
+    return PDRequest(0.0, _ids(rng, WARMUP_PROMPT_LEN, vocab_size), WARMUP_OUTPUT_LEN, False)
 
 
 def phase_requests(shape: PDShape, phase: str, vocab_size: int) -> list[PDRequest]:

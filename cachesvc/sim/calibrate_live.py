@@ -13,6 +13,9 @@ router (`contention`). Measured with the workers idle but for what is sent:
   between their tokens, as the client sees them, less the median `Engine.step` of one and of
   two sequences at that context, timed in this process between the streams (so both see the
   machine alike); what the second stream adds is the per-sequence part, the rest per step;
+* prefill factor: one-token requests of 64 and 128 tokens: the worker's own TTFT, less the
+  overheads, over the engine's prefill step of as many tokens timed here just before (a live
+  worker computes a prompt slower than the engine alone: 1.3-1.6x here, decodes 1.1x);
 * contention: one stream on each worker at once: their median gap over the lone streams' of
   the same round, less one (per other worker stepping); the median over the rounds.
 
@@ -32,11 +35,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachesvc.sim.engine_timing import measure_decode, timing_engine
+from cachesvc.sim.engine_timing import measure_decode, measure_prefill, timing_engine
 
 NUM_WORKERS = 2
 HOP_REQUESTS = 12
 HOP_PROMPT_LEN = 32
+PREFILL_LENS = (64, 128)  # one-token requests of these sizes, each round
 STREAM_PROMPT_LEN = 48
 STREAM_TOKENS = 48
 STREAM_CONTEXT = STREAM_PROMPT_LEN + STREAM_TOKENS // 2  # a lone stream's mean context
@@ -50,6 +54,7 @@ class LiveTerms:
     hop_s: float
     step_overhead_s: float
     token_overhead_s: float
+    prefill_factor: float
     contention: float
     client_ttft_ms: float  # the one-token requests'
     worker_ttft_ms: float
@@ -66,7 +71,8 @@ class LiveTerms:
             f"+ {self.token_overhead_s * 1e3:.1f} ms a sequence (gap alone "
             f"{self.gap_alone_ms:.1f} against the engine's {self.engine_step_ms:.1f}, two on one "
             f"worker {self.gap_pair_ms:.1f} against {self.engine_pair_ms:.1f}); contention "
-            f"{self.contention:.2f} (gap with both workers stepping {self.gap_together_ms:.1f})"
+            f"{self.contention:.2f} (gap with both workers stepping {self.gap_together_ms:.1f}); "
+            f"prefill {self.prefill_factor:.2f}x the engine's alone"
         )
 
 
@@ -83,6 +89,8 @@ class LiveSamples:
     # Per round, together's median gap over alone's: contention from the rounds' median, so
     # that other work starting or stopping between two rounds moves one ratio, not the median.
     together_ratios: list[float] = field(default_factory=list)
+    # (the worker's TTFT, the engine's prefill step here) of one-token requests, ms.
+    prefills_ms: list[tuple[float, float]] = field(default_factory=list)
 
 
 def terms_from(samples: LiveSamples) -> LiveTerms:
@@ -92,10 +100,13 @@ def terms_from(samples: LiveSamples) -> LiveTerms:
     one, two = median(samples.engine_one_ms), median(samples.engine_pair_ms)
     token_ms = max(0.0, (pair - two) - (alone - one))
     ratios = samples.together_ratios or [median(samples.together_ms) / alone]
+    step_ms = max(0.0, alone - one - token_ms)
+    live_prefill = [(w - step_ms - token_ms) / e for w, e in samples.prefills_ms]
     return LiveTerms(
         hop_s=max(0.0, median(c - w for c, w in samples.hops_ms)) / 1e3,
-        step_overhead_s=max(0.0, alone - one - token_ms) / 1e3,
+        step_overhead_s=step_ms / 1e3,
         token_overhead_s=token_ms / 1e3,
+        prefill_factor=max(1.0, median(live_prefill or [1.0])),
         contention=max(0.0, median(ratios) - 1),
         client_ttft_ms=median(c for c, _ in samples.hops_ms),
         worker_ttft_ms=median(w for _, w in samples.hops_ms),
@@ -157,6 +168,11 @@ async def _measure(both: Any, one: Any, vocab: int, engine: Any) -> LiveSamples:
         # The workers are idle while the engine here steps (blocking calls, on purpose).
         out.engine_one_ms.append(_engine_steps_ms(engine, 1))
         out.engine_pair_ms.append(_engine_steps_ms(engine, 2))
+        for n in PREFILL_LENS:
+            [sample] = measure_prefill(engine, [(n, 0)])
+            ids = [rng.randrange(3, vocab - 1) for _ in range(n)]
+            _, usage = await _stream(both, ids, 1)
+            out.prefills_ms.append((usage.ttft_ms, sample.seconds * 1e3))
         alone: list[float] = []
         together: list[float] = []
         for _ in range(NUM_WORKERS):  # round robin: one stream on each worker in turn

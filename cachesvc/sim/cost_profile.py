@@ -11,10 +11,11 @@ from a lower tier takes from what it reads:
     pull(n)       = peer.latency + n * bytes_per_block * peer.seconds_per_byte     (from a holder)
     land(n)       = n * bytes_per_block * land_s_per_byte                          (into the device)
 
-A live deployment adds four terms to the engine's own times (`calibrate_live` measures them
+A live deployment adds five terms to the engine's own times (`calibrate_live` measures them
 through a real router and Ray workers; a profile of the device alone leaves them at zero):
 
-    live step     = (step_s + step_overhead + token_overhead * sequences in the step)
+    live step     = (step_s * (prefill_factor if it has prefill chunks else 1) + step_overhead
+                     + token_overhead * sequences in the step)
                     * (1 + contention * other workers stepping)
     client's TTFT = the engine's TTFT + hop                  (its tokens' gaps are unchanged)
 
@@ -119,6 +120,8 @@ class CostProfile:
     hop_s: float = 0.0
     step_overhead_s: float = 0.0
     token_overhead_s: float = 0.0  # per sequence in the step: its output streamed
+    # A live worker computes a step with prompt tokens this much slower than the engine alone.
+    prefill_factor: float = 1.0
     contention: float = 0.0
     source: str = ""  # where the numbers come from: a measurement, or published figures
 
@@ -131,6 +134,8 @@ class CostProfile:
             raise ValueError(f"profile {self.name}: step limits must be positive")
         if min(self.hop_s, self.step_overhead_s, self.token_overhead_s, self.contention) < 0:
             raise ValueError(f"profile {self.name}: the live path's terms must be >= 0")
+        if self.prefill_factor < 1:
+            raise ValueError(f"profile {self.name}: prefill_factor must be >= 1")
 
     def engine_step_s(
         self, chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int]
@@ -159,6 +164,8 @@ class CostProfile:
         """Seconds of that step on a live worker, from one step's start to the next's, while
         `others_stepping` other workers of its host step too."""
         engine_s = self.engine_step_s(chunks, decode_contexts)
+        if chunks:
+            engine_s *= self.prefill_factor
         streamed = self.token_overhead_s * (len(chunks) + len(decode_contexts))
         live_s = engine_s + self.step_overhead_s + streamed
         return live_s * (1 + self.contention * others_stepping)
@@ -214,6 +221,7 @@ class CostProfile:
                 hop_s=float(data.get("hop_s", 0.0)),
                 step_overhead_s=float(data.get("step_overhead_s", 0.0)),
                 token_overhead_s=float(data.get("token_overhead_s", 0.0)),
+                prefill_factor=float(data.get("prefill_factor", 1.0)),
                 contention=float(data.get("contention", 0.0)),
                 source=str(data.get("source", "")),
             )

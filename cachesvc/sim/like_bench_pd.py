@@ -3,17 +3,18 @@
 router's defaults: its policy, and with a prefill worker its per-request decision
 (`pd_mode="auto"`, the simulator's `decide`, at the router's stall weight) or `always`.
 
-Each phase runs on a fresh cluster of two workers of the bench's size (the live phases run one
-after the other on the same workers, but no request shares a block with another, so nothing
-cached carries over). What is reported is what the live bench reports, as the client sees it:
-the decodes' inter-token gaps and the long prompts' time to first token, in the bench's own
+As live, a setup's cluster (two workers of the bench's size) and router serve the warm-up
+request, then the first phase once the warm-up's last token is out, then the second once the
+first's is: what the router remembers of each (the busy seconds its policy breaks ties on) is
+there for the next. What is reported is what the live bench reports, as the client sees it: the
+decodes' inter-token gaps and the long prompts' time to first token, in the bench's own
 `PhaseResult`s, so one table prints both.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from cachesvc.bench.pd import PhaseResult, format_results
@@ -23,17 +24,20 @@ from cachesvc.bench.pd_workload import (
     NUM_WORKERS,
     SETUPS,
     WITH_PROMPTS,
+    PDRequest,
     PDShape,
     phase_requests,
+    warmup_request,
 )
 from cachesvc.bench.table import write_json
 from cachesvc.hashing import hash_blocks, root_hash
 from cachesvc.sim.cost_profile import CostProfile
-from cachesvc.sim.goodput import outcomes
-from cachesvc.sim.loop import ClusterSpec, PDSetup, SimRun, replay
+from cachesvc.sim.goodput import Outcome, outcomes
+from cachesvc.sim.loop import ClusterSpec, PDSetup, replay
 from cachesvc.sim.pd import ALWAYS, COLOCATED, DECIDE
 from cachesvc.sim.simulate import SimulateArgs, profile_for
-from cachesvc.sim.trace import BENCH_VOCAB_SIZE, SimRequest
+from cachesvc.sim.trace import BENCH_VOCAB_SIZE as VOCAB
+from cachesvc.sim.trace import SimRequest
 from router.pd import SLO as TargetsSLO
 from router.policy import PEER
 
@@ -42,20 +46,23 @@ PD_MODES = {"auto": DECIDE, "always": ALWAYS}
 ROUTER_MODES = {mode: pd_mode for pd_mode, mode in PD_MODES.items()}
 
 
-def phase_sim_requests(shape: PDShape, phase: str) -> list[SimRequest]:
-    """The requests of one phase, as the default model's workers hash their tokens."""
-    root = root_hash("simulated", BLOCK_SIZE)
-    return [
-        SimRequest(
-            index=i,
-            arrival_s=r.offset_s,
-            prompt_len=len(r.prompt_ids),
-            output_len=r.max_tokens,
-            hashes=tuple(hash_blocks(list(r.prompt_ids), BLOCK_SIZE, root)),
-            block_size=BLOCK_SIZE,
-        )
-        for i, r in enumerate(phase_requests(shape, phase, BENCH_VOCAB_SIZE))
-    ]
+def phase_sim_requests(shape: PDShape, phase: str, start_s: float = 0.0) -> list[SimRequest]:
+    """The requests of one phase sent from `start_s`, as the default model's workers hash
+    their tokens."""
+    return [_sim_request(i, start_s, r) for i, r in enumerate(phase_requests(shape, phase, VOCAB))]
+
+
+def _sim_request(index: int, start_s: float, request: PDRequest, timed: bool = True) -> SimRequest:
+    ids = list(request.prompt_ids)
+    return SimRequest(
+        index=index,
+        arrival_s=start_s + request.offset_s,
+        prompt_len=len(ids),
+        output_len=request.max_tokens,
+        hashes=tuple(hash_blocks(ids, BLOCK_SIZE, root_hash("simulated", BLOCK_SIZE))),
+        block_size=BLOCK_SIZE,
+        timed=timed,
+    )
 
 
 def replay_bench_pd(
@@ -77,33 +84,47 @@ def replay_bench_pd(
     for setup, (num_prefill, _) in SETUPS.items():
         mode = PD_MODES[pd_mode] if num_prefill else COLOCATED
         pd = PDSetup(mode, num_prefill, router.pd_stall_weight, targets)
+        requests = [_sim_request(0, 0.0, warmup_request(VOCAB), timed=False)]
+        phases = {}
         for phase in (ALONE, WITH_PROMPTS):
-            requests = phase_sim_requests(shape, phase)
             # The router names holders (its peer_pull) and the workers pull, as in the bench.
             run = replay(requests, profile, spec, router.policy, options, True, pd)
-            results.append(phase_result(run, requests, setup, phase, shape.streams))
+            # A phase starts once the client has every token of what came before.
+            start_s = max(s.token_times[-1] for s in run.seqs)
+            added = phase_sim_requests(shape, phase, start_s)
+            phases[phase] = range(len(requests), len(requests) + len(added))
+            requests += [dataclasses.replace(r, index=r.index + len(requests)) for r in added]
+        run = replay(requests, profile, spec, router.policy, options, True, pd)
+        done = {o.index: o for o in outcomes(run)}
+        pulled = {s.req.index: s.cached.get(PEER, 0) for s in run.seqs if s.pulls_prompt}
+        for phase, indexes in phases.items():
+            result = PhaseResult(setup, phase)
+            add_phase(result, done, pulled, indexes, shape.streams, profile.hop_s)
+            results.append(result)
     return results
 
 
-def phase_result(
-    run: SimRun, requests: Sequence[SimRequest], setup: str, phase: str, num_streams: int
-) -> PhaseResult:
-    """What the client saw of one replayed phase: the first `num_streams` requests are the
-    decode streams, the rest the long prompts."""
-    result = PhaseResult(setup, phase)
-    hop_s = run.workers[0].profile.hop_s  # the engine's TTFT is the client's less the hop
-    for outcome in outcomes(run):
-        if outcome.index < num_streams:
+def add_phase(
+    result: PhaseResult,
+    done: Mapping[int, Outcome],
+    pulled: Mapping[int, int],
+    indexes: range,
+    num_streams: int,
+    hop_s: float = 0.0,
+) -> None:
+    """Add to `result` what the client saw of one phase (`done`: every request's outcome;
+    `pulled`: the prompt tokens each hand-off pulled): its requests are `indexes`, the first
+    `num_streams` of them decode streams, the rest long prompts (their engine-side TTFT is
+    `hop_s` shorter)."""
+    for index in indexes:
+        outcome = done[index]
+        if index < indexes.start + num_streams:
             result.gaps_s += outcome.gaps_s
             continue
         result.ttft_s.append(outcome.ttft_s)
         result.worker_ttft_s.append(outcome.ttft_s - hop_s)
-        if outcome.disaggregated:
-            result.disaggregated += 1
-    pulled = [s.cached.get(PEER, 0) for s in run.seqs if s.pulls_prompt]
-    result.kv_moved_tokens = sum(pulled)
-    assert len(result.ttft_s) == len(requests) - num_streams, "every long prompt is served"
-    return result
+        result.disaggregated += outcome.disaggregated
+        result.kv_moved_tokens += pulled.get(index, 0)
 
 
 def run_like_bench_pd(args: SimulateArgs) -> int:

@@ -60,6 +60,14 @@ def test_the_step_overhead_lengthens_every_step(write_trace: WriteTrace) -> None
     assert _gaps(seq) == pytest.approx([0.01 + 0.005] * 3)
 
 
+def test_a_live_worker_computes_prompts_slower_and_decodes_as_the_engine(
+    write_trace: WriteTrace,
+) -> None:
+    seq = _one_request(write_trace, dataclasses.replace(UNIT, prefill_factor=1.5))
+    assert seq.first_token_s == pytest.approx(0.1 * 1.5)
+    assert _gaps(seq) == pytest.approx([0.01] * 3)
+
+
 def _two_workers(write_trace: WriteTrace, profile: CostProfile) -> SimRun:
     # Round robin: a long decode on w0 from 0 s; a short request on w1 from 0.5 s.
     rows = [(0, PROMPT, 200, [1]), (500, PROMPT, 4, [2])]
@@ -117,6 +125,11 @@ def test_the_terms_come_from_the_live_medians() -> None:
     # Rounds' own ratios, where measured: one round disturbed by other work moves none.
     rounds = dataclasses.replace(samples, together_ratios=[1.2, 1.9, 1.3])
     assert terms_from(rounds).contention == pytest.approx(0.3)
+    # A one-token request's 70 ms on the worker is 65 ms of prefill (less the 3 + 2 ms of
+    # overheads), against the engine's 50 ms alone.
+    assert terms_from(samples).prefill_factor == 1.0, "none measured: none assumed"
+    prefills = dataclasses.replace(samples, prefills_ms=[(70.0, 50.0), (40.0, 50.0)])
+    assert terms_from(prefills).prefill_factor == pytest.approx((1.3 + 0.7) / 2)
 
 
 def test_live_terms_measured_on_a_busy_machine_are_brought_to_the_profiles_speed() -> None:
