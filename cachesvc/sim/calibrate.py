@@ -142,7 +142,7 @@ def with_live_terms(profile: CostProfile, terms: LiveTerms) -> CostProfile:
         hop_s=terms.hop_s / slowdown,
         step_overhead_s=terms.step_overhead_s / slowdown,
         token_overhead_s=terms.token_overhead_s / slowdown,
-        prefill_factor=terms.prefill_factor,
+        prefill_overhead_s=terms.prefill_overhead_s / slowdown,
         contention=terms.contention,
     )
 

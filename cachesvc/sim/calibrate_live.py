@@ -13,9 +13,9 @@ router (`contention`). Measured with the workers idle but for what is sent:
   between their tokens, as the client sees them, less the median `Engine.step` of one and of
   two sequences at that context, timed in this process between the streams (so both see the
   machine alike); what the second stream adds is the per-sequence part, the rest per step;
-* prefill factor: one-token requests of 64 and 128 tokens: the worker's own TTFT, less the
-  overheads, over the engine's prefill step of as many tokens timed here just before (a live
-  worker computes a prompt slower than the engine alone: 1.3-1.6x here, decodes 1.1x);
+* prefill overhead: one-token requests of 64 and 128 tokens: the worker's own TTFT, less the
+  overheads and the engine's prefill step of as many tokens timed here just before (a live
+  worker's prefill step takes longer than the engine's alone, more than its decode steps do);
 * contention: one stream on each worker at once: their median gap over the lone streams' of
   the same round, less one (per other worker stepping); the median over the rounds.
 
@@ -54,7 +54,7 @@ class LiveTerms:
     hop_s: float
     step_overhead_s: float
     token_overhead_s: float
-    prefill_factor: float
+    prefill_overhead_s: float
     contention: float
     client_ttft_ms: float  # the one-token requests'
     worker_ttft_ms: float
@@ -72,7 +72,7 @@ class LiveTerms:
             f"{self.gap_alone_ms:.1f} against the engine's {self.engine_step_ms:.1f}, two on one "
             f"worker {self.gap_pair_ms:.1f} against {self.engine_pair_ms:.1f}); contention "
             f"{self.contention:.2f} (gap with both workers stepping {self.gap_together_ms:.1f}); "
-            f"prefill {self.prefill_factor:.2f}x the engine's alone"
+            f"a prefill step {self.prefill_overhead_s * 1e3:.1f} ms more than the engine's alone"
         )
 
 
@@ -98,15 +98,14 @@ def terms_from(samples: LiveSamples) -> LiveTerms:
     median = statistics.median
     alone, pair = median(samples.alone_ms), median(samples.pair_ms)
     one, two = median(samples.engine_one_ms), median(samples.engine_pair_ms)
-    token_ms = max(0.0, (pair - two) - (alone - one))
+    step_ms, token_ms = split_overhead(alone - one, pair - two)
     ratios = samples.together_ratios or [median(samples.together_ms) / alone]
-    step_ms = max(0.0, alone - one - token_ms)
-    live_prefill = [(w - step_ms - token_ms) / e for w, e in samples.prefills_ms]
+    extra = [w - e - step_ms - token_ms for w, e in samples.prefills_ms]
     return LiveTerms(
         hop_s=max(0.0, median(c - w for c, w in samples.hops_ms)) / 1e3,
         step_overhead_s=step_ms / 1e3,
         token_overhead_s=token_ms / 1e3,
-        prefill_factor=max(1.0, median(live_prefill or [1.0])),
+        prefill_overhead_s=max(0.0, median(extra or [0.0])) / 1e3,
         contention=max(0.0, median(ratios) - 1),
         client_ttft_ms=median(c for c, _ in samples.hops_ms),
         worker_ttft_ms=median(w for _, w in samples.hops_ms),
@@ -116,6 +115,18 @@ def terms_from(samples: LiveSamples) -> LiveTerms:
         engine_step_ms=one,
         engine_pair_ms=two,
     )
+
+
+def split_overhead(one_ms: float, two_ms: float) -> tuple[float, float]:
+    """(per step, per sequence) >= 0 that best give `one_ms` more for a step of one sequence
+    and `two_ms` for two (least squares where noise leaves no exact answer >= 0)."""
+    token = two_ms - one_ms
+    step = one_ms - token
+    if token < 0:  # the second sequence cost nothing more: all per step
+        return max(0.0, (one_ms + two_ms) / 2), 0.0
+    if step < 0:  # all per sequence
+        return 0.0, max(0.0, (one_ms + 2 * two_ms) / 5)
+    return step, token
 
 
 async def _stream(stub: Any, ids: list[int], max_tokens: int) -> tuple[list[float], Any]:
@@ -164,12 +175,12 @@ async def _measure(both: Any, one: Any, vocab: int, engine: Any) -> LiveSamples:
         ids = [rng.randrange(3, vocab - 1) for _ in range(HOP_PROMPT_LEN)]
         stamps, usage = await _stream(both, ids, 1)
         out.hops_ms.append((stamps[0], usage.ttft_ms))
-    for _ in range(ROUNDS):
+    for round_ in range(ROUNDS):
         # The workers are idle while the engine here steps (blocking calls, on purpose).
         out.engine_one_ms.append(_engine_steps_ms(engine, 1))
         out.engine_pair_ms.append(_engine_steps_ms(engine, 2))
         for n in PREFILL_LENS:
-            [sample] = measure_prefill(engine, [(n, 0)])
+            [sample] = measure_prefill(engine, [(n, 0)], seed=1 + round_)  # new tokens
             ids = [rng.randrange(3, vocab - 1) for _ in range(n)]
             _, usage = await _stream(both, ids, 1)
             out.prefills_ms.append((usage.ttft_ms, sample.seconds * 1e3))

@@ -14,7 +14,7 @@ from a lower tier takes from what it reads:
 A live deployment adds five terms to the engine's own times (`calibrate_live` measures them
 through a real router and Ray workers; a profile of the device alone leaves them at zero):
 
-    live step     = (step_s * (prefill_factor if it has prefill chunks else 1) + step_overhead
+    live step     = (step_s + step_overhead + prefill_overhead (a step with prompt tokens)
                      + token_overhead * sequences in the step)
                     * (1 + contention * other workers stepping)
     client's TTFT = the engine's TTFT + hop                  (its tokens' gaps are unchanged)
@@ -120,8 +120,8 @@ class CostProfile:
     hop_s: float = 0.0
     step_overhead_s: float = 0.0
     token_overhead_s: float = 0.0  # per sequence in the step: its output streamed
-    # A live worker computes a step with prompt tokens this much slower than the engine alone.
-    prefill_factor: float = 1.0
+    # A live worker's step with prompt tokens takes this much longer than the engine's alone.
+    prefill_overhead_s: float = 0.0
     contention: float = 0.0
     source: str = ""  # where the numbers come from: a measurement, or published figures
 
@@ -132,10 +132,9 @@ class CostProfile:
             raise ValueError(f"profile {self.name}: prefill.beta_s must be positive")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError(f"profile {self.name}: step limits must be positive")
-        if min(self.hop_s, self.step_overhead_s, self.token_overhead_s, self.contention) < 0:
+        live = (self.hop_s, self.step_overhead_s, self.token_overhead_s, self.prefill_overhead_s)
+        if min(*live, self.contention) < 0:
             raise ValueError(f"profile {self.name}: the live path's terms must be >= 0")
-        if self.prefill_factor < 1:
-            raise ValueError(f"profile {self.name}: prefill_factor must be >= 1")
 
     def engine_step_s(
         self, chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int]
@@ -165,7 +164,7 @@ class CostProfile:
         `others_stepping` other workers of its host step too."""
         engine_s = self.engine_step_s(chunks, decode_contexts)
         if chunks:
-            engine_s *= self.prefill_factor
+            engine_s += self.prefill_overhead_s
         streamed = self.token_overhead_s * (len(chunks) + len(decode_contexts))
         live_s = engine_s + self.step_overhead_s + streamed
         return live_s * (1 + self.contention * others_stepping)
@@ -181,6 +180,7 @@ class CostProfile:
             hop_s=self.hop_s * factor,
             step_overhead_s=self.step_overhead_s * factor,
             token_overhead_s=self.token_overhead_s * factor,
+            prefill_overhead_s=self.prefill_overhead_s * factor,
         )
 
     def cost_model(self, block_size: int, peer_pull: bool = False) -> CostModel:
@@ -221,7 +221,7 @@ class CostProfile:
                 hop_s=float(data.get("hop_s", 0.0)),
                 step_overhead_s=float(data.get("step_overhead_s", 0.0)),
                 token_overhead_s=float(data.get("token_overhead_s", 0.0)),
-                prefill_factor=float(data.get("prefill_factor", 1.0)),
+                prefill_overhead_s=float(data.get("prefill_overhead_s", 0.0)),
                 contention=float(data.get("contention", 0.0)),
                 source=str(data.get("source", "")),
             )

@@ -56,10 +56,13 @@ def timed_step(engine: Any) -> float:
     return time.perf_counter() - start
 
 
-def measure_prefill(engine: Any, shapes: Sequence[tuple[int, int]]) -> list[ComputeSample]:
+def measure_prefill(
+    engine: Any, shapes: Sequence[tuple[int, int]], seed: int = 0
+) -> list[ComputeSample]:
     """One sample per (k, ctx): the median of three timed steps prefilling k tokens after a
     cached prefix of ctx tokens (the median, not the best: live steps see the machine as it
-    is, other work included)."""
+    is, other work included). The k tokens are new to the engine unless a call with the same
+    `seed` asked for them before (then they are cached, and the step computes one token)."""
     vocab = engine.loaded.config.vocab_size
     samples = []
     for i, (k, ctx) in enumerate(shapes):
@@ -68,7 +71,8 @@ def measure_prefill(engine: Any, shapes: Sequence[tuple[int, int]]) -> list[Comp
             engine.generate([prefix + tokens(BLOCK_SIZE, 1, vocab)], greedy(1))
         seconds = []
         for repeat in range(PREFILL_REPEATS):
-            engine.add_request(prefix + tokens(k, 2000 + 10 * i + repeat, vocab), greedy(1))
+            new = tokens(k, 2000 + 10 * i + repeat + 100_000 * seed, vocab)
+            engine.add_request(prefix + new, greedy(1))
             seconds.append(timed_step(engine))
             while engine.has_unfinished():
                 engine.step()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cachesvc.planner import ComputeCost
-from cachesvc.sim.calibrate_live import LiveSamples, terms_from
+from cachesvc.sim.calibrate_live import LiveSamples, split_overhead, terms_from
 from cachesvc.sim.cost_profile import CostProfile, DecodeCost
 from cachesvc.sim.loop import ClusterSpec, SimRun, replay
 from cachesvc.sim.seq import SimSeq
@@ -63,8 +63,8 @@ def test_the_step_overhead_lengthens_every_step(write_trace: WriteTrace) -> None
 def test_a_live_worker_computes_prompts_slower_and_decodes_as_the_engine(
     write_trace: WriteTrace,
 ) -> None:
-    seq = _one_request(write_trace, dataclasses.replace(UNIT, prefill_factor=1.5))
-    assert seq.first_token_s == pytest.approx(0.1 * 1.5)
+    seq = _one_request(write_trace, dataclasses.replace(UNIT, prefill_overhead_s=0.02))
+    assert seq.first_token_s == pytest.approx(0.1 + 0.02)
     assert _gaps(seq) == pytest.approx([0.01] * 3)
 
 
@@ -122,14 +122,17 @@ def test_the_terms_come_from_the_live_medians() -> None:
     # two streams faster than one a negative contention.
     fast = terms_from(dataclasses.replace(samples, alone_ms=[8.0], together_ms=[7.0]))
     assert (fast.step_overhead_s, fast.contention) == (0.0, 0.0)
+    # Noise that leaves no exact split >= 0: the least-squares one that is.
+    assert split_overhead(3.0, 15.0) == pytest.approx((0.0, (3.0 + 30.0) / 5))
+    assert split_overhead(6.0, 4.0) == pytest.approx((5.0, 0.0))
     # Rounds' own ratios, where measured: one round disturbed by other work moves none.
     rounds = dataclasses.replace(samples, together_ratios=[1.2, 1.9, 1.3])
     assert terms_from(rounds).contention == pytest.approx(0.3)
-    # A one-token request's 70 ms on the worker is 65 ms of prefill (less the 3 + 2 ms of
-    # overheads), against the engine's 50 ms alone.
-    assert terms_from(samples).prefill_factor == 1.0, "none measured: none assumed"
-    prefills = dataclasses.replace(samples, prefills_ms=[(70.0, 50.0), (40.0, 50.0)])
-    assert terms_from(prefills).prefill_factor == pytest.approx((1.3 + 0.7) / 2)
+    # A one-token request's 70 ms on the worker is 15 ms more than the engine's 50 ms and the
+    # 3 + 2 ms of overheads.
+    assert terms_from(samples).prefill_overhead_s == 0.0, "none measured: none assumed"
+    prefills = dataclasses.replace(samples, prefills_ms=[(70.0, 50.0), (80.0, 60.0)])
+    assert terms_from(prefills).prefill_overhead_s == pytest.approx(0.015)
 
 
 def test_live_terms_measured_on_a_busy_machine_are_brought_to_the_profiles_speed() -> None:
