@@ -187,10 +187,16 @@ def test_a_node_removed_mid_stream_fails_over_with_the_same_tokens(
     expected = _tokens(undisturbed)
     assert len(expected) == max_tokens
 
+    pids = {worker: pid_of(actor) for worker, (actor, _) in pair.items()}
     stream = stub.Generate(_request(ids, max_tokens), timeout=120)
     received = [next(stream) for _ in range(3)]
     victim = _serving_worker(admin)
+    # Frozen first: a fast worker would otherwise finish the 200 tokens before its node is gone
+    # (removing one takes longer than that); a frozen process cannot see its raylet die, so it
+    # is killed with the node.
+    signal_pid(pids[WorkerId(victim)], FREEZE)
     ray_nodes.remove(node_of_worker[WorkerId(victim)])
+    signal_pid(pids[WorkerId(victim)], KILL)
     received += list(stream)
 
     assert _tokens(received) == expected, "the continuation must be identical"
