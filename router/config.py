@@ -114,6 +114,11 @@ class RouterConfig:
     # decide between modes that break as many.
     pd_ttft_slo_ms: float | None = None
     pd_itl_slo_ms: float | None = None
+    # With no prefill workers and two or more mixed ones, per request ("auto") or for every
+    # request ("always") compute the prompt where the policy chose and hand the decode to
+    # another mixed worker. Off: simulated, "auto" predicts a hand-off never pays there (the
+    # prefill stalls the policy's choice's streams either way), so it would only add planning.
+    pd_mixed: bool = False
     # A worker with this many requests (running, waiting or in flight from this router) gets no
     # more: when every worker is that full, a call fails with RESOURCE_EXHAUSTED. None: no limit.
     max_queued_per_worker: int | None = None

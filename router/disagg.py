@@ -9,6 +9,10 @@ the prefill worker named as the holder of the prompt's blocks, which its load pl
 the KV data plane (`workers/transfer/`) instead of computing them. Greedy and seeded streams are
 token for token those of colocated serving.
 
+Between mixed workers (`pd_mixed`, no prefill workers): the prompt runs on the worker the policy
+chose, as colocated, and the decode may go to another (`pick_decode`'s among the rest); the
+prefill then stalls the prompt worker's own streams either way, which `decide` counts.
+
 Faults: a prefill worker that fails before its token is a request served colocated (the decode
 side computes the prompt); one that fails after it is a pull that fails or times out on the
 decode worker, which then computes the blocks itself; a decode worker that fails is a failover
@@ -144,17 +148,31 @@ class Disaggregation:
         workers while some are alive (None: no roles in this pool)."""
         return SERVING_ROLES if self.active() else None
 
+    def mixed(self, excluded: set[WorkerId]) -> bool:
+        """Whether requests may be handed off between mixed workers (`pd_mixed`): no prefill
+        worker, and two or more healthy workers not `excluded`."""
+        if not self.config.pd_mixed or self.active():
+            return False
+        return sum(s.worker_id not in excluded for s in self.pool.healthy()) >= 2
+
     def plan(
         self, progress: RequestProgress, hashes: list[BlockHash], excluded: set[WorkerId]
     ) -> Handoff | None:
-        """Colocated or disaggregated for a request not started yet (None: no prefill workers,
-        or a request that cannot be handed off)."""
-        if self.config.pd_mode == "never" or not self.active() or not progress.resumable:
+        """Colocated or disaggregated for a request not started yet (None: no prefill workers
+        and no hand-offs between mixed ones, or a request that cannot be handed off)."""
+        if self.config.pd_mode == "never" or not progress.resumable:
+            return None
+        mixed = self.mixed(excluded)
+        if not mixed and not self.active():
             return None
         num_tokens = len(progress.prompt_ids)
         colocated = self.placement.route(num_tokens, hashes, excluded, SERVING_ROLES)
-        prefill = self._prefill_choice(num_tokens, hashes, excluded)
-        decode = self._decode_choice(excluded)
+        if mixed:  # the prompt runs where the policy chose; the decode may go to another
+            prefill: RouteDecision | None = colocated.decision
+            decode = self._decode_choice(excluded | {colocated.decision.worker})
+        else:
+            prefill = self._prefill_choice(num_tokens, hashes, excluded)
+            decode = self._decode_choice(excluded)
         decision = self._decide(num_tokens, hashes, colocated, prefill, decode)
         if self.config.pd_mode == "always" and prefill is not None and decode is not None:
             decision = dataclasses.replace(decision, disaggregate=True, reason="always")
@@ -209,7 +227,10 @@ class Disaggregation:
             return decide(num_tokens, block_size, here, None)
         p = self.pool.state(prefill.worker)
         uncached = max(0, num_tokens - prefill.matched_blocks * block_size)
-        there = PrefillSide(p.worker_id, uncached, p.num_queued_tokens, _token_s(p, block_size))
+        streams = 0 if role_of(p) == PREFILL else p.load.num_running  # a mixed worker's
+        there = PrefillSide(
+            p.worker_id, uncached, p.num_queued_tokens, _token_s(p, block_size), streams
+        )
         away = here
         if decode.worker_id != at.worker_id:
             held = self.pool.index.longest_prefix(hashes).get(decode.worker_id)
@@ -244,7 +265,8 @@ class Disaggregation:
         prefill worker's first token (its usage `record`ed when that token ends the request).
         Afterwards either the request has finished or `handoff.take()` places it: on the decode
         worker, pulling from the prefill worker, or colocated when the prefill worker failed
-        before its token. `part_stream(decision, part, request_id, req)` streams one part."""
+        before its token. `part_stream(decision, part, request_id, req, hold_kv=)` streams one
+        part."""
         outcome.pd_mode = handoff.decision.mode
         outcome.pd_predicted_ttft_ms = round(handoff.decision.predicted_ttft_s * 1e3, 2)
         if handoff.prefill is None or handoff.decode is None:
@@ -277,7 +299,8 @@ class Disaggregation:
         params = {**progress.params, "max_tokens": 1}
         part = Part(None, progress.prompt_ids, params)
         limit = int(progress.params.get("max_tokens", 1))
-        stream = part_stream(handoff.prefill, part, f"{request_id}.prefill", req)
+        # The prefill worker keeps the prompt's KV pinned for the decode worker's pull.
+        stream = part_stream(handoff.prefill, part, f"{request_id}.prefill", req, hold_kv=True)
         try:
             async for raw in stream:
                 delta = raw
@@ -302,7 +325,10 @@ class Disaggregation:
             if not progress.started:
                 self.metrics.pd_fallbacks.labels("prefill_failed").inc()
                 _log.warning("prefill worker failed (%s); serving colocated", exc)
-                handoff._placed.append(handoff.colocated)
+                fallback = handoff.colocated
+                if fallback.decision.worker == handoff.prefill.worker:  # between mixed workers
+                    fallback = Placed(RouteDecision(handoff.decode, "pd", reason="prefill failed"))
+                handoff._placed.append(fallback)
                 return
             # Its token reached the client: the decode worker continues, and its pull from the
             # failed worker fails or times out into a recompute.

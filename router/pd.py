@@ -12,7 +12,8 @@ request itself waits and what it makes the streams already decoding wait:
   second after the pull of the prompt's blocks (the decode worker's calibrated pull cost), the
   decode worker's queue and the tail it computes itself (the last partial block and the first
   token); the decode worker's running streams lose that tail and the landing of the pulled
-  blocks (`LANDING_SHARE` of the pull).
+  blocks (`LANDING_SHARE` of the pull), and the streams the prefill worker decodes (none on a
+  prefill worker; a mixed worker's own, between mixed workers) lose the prefill.
 
 Disaggregated wins when its total (the request's wait plus `stall_weight` times the others'
 loss) is lower. No fixed prompt-length threshold: a long prompt arriving at an idle decode
@@ -47,6 +48,9 @@ class PrefillSide:
     uncached_tokens: int  # prompt tokens it must compute (what it does not hold)
     queued_tokens: int  # prefill work ahead of the request there
     token_s: float  # its seconds of prefill per token (calibrated)
+    # Streams it is decoding: none on a prefill worker; a mixed worker's wait on the prefill
+    # whichever worker decodes the request.
+    num_running: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,8 @@ class PDDecision:
     disaggregated_ttft_s: float = 0.0
     handoff_s: float = 0.0  # disaggregated: the first token to the second (pull + tail)
     colocated_stall_s: float = 0.0  # decode time the decode worker's streams lose, colocated
-    disaggregated_stall_s: float = 0.0  # the same, disaggregated (the tail and the landing)
+    # The same, disaggregated: the tail and the landing, and the prefill on a mixed prefill side.
+    disaggregated_stall_s: float = 0.0
     pull_blocks: int = 0  # disaggregated: blocks the decode worker pulls
     handoff_fixed_s: float = 0.0  # the part of `handoff_s` that does not scale with the request
 
@@ -142,16 +147,19 @@ def decide(
     tail = num_prompt_tokens - full_blocks * block_size + 1  # the partial block and the token
     pull_s = pull_blocks * decode.pull_block_s
     tail_s = tail * decode.token_s
-    ttft = (prefill.queued_tokens + prefill.uncached_tokens) * prefill.token_s
+    prefill_s = prefill.uncached_tokens * prefill.token_s
+    ttft = prefill.queued_tokens * prefill.token_s + prefill_s
     handoff = handoff_fixed_s + pull_s + decode.queued_tokens * decode.token_s + tail_s
-    stall = decode.num_running * (tail_s + LANDING_SHARE * pull_s)
+    decode_stall_s = tail_s + LANDING_SHARE * pull_s
+    stall = prefill.num_running * prefill_s + decode.num_running * decode_stall_s
     stays = colocated_ttft + stall_weight * colocated_stall
     moves = ttft + handoff + stall_weight * stall
     disaggregate = moves < stays
     missed = ""
     if slo is not None:
         kept = slo.misses(colocated_ttft, (), colocated.num_running, local_s)
-        moved = slo.misses(ttft, (handoff,), decode.num_running, tail_s + LANDING_SHARE * pull_s)
+        moved = slo.misses(ttft, (handoff,), decode.num_running, decode_stall_s)
+        moved += slo.misses(0.0, (), prefill.num_running, prefill_s)
         if kept != moved:
             disaggregate = moved < kept
         missed = f"; SLO misses {moved} moved vs {kept} kept"

@@ -1,7 +1,7 @@
 """Prefill/decode roles in the simulator: where each request runs under a mode, decided by the
 router's own functions (`router.pd`) over the simulated workers' loads and costs.
 
-Three modes over one cluster:
+Four modes over one cluster:
 
 - `colocated`: every worker is mixed; the routing policy places the whole request (as without
   roles).
@@ -10,6 +10,10 @@ Three modes over one cluster:
 - `decide`: the same roles; per request, `decide` weighs running it colocated on the policy's
   choice among the decode workers against computing its prompt on the policy's choice among
   the prefill workers and decoding on `pick_decode`'s.
+- `dynamic`: every worker is mixed; per request, `decide` weighs running it colocated on the
+  policy's choice against computing its prompt there and decoding on `pick_decode`'s choice
+  among the other workers (the prefill then stalls the streams decoding on the policy's
+  choice either way).
 
 As `router.disagg` sees them: a worker's uncached prompt tokens (the policy's match on the
 colocated and prefill sides, the prefix index's on the decode side), its queued tokens, its
@@ -55,16 +59,18 @@ from router.policy import PEER, Policy, RouteRequest
 # The weight of each measured hand-off in the learnt fixed cost (the router's).
 HANDOFF_WEIGHT = 0.2
 
-COLOCATED, ALWAYS, DECIDE = "colocated", "always", "decide"
-PD_MODES = (COLOCATED, ALWAYS, DECIDE)
+COLOCATED, ALWAYS, DECIDE, DYNAMIC = "colocated", "always", "decide", "dynamic"
+PD_MODES = (COLOCATED, ALWAYS, DECIDE, DYNAMIC)
+# Modes whose workers are all mixed: no roles.
+MIXED_MODES = (COLOCATED, DYNAMIC)
 
 
 def roles_for(mode: str, num_workers: int, num_prefill: int) -> list[str]:
-    """Each worker's role under `mode`: all mixed colocated, else `num_prefill` prefill workers
-    then decode workers (a ValueError unless both kinds are there)."""
+    """Each worker's role under `mode`: all mixed colocated and dynamic, else `num_prefill`
+    prefill workers then decode workers (a ValueError unless both kinds are there)."""
     if mode not in PD_MODES:
         raise ValueError(f"--pd must be one of {PD_MODES}, got {mode!r}")
-    if mode == COLOCATED:
+    if mode in MIXED_MODES:
         return [MIXED] * num_workers
     if not 1 <= num_prefill < num_workers:
         raise ValueError(
@@ -121,10 +127,12 @@ def joining(
 
 
 class PDRoutes:
-    """Routes a cluster's requests under a mode with roles (`always` or `decide`), and hands a
-    disaggregated request from its prefill worker to its decode worker, as `router.disagg`
-    plans them: one policy instance chooses on both sides; `always` is `decide`'s plan with
-    its verdict overridden; the hand-off's fixed cost is learnt from the hand-offs measured
+    """Routes a cluster's requests under a mode with roles (`always` or `decide`) or over mixed
+    workers (`dynamic`), and hands a disaggregated request from its prefill worker to its
+    decode worker, as `router.disagg` plans them: one policy instance chooses on both sides
+    (`dynamic`: once, the worker that computes the prompt either way, `pick_decode` choosing
+    the decode worker among the others); `always` is `decide`'s plan with its verdict
+    overridden; the hand-off's fixed cost is learnt from the hand-offs measured
     (the second token's wait less the part predicted from the request's size), from the
     router's prior and with its weight. Mutates the workers' queues only through the seqs it
     returns; keeps each request's `PDDecision`."""
@@ -139,7 +147,7 @@ class PDRoutes:
         peer_pull: bool = False,
         slo: SLO | None = None,
     ) -> None:
-        assert mode in (ALWAYS, DECIDE), "colocated runs route as without roles"
+        assert mode != COLOCATED, "colocated runs route as without roles"
         self.mode = mode
         self.workers = workers
         self.index = index
@@ -147,7 +155,8 @@ class PDRoutes:
         # With the router's `peer_pull`, any worker may be named as the holder of a prefix.
         self.holders = [w.worker_id for w in workers] if peer_pull else []
         self.stall_weight = stall_weight
-        self.prefill_side = [w for w in workers if w.role == PREFILL]
+        self.dynamic = mode == DYNAMIC
+        self.prefill_side = [w for w in workers if self.dynamic or w.role == PREFILL]
         self.decode_side = [w for w in workers if w.role in SERVING_ROLES]
         self.handoff_fixed_s = HANDOFF_FIXED_PRIOR_S
         self.slo = slo  # the router's latency targets (`pd_ttft_slo_ms`, `pd_itl_slo_ms`)
@@ -164,7 +173,11 @@ class PDRoutes:
             return None
         matches = self.index.longest_prefix(req.hashes[: req.num_full_blocks])
         colocated, here = choose_among(self.policy, req, decode_side, matches, self.holders)
-        prefill, there = choose_among(self.policy, req, prefill_side, matches, self.holders)
+        if self.dynamic:  # the prompt runs where the policy chose; the decode may go elsewhere
+            prefill, there = colocated, here
+            decode_side = [w for w in decode_side if w is not prefill] or [prefill]
+        else:
+            prefill, there = choose_among(self.policy, req, prefill_side, matches, self.holders)
         loads = [_decode_load(w) for w in decode_side]
         decode = next(w for w in decode_side if w.worker_id == pick_decode(loads))
         held = matches.get(decode.worker_id)
@@ -236,8 +249,14 @@ def _token_s(worker: SimWorker) -> float:
 
 
 def _prefill_side(req: SimRequest, worker: SimWorker, held_blocks: int) -> PrefillSide:
+    # A prefill worker decodes nothing; a mixed one's runs decode unless they are handed off.
+    streams = 0 if worker.role == PREFILL else sum(not s.prefill_only for s in worker.running)
     return PrefillSide(
-        worker.worker_id, _uncached(req, held_blocks), worker.num_queued_tokens, _token_s(worker)
+        worker.worker_id,
+        _uncached(req, held_blocks),
+        worker.num_queued_tokens,
+        _token_s(worker),
+        streams,
     )
 
 

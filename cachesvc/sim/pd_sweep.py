@@ -3,8 +3,9 @@
 One run replays the workload in one mode (`cachesvc.sim.pd`). The sweep first estimates the
 cluster's capacity (`estimate_capacity`: the highest arrival rate the colocated cluster keeps
 up with), then at each load (a fraction of that rate, arrivals scaled to it) replays
-colocated, always-disaggregated at every prefill:decode ratio and per-request decisions at
-every ratio, and reports each mode at its best ratio.
+colocated, always-disaggregated at every prefill:decode ratio, per-request decisions at every
+ratio and per-request decisions over mixed workers (`dynamic`), and reports each mode at its
+best ratio.
 
 Per-request decisions weigh the decode streams' loss against the request's own wait with
 `router.pd.decide`'s `stall_weight`; unless told, it is the SLO's (`SLO.stall_weight`): a
@@ -25,7 +26,7 @@ from cachesvc.bench.table import format_table, write_json
 from cachesvc.sim.cost_profile import CostProfile
 from cachesvc.sim.goodput import SLO, Goodput, goodput
 from cachesvc.sim.loop import ClusterSpec, PDSetup, SimRun, replay
-from cachesvc.sim.pd import ALWAYS, COLOCATED, DECIDE
+from cachesvc.sim.pd import ALWAYS, COLOCATED, DECIDE, DYNAMIC, MIXED_MODES
 from cachesvc.sim.simulate import SimulateArgs, cluster_spec, load_requests, profile_for
 from cachesvc.sim.trace import SimRequest
 from router.pd import SLO as TargetsSLO
@@ -124,7 +125,7 @@ def one_run(
         for d in result.pd_routes.decisions.values():
             key = d.reason.partition(":")[0]  # "disaggregated" / "colocated"
             reasons[key] = reasons.get(key, 0) + 1
-    weight = pd.stall_weight if pd.mode == DECIDE else 0.0
+    weight = pd.stall_weight if pd.mode in (DECIDE, DYNAMIC) else 0.0
     return PDRow(
         load,
         offered_rps(requests),
@@ -164,6 +165,7 @@ def sweep(
             for n in range(1, num_workers)
             for pulls in (False, True)
         ]
+        setups += [(PDSetup(DYNAMIC, 0, weight, targets), pulls) for pulls in (False, True)]
         for pd, pulls in setups:
             row = one_run(scaled, run, pd, slo, load, pulls)
             rows.append(row)
@@ -279,7 +281,8 @@ def run_pd(args: SimulateArgs) -> int:
             weight = args.slo.stall_weight(mean_output(requests))
         # Roles need pulls; colocated serving has them with --peer-pull.
         pulls = args.peer_pull or mode != COLOCATED
-        pd = PDSetup(mode, args.prefill_workers, weight, targets)
+        num_prefill = 0 if mode in MIXED_MODES else args.prefill_workers
+        pd = PDSetup(mode, num_prefill, weight, targets)
         rows = [one_run(requests, run, pd, args.slo, peer_pull=pulls)]
     print(report(capacity, rows, args.slo, args.json_path, args.plot_path))
     return 0
@@ -292,14 +295,14 @@ def router_targets(slo: SLO) -> TargetsSLO:
 
 
 def _ratio(row: PDRow) -> str:
-    if row.mode == COLOCATED:
+    if row.mode in MIXED_MODES:
         return "-"
     return f"{row.num_prefill}:{row.num_workers - row.num_prefill}"
 
 
 def _label(row: PDRow) -> str:
     pulls = "+pull" if row.pulls else ""
-    return (row.mode if row.mode == COLOCATED else f"{row.mode} {row.num_prefill}P") + pulls
+    return (row.mode if row.mode in MIXED_MODES else f"{row.mode} {row.num_prefill}P") + pulls
 
 
 def _say(line: str) -> None:

@@ -4,6 +4,8 @@ load, not from a prompt-length threshold."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cachesvc.types import WorkerId
 from router.pd import SLO, DecodeLoad, DecodeSide, PrefillSide, decide, pick_decode
@@ -110,3 +112,58 @@ def test_slo_counts_what_breaks() -> None:
     assert slo.misses(0.5, (), 8, 0.05) == 0
     assert slo.misses(1.5, (0.2,), 8, 0.2) == 1 + 1 + 8
     assert SLO().misses(100.0, (100.0,), 8, 100.0) == 0
+
+
+def test_a_mixed_prefill_worker_counts_its_own_streams() -> None:
+    """Between mixed workers the prompt runs on the policy's choice either way: its 16 streams
+    lose the 0.8 s prefill whether the decode moves or not, so moving only adds the hand-off.
+    A prefill worker decodes nothing: the same request moves (as it always has)."""
+    here = DecodeSide(WorkerId("w"), 8000, 0, 16, TOKEN_S, PULL_BLOCK_S)
+    away = DecodeSide(WorkerId("d"), 8000, 0, 0, TOKEN_S, PULL_BLOCK_S)
+    mixed = PrefillSide(WorkerId("w"), 8000, 0, TOKEN_S, num_running=16)
+    d = decide(8000, BLOCK, here, mixed, away)
+    assert not d.disaggregate
+    assert d.disaggregated_stall_s == pytest.approx(16 * 0.8)  # the decode side has no streams
+    pure = PrefillSide(WorkerId("p"), 8000, 0, TOKEN_S)
+    assert decide(8000, BLOCK, here, pure, away).disaggregate
+
+
+def test_the_decode_side_must_be_another_worker() -> None:
+    here = DecodeSide(WorkerId("w"), 8000, 0, 16, TOKEN_S, PULL_BLOCK_S)
+    d = decide(8000, BLOCK, here, PrefillSide(WorkerId("w"), 8000, 0, TOKEN_S), here)
+    assert not d.disaggregate and "one worker for both" in d.reason
+
+
+_sides = st.tuples(
+    st.integers(0, 20_000),  # uncached
+    st.integers(0, 200_000),  # queued
+    st.integers(0, 256),  # running
+    st.floats(1e-6, 1e-3),  # seconds per token
+)
+
+
+@given(
+    num_tokens=st.integers(1, 20_000),
+    here=_sides,
+    away=_sides,
+    weight=st.floats(0.0, 10.0),
+    fixed_s=st.floats(0.0, 0.1),
+    slo=st.sampled_from([None, SLO(2.0, 0.1), SLO(itl_s=0.05), SLO(ttft_s=1.0)]),
+)
+def test_a_hand_off_from_the_policys_choice_never_beats_colocated(
+    num_tokens: int,
+    here: tuple[int, int, int, float],
+    away: tuple[int, int, int, float],
+    weight: float,
+    fixed_s: float,
+    slo: SLO | None,
+) -> None:
+    """Over mixed workers the prompt runs where it would colocated: the request's TTFT and its
+    worker's streams' loss are the same, the hand-off and the decode side's loss come on top,
+    so `decide` keeps it (colocated is one of its options)."""
+    uncached, queued, running, token_s = here
+    prompt_side = PrefillSide(WorkerId("w"), uncached, queued, token_s, running)
+    colocated = DecodeSide(WorkerId("w"), uncached, queued, running, token_s, PULL_BLOCK_S)
+    decode = DecodeSide(WorkerId("d"), *away, PULL_BLOCK_S)
+    d = decide(num_tokens, BLOCK, colocated, prompt_side, decode, weight, fixed_s, slo)
+    assert not d.disaggregate, d.reason

@@ -208,8 +208,10 @@ def _add_pd_arguments(sim: Any) -> None:
         "--pd",
         choices=PD_MODES,
         default=None,
-        help="colocated (all mixed), always (disaggregated) or decide (per request, "
-        "router.pd.decide); prints goodput and latencies",
+        help="colocated (all mixed), always (disaggregated), decide (per request, "
+        "router.pd.decide, with --prefill-workers) or dynamic (per request over mixed workers: "
+        "the prompt where the policy chose, the decode there or on another); prints goodput "
+        "and latencies",
     )
     pd.add_argument(
         "--prefill-workers", type=int, default=1, help="of --workers, prefilling (the rest decode)"
@@ -217,8 +219,9 @@ def _add_pd_arguments(sim: Any) -> None:
     pd.add_argument(
         "--pd-sweep",
         action="store_true",
-        help="estimate the colocated capacity, then at each --loads replay colocated, and "
-        "always and decide at every prefill:decode ratio; each mode at its best ratio",
+        help="estimate the colocated capacity, then at each --loads replay colocated, "
+        "always and decide at every prefill:decode ratio, and dynamic; each mode at its best "
+        "ratio",
     )
     pd.add_argument(
         "--slo-ttft-ms",

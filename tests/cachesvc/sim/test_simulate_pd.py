@@ -14,7 +14,7 @@ from cachesvc.planner import ComputeCost
 from cachesvc.sim.cost_profile import CostProfile, DecodeCost, TierReadCost
 from cachesvc.sim.goodput import SLO, Outcome, measure, outcomes
 from cachesvc.sim.loop import ClusterSpec, PDSetup, SimRun, replay
-from cachesvc.sim.pd import ALWAYS, COLOCATED, DECIDE, roles_for
+from cachesvc.sim.pd import ALWAYS, COLOCATED, DECIDE, DYNAMIC, roles_for
 from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.trace import BLOCK_SIZE, load_trace
 from router.pd import DECODE, MIXED, PREFILL
@@ -130,8 +130,29 @@ def test_roles_are_kept_a_decode_worker_never_computes_a_disaggregated_prompt(
         assert len(outcomes(run)) == len(requests)
 
 
+def test_dynamic_over_mixed_workers_serves_as_colocated(write_trace: WriteTrace) -> None:
+    """Over mixed workers the prompt runs where the policy chose, and its streams wait on it
+    whether the decode moves or not: `decide` keeps every request there (a hand-off would only
+    add its cost), so the replay is colocated's token for token. The second request shares the
+    first's 8 blocks, so the policy sends it to w0, where the first decodes a long answer: were
+    w0's own stream left out, its decode would be handed to the idle w1."""
+    rows = [(0, 8 * BLOCK_SIZE + 1, 6000, list(range(9))), (10_000, 9 * BLOCK_SIZE + 1, 40, [])]
+    rows[1] = (*rows[1][:3], list(range(8)) + [100, 101])
+    rows += [(12_000 + 30 * i, (2 + i % 5) * BLOCK_SIZE + 3, 5 + i % 9, [40 + i]) for i in range(9)]
+    requests = load_trace(write_trace(rows))
+    kept = replay(requests, UNIT, SPEC, "prefix_aware", None, True, PDSetup(COLOCATED))
+    dynamic = replay(requests, UNIT, SPEC, "prefix_aware", None, True, PDSetup(DYNAMIC, 0, 1.0))
+    assert [w.role for w in dynamic.workers] == [MIXED, MIXED]
+    assert dynamic.pd_routes is not None and len(dynamic.pd_routes.decisions) == len(requests)
+    assert not any(d.disaggregate for d in dynamic.pd_routes.decisions.values())
+    assert dynamic.assigned == kept.assigned
+    times = {o.index: (o.ttft_s, o.gaps_s) for o in outcomes(kept)}
+    assert {o.index: (o.ttft_s, o.gaps_s) for o in outcomes(dynamic)} == times
+
+
 def test_roles_by_mode() -> None:
     assert roles_for(COLOCATED, 3, 0) == [MIXED] * 3
+    assert roles_for(DYNAMIC, 3, 0) == [MIXED] * 3
     assert roles_for(ALWAYS, 3, 1) == [PREFILL, DECODE, DECODE]
     for bad in (0, 3):
         with pytest.raises(ValueError, match="prefill workers"):
@@ -187,10 +208,11 @@ def test_the_command_line_runs_one_mode_and_the_sweep(
     assert [(r["load"], r["mode"], r["pulls"]) for r in runs] == [
         (load, mode, pulls)
         for load in (0.5, 1.0)
-        for mode in ("colocated", "always", "decide")
+        for mode in ("colocated", "always", "decide", "dynamic")
         for pulls in (False, True)
     ]
     best = sorted((r["load"], r["mode"]) for r in runs if r["best"])
-    assert best == [(load, m) for load in (0.5, 1.0) for m in ("always", "colocated", "decide")]
+    modes = ("always", "colocated", "decide", "dynamic")
+    assert best == [(load, m) for load in (0.5, 1.0) for m in modes]
     assert main([*base, "--pd", "decide", "--prefill-workers", "2"]) == 2
     assert main([*base, "--pd-sweep", "--loads", "0"]) == 2

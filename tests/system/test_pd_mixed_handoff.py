@@ -1,0 +1,112 @@
+"""Prefill/decode hand-off between two MIXED workers (`pd_mixed`): no worker has a role; the
+prompt runs on the worker the policy chose and the decode on the other, which pulls the
+prompt's KV from it. The client's tokens and text are colocated serving's."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from cachesvc.config import EngineConfig, TierConfig
+from cachesvc.types import WorkerId
+from proto.cachesvc.v1 import cachesvc_pb2 as pb
+from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.system
+
+BLOCK = 4
+PROMPT_TOKENS = 42  # 10 full blocks and 2 tokens
+WORKERS = (WorkerId("mixed-0"), WorkerId("mixed-1"))
+
+
+@pytest.fixture(scope="module")
+def mixed(ray_cluster: None, engine_config: EngineConfig) -> Iterator[dict[WorkerId, Any]]:
+    """Two mixed workers, pulls on and forced (the tiny model computes a prompt faster than a
+    pull's prior cost, so the planner would recompute), named so a holder can be found."""
+    import ray
+
+    from workers.actor import spawn_worker
+
+    config = dataclasses.replace(
+        engine_config,
+        peer_pull=True,
+        peer_pull_timeout_s=3.0,
+        tiers=TierConfig(plan="fetch", calibrate=False),
+    )
+    namespace = f"pd-mixed-{uuid.uuid4().hex[:6]}"
+    actors = {
+        worker: spawn_worker(
+            worker,
+            config,
+            name=f"cachesvc-{worker}",
+            namespace=namespace,
+            num_cpus=0.5,
+            max_restarts=0,
+        )
+        for worker in WORKERS
+    }
+    yield actors
+    for actor in actors.values():
+        ray.kill(actor)
+
+
+def _answer(server: Any, ids: list[int], sampling: pb.SamplingParams) -> tuple[Any, ...]:
+    stub = pb_grpc.InferenceStub(server.channel())
+    request = pb.GenerateRequest(
+        prompt=pb.Prompt(token_ids=pb.TokenIds(ids=ids)), sampling=sampling
+    )
+    messages = list(stub.Generate(request, timeout=120))
+    last = messages[-1]
+    assert last.finish_reason == "length" and last.HasField("usage")
+    tokens = [t for m in messages for t in m.token_ids]
+    return tokens, "".join(m.text for m in messages), last.usage, messages
+
+
+def _flush(server: Any) -> None:
+    pb_grpc.AdminStub(server.channel()).Flush(pb.FlushRequest(), timeout=60)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        pb.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        pb.SamplingParams(max_tokens=12, temperature=1.0, top_k=40, seed=7, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_two_mixed_workers_hand_a_request_off(
+    start_router: Any, mixed: dict[WorkerId, Any], sampling: pb.SamplingParams
+) -> None:
+    ids = [(int(sampling.seed) * 31 + 7 * j) % 250 + 3 for j in range(PROMPT_TOKENS)]
+    colocated = start_router(mixed, pd_mode="never", pd_mixed=True)
+    expected, expected_text, alone, _ = _answer(colocated, ids, sampling)
+    assert not alone.prefill_worker_id and alone.kv_transfer_tokens == 0
+    _flush(colocated)
+
+    server = start_router(mixed, pd_mode="always", pd_mixed=True)
+    tokens, text, usage, messages = _answer(server, ids, sampling)
+    assert tokens == expected and text == expected_text
+    assert len(messages[0].token_ids) == 1, "the first token came from the prompt's worker"
+    # The prompt on one mixed worker, the decode on the other, every full block pulled.
+    assert {usage.prefill_worker_id, usage.worker_id} == set(WORKERS)
+    full = PROMPT_TOKENS // BLOCK * BLOCK
+    assert usage.kv_transfer_tokens == full
+    assert usage.computed_tokens == PROMPT_TOKENS + (PROMPT_TOKENS - full + 1)
+    metrics = server.router.metrics.registry
+    assert metrics.get_sample_value("cachesvc_pd_decisions_total", {"mode": "disaggregated"}) == 1
+    _flush(server)
+
+
+def test_mixed_workers_without_the_switch_serve_colocated(
+    start_router: Any, mixed: dict[WorkerId, Any]
+) -> None:
+    """`pd_mixed` off (the default): "always" has no prefill worker to hand off from."""
+    server = start_router(mixed, pd_mode="always")
+    sampling = pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    _, _, usage, _ = _answer(server, list(range(3, 3 + PROMPT_TOKENS)), sampling)
+    assert not usage.prefill_worker_id and usage.kv_transfer_tokens == 0
+    _flush(server)
