@@ -106,12 +106,13 @@ class RouterConfig:
     # "auto" decides per request from the workers' calibrated costs and loads, "always" hands
     # every request it can to a prefill worker, "never" serves each where it is routed. A
     # second a decoding stream loses counts `pd_stall_weight` times a second of the request's
-    # own wait.
+    # own wait (with both targets below set, their own weight instead: `SLO.stall_weight`).
     pd_mode: str = "auto"
     pd_stall_weight: float = 1.0
     # Latency targets for "auto" (None: none): the mode predicted to break fewer of them wins
-    # (a request's time to first token; any stream's gap between two tokens), the delays above
-    # decide between modes that break as many.
+    # (a request's time to first token; any stream's mean gap between tokens, a stall spread
+    # over the mean answer seen so far), the delays above decide between modes that break as
+    # many.
     pd_ttft_slo_ms: float | None = None
     pd_itl_slo_ms: float | None = None
     # With no prefill workers and two or more mixed ones, per request ("auto") or for every

@@ -316,6 +316,7 @@ class Router:
         self._stats.cached_tokens += sum(usage.cached_tokens.values())
         decisions = self._stats.decisions
         decisions[usage.worker_id] = decisions.get(usage.worker_id, 0) + 1
+        self.pd.answered(usage.completion_tokens)
         self.metrics.record_usage(usage)
         outcome.usage(usage)
 

@@ -42,10 +42,12 @@ from router.pd import (
     SLO,
     DecodeLoad,
     DecodeSide,
+    MeanAnswer,
     PDDecision,
     PrefillSide,
     decide,
     pick_decode,
+    with_answers,
 )
 from router.placement import Placed, Placement, role_of
 from router.policy import RouteDecision
@@ -134,6 +136,12 @@ class Disaggregation:
         self.handoff_fixed_s = HANDOFF_FIXED_PRIOR_S
         ttft, itl = config.pd_ttft_slo_ms, config.pd_itl_slo_ms
         self._slo = SLO(None if ttft is None else ttft / 1e3, None if itl is None else itl / 1e3)
+        # The answers' mean length, over which the targets spread a stream's stall.
+        self.mean_answer = MeanAnswer()
+
+    def answered(self, num_tokens: int) -> None:
+        """A request finished with `num_tokens` output tokens (its mean answer's share)."""
+        self.mean_answer.observe(num_tokens)
 
     def _calibrate(self, measured_s: float, variable_s: float) -> None:
         residual = max(0.0, measured_s - variable_s)
@@ -235,8 +243,8 @@ class Disaggregation:
         if decode.worker_id != at.worker_id:
             held = self.pool.index.longest_prefix(hashes).get(decode.worker_id)
             away = self._decode_side(decode, num_tokens, 0 if held is None else held.num_blocks)
-        weight, fixed_s = self.config.pd_stall_weight, self.handoff_fixed_s
-        return decide(num_tokens, block_size, here, there, away, weight, fixed_s, self._slo)
+        slo, weight = with_answers(self._slo, self.mean_answer.tokens, self.config.pd_stall_weight)
+        return decide(num_tokens, block_size, here, there, away, weight, self.handoff_fixed_s, slo)
 
     def _decode_side(self, state: WorkerState, num_tokens: int, matched_blocks: int) -> DecodeSide:
         block_size = self.pool.model.block_size

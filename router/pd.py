@@ -65,28 +65,77 @@ class DecodeSide:
     pull_block_s: float | None  # its calibrated seconds per pulled block; None: it never pulls
 
 
+# The mean answer (tokens) before any request has finished, and how many answers it counts as:
+# a chat turn's order of magnitude (the sample trace's is 149, MLPerf's Llama-3.1-8B server
+# ~190), soon outweighed by what the router sees.
+MEAN_ANSWER_PRIOR = 200.0
+MEAN_ANSWER_PRIOR_WEIGHT = 20
+
+
 @dataclass(frozen=True)
 class SLO:
     """Latency targets (seconds; None: no target): the request's time to first token, and the
-    gap between two tokens of any stream (the request's own, and those decoding beside it)."""
+    mean gap between two tokens over a stream's answer (the request's own, and those decoding
+    beside it), as goodput counts them; `mean_answer` (tokens) is what a stall is spread over."""
 
     ttft_s: float | None = None
     itl_s: float | None = None
+    mean_answer: float = MEAN_ANSWER_PRIOR
+
+    @property
+    def stall_weight(self) -> float | None:
+        """A second a decoding stream loses against a second of the request's TTFT, each as a
+        share of its budget: the TTFT target, and the ITL target over the mean answer's gaps
+        (`ttft / ((mean answer - 1) * itl)`); None without both targets."""
+        if self.ttft_s is None or self.itl_s is None:
+            return None
+        return self.ttft_s / (max(1.0, self.mean_answer - 1) * self.itl_s)
 
     def misses(
         self, ttft_s: float, own_gaps_s: Sequence[float], num_streams: int, stall_s: float
     ) -> int:
-        """Targets a mode is predicted to break: the request's TTFT, each of its own gaps (a
-        hand-off's), and each of `num_streams` running streams whose next gap grows by
-        `stall_s` (counted against the whole target: the router does not know their steps)."""
+        """Targets a mode is predicted to break: the request's TTFT, its mean ITL (its own
+        gaps, a hand-off's, spread over the mean answer), and the mean ITL of each of
+        `num_streams` running streams that lose `stall_s` (spread over the mean answer too: the
+        router knows neither how far a stream is nor its other gaps, taken as nothing)."""
         misses = 0
         if self.ttft_s is not None and ttft_s > self.ttft_s:
             misses += 1
         if self.itl_s is not None:
-            misses += sum(gap > self.itl_s for gap in own_gaps_s)
-            if stall_s > self.itl_s:
+            budget_s = self.itl_s * max(1.0, self.mean_answer - 1)
+            misses += sum(own_gaps_s) > budget_s
+            if stall_s > budget_s:
                 misses += num_streams
         return misses
+
+
+def with_answers(
+    slo: SLO | None, mean_answer: float, stall_weight: float
+) -> tuple[SLO | None, float]:
+    """The targets `decide` weighs with answers of `mean_answer` tokens, and its stall weight:
+    the targets' own (`SLO.stall_weight`) when both are set, else `stall_weight`."""
+    if slo is None:
+        return None, stall_weight
+    slo = dataclasses.replace(slo, mean_answer=mean_answer)
+    weight = slo.stall_weight
+    return slo, stall_weight if weight is None else weight
+
+
+class MeanAnswer:
+    """The mean answer length (tokens) of finished requests, from `MEAN_ANSWER_PRIOR`; mutated
+    by `observe`."""
+
+    def __init__(self) -> None:
+        self._total = MEAN_ANSWER_PRIOR * MEAN_ANSWER_PRIOR_WEIGHT
+        self._count = MEAN_ANSWER_PRIOR_WEIGHT
+
+    def observe(self, num_tokens: int) -> None:
+        self._total += num_tokens
+        self._count += 1
+
+    @property
+    def tokens(self) -> float:
+        return self._total / self._count
 
 
 @dataclass(frozen=True)

@@ -48,10 +48,12 @@ from router.pd import (
     SLO,
     DecodeLoad,
     DecodeSide,
+    MeanAnswer,
     PDDecision,
     PrefillSide,
     decide,
     pick_decode,
+    with_answers,
 )
 from router.placement import Choice, LiveWorker, choose
 from router.policy import PEER, Policy, RouteRequest
@@ -160,6 +162,7 @@ class PDRoutes:
         self.decode_side = [w for w in workers if w.role in SERVING_ROLES]
         self.handoff_fixed_s = HANDOFF_FIXED_PRIOR_S
         self.slo = slo  # the router's latency targets (`pd_ttft_slo_ms`, `pd_itl_slo_ms`)
+        self.mean_answer = MeanAnswer()  # learnt from finished requests, as the router does
         self.decisions: dict[int, PDDecision] = {}  # request index -> the decision
         self._decode_on: dict[int, SimWorker] = {}  # a prefill under way -> its decode worker
         self._unmeasured: list[SimSeq] = []  # handed off, second token not seen yet
@@ -181,15 +184,16 @@ class PDRoutes:
         loads = [_decode_load(w) for w in decode_side]
         decode = next(w for w in decode_side if w.worker_id == pick_decode(loads))
         held = matches.get(decode.worker_id)
+        slo, weight = with_answers(self.slo, self.mean_answer.tokens, self.stall_weight)
         decision = decide(
             req.prompt_len,
             req.block_size,
             _decode_side(req, colocated, here.decision.matched_blocks),
             _prefill_side(req, prefill, there.decision.matched_blocks),
             _decode_side(req, decode, 0 if held is None else held.num_blocks),
-            self.stall_weight,
+            weight,
             self.handoff_fixed_s,
-            self.slo,
+            slo,
         )
         if self.mode == ALWAYS:
             decision = dataclasses.replace(decision, disaggregate=True, reason="always")
@@ -205,8 +209,9 @@ class PDRoutes:
 
     def handoff(self, prefill: SimWorker, done: SimSeq) -> tuple[SimWorker, SimSeq] | None:
         """A request's prefill finished on `prefill` with its first token: its decode, joining
-        its decode worker (None for anything else that finished)."""
+        its decode worker (None for anything else that finished: its answer is learnt)."""
         if not done.prefill_only:
+            self.mean_answer.observe(done.req.output_len)
             return None
         decode = self._decode_on.pop(done.req.index)
         req = done.req

@@ -8,7 +8,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cachesvc.types import WorkerId
-from router.pd import SLO, DecodeLoad, DecodeSide, PrefillSide, decide, pick_decode
+from router.pd import (
+    MEAN_ANSWER_PRIOR,
+    SLO,
+    DecodeLoad,
+    DecodeSide,
+    MeanAnswer,
+    PrefillSide,
+    decide,
+    pick_decode,
+    with_answers,
+)
 
 BLOCK = 16
 TOKEN_S = 1e-4  # 10 000 prompt tokens a second
@@ -94,11 +104,20 @@ def test_config_names_a_bad_mode() -> None:
 
 def test_an_itl_target_protects_the_running_streams() -> None:
     """The prefill worker's queue makes moving slower in total, but colocated the 4 streams
-    each wait 0.8 s for a token: with a 0.2 s target, fewer targets break moved."""
+    each wait 0.8 s for a token: with answers of 3 tokens (two gaps) and a 0.2 s mean target,
+    that breaks each one's mean (0.4 s) and fewer targets break moved."""
     decode, prefill = _decode(8000, running=4), _prefill(8000, queued=100_000)
     assert not decide(8000, BLOCK, decode, prefill).disaggregate
-    d = decide(8000, BLOCK, decode, prefill, slo=SLO(itl_s=0.2))
+    d = decide(8000, BLOCK, decode, prefill, slo=SLO(itl_s=0.2, mean_answer=3))
     assert d.disaggregate and "SLO misses 0 moved vs 4 kept" in d.reason
+
+
+def test_a_stall_spread_over_a_long_answer_breaks_no_mean_target() -> None:
+    """The same 0.8 s stall over answers of 200 tokens adds 4 ms to each stream's mean: no
+    stream misses a 0.2 s mean, so the delays decide (colocated), not the streams' next gap."""
+    decode, prefill = _decode(8000, running=4), _prefill(8000, queued=100_000)
+    d = decide(8000, BLOCK, decode, prefill, slo=SLO(itl_s=0.2, mean_answer=200))
+    assert not d.disaggregate and "SLO misses 0 moved vs 0 kept" in d.reason
 
 
 def test_a_ttft_target_keeps_it_home_when_nobody_decodes() -> None:
@@ -108,10 +127,33 @@ def test_a_ttft_target_keeps_it_home_when_nobody_decodes() -> None:
 
 
 def test_slo_counts_what_breaks() -> None:
-    slo = SLO(ttft_s=1.0, itl_s=0.1)
-    assert slo.misses(0.5, (), 8, 0.05) == 0
-    assert slo.misses(1.5, (0.2,), 8, 0.2) == 1 + 1 + 8
+    slo = SLO(ttft_s=1.0, itl_s=0.1, mean_answer=11)  # a mean ITL budget of 1 s per answer
+    assert slo.misses(0.5, (), 8, 0.9) == 0
+    assert slo.misses(1.5, (1.2,), 8, 1.2) == 1 + 1 + 8
+    assert slo.misses(0.5, (0.6, 0.6), 8, 0.5) == 1, "its own gaps are one mean"
     assert SLO().misses(100.0, (100.0,), 8, 100.0) == 0
+
+
+def test_the_stall_weight_follows_the_targets() -> None:
+    # A second of a 150-token answer's ITL budget (100 ms over 149 gaps) against a second of
+    # the 2 s TTFT budget.
+    assert SLO(2.0, 0.1, 150).stall_weight == pytest.approx(2.0 / (149 * 0.1))
+    assert SLO(itl_s=0.1).stall_weight is None and SLO(ttft_s=2.0).stall_weight is None
+
+
+def test_targets_bring_their_own_stall_weight() -> None:
+    slo, weight = with_answers(SLO(2.0, 0.1), 151, 1.0)
+    assert slo == SLO(2.0, 0.1, 151) and weight == pytest.approx(2.0 / (150 * 0.1))
+    assert with_answers(SLO(itl_s=0.1), 151, 1.0)[1] == 1.0, "one target: the configured weight"
+    assert with_answers(None, 151, 0.5) == (None, 0.5)
+
+
+def test_the_mean_answer_is_learnt_from_its_prior() -> None:
+    mean = MeanAnswer()
+    assert mean.tokens == MEAN_ANSWER_PRIOR
+    for _ in range(1000):
+        mean.observe(10)
+    assert 10 < mean.tokens < 15, "a thousand answers outweigh the prior"
 
 
 def test_a_mixed_prefill_worker_counts_its_own_streams() -> None:

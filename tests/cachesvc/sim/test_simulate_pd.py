@@ -146,6 +146,9 @@ def test_dynamic_over_mixed_workers_serves_as_colocated(write_trace: WriteTrace)
     assert dynamic.pd_routes is not None and len(dynamic.pd_routes.decisions) == len(requests)
     assert not any(d.disaggregate for d in dynamic.pd_routes.decisions.values())
     assert dynamic.assigned == kept.assigned
+    # The answers' mean, for the router's targets, learnt from the prior as the router learns it.
+    learnt = (200 * 20 + sum(r.output_len for r in requests)) / (20 + len(requests))
+    assert dynamic.pd_routes.mean_answer.tokens == pytest.approx(learnt)
     times = {o.index: (o.ttft_s, o.gaps_s) for o in outcomes(kept)}
     assert {o.index: (o.ttft_s, o.gaps_s) for o in outcomes(dynamic)} == times
 
