@@ -275,6 +275,7 @@ class Router:
         request_id: str,
         req: GenerateInput,
         holder: HolderHint | None = None,
+        hold_kv: bool = False,
     ) -> AsyncGenerator[StreamDelta, None]:
         state = self.pool.state(decision.worker)
         ids = part.prompt_ids
@@ -286,7 +287,7 @@ class Router:
         num_finished = 0
         try:
             stream = self.pool.stream(
-                decision.worker, ids, part.params, request_id, req.cache_salt, holder
+                decision.worker, ids, part.params, request_id, req.cache_salt, holder, hold_kv
             )
             async with contextlib.aclosing(stream) as deltas:
                 async for delta in deltas:

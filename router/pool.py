@@ -170,19 +170,22 @@ class WorkerPool:
         request_id: str,
         cache_salt: str | None,
         holder: HolderHint | None = None,
+        hold_kv: bool = False,
     ) -> AsyncGenerator[StreamDelta, None]:
         """Forward a request and stream its deltas; raises WorkerDied (the worker failed, or
         stopped answering pings while the stream waited), or the router's typed error for a
         refusal. Closing the iterator early cancels the request on the worker. `holder` names
-        a worker with a longer prefix of the prompt to pull from."""
+        a worker with a longer prefix of the prompt to pull from; `hold_kv` tells the worker
+        another will pull this prompt's KV (a hand-off's prefill)."""
         import ray
 
         state = self._workers[worker]
         actor = state.actor
         # The hint goes only when there is one, so a worker of an older build still answers.
         extra = () if holder is None else (holder,)
+        hold = {"hold_kv": True} if hold_kv else {}
         gen = actor.generate.options(num_returns="streaming").remote(
-            prompt_ids, params, request_id, cache_salt, *extra
+            prompt_ids, params, request_id, cache_salt, *extra, **hold
         )
         started = done = False
         try:

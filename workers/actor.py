@@ -149,12 +149,15 @@ class WorkerActor:
         request_id: str,
         cache_salt: str | None,
         holder: HolderHint | None = None,
+        hold_kv: bool = False,
     ) -> AsyncIterator[StreamDelta | StreamError]:
         """Stream deltas of every sample (call with num_returns="streaming").
 
         Refusals are yielded as one StreamError, never raised, so the router can tell a bad
         request from a dead worker. With `holder` (and `peer_pull` configured), the load
         planner may pull the blocks of the prompt it holds beyond what this worker holds.
+        `hold_kv`: another worker will pull this prompt's blocks (a prefill handed off): they
+        stay pinned from the step that computes them, so the pull waits for no step here.
         """
         from workers.engine.engine import PromptError
         from workers.sampling_params import SamplingParams
@@ -177,6 +180,8 @@ class WorkerActor:
             from workers.engine.request import PeerSource
 
             peer = PeerSource(holder.actor_name, holder.num_blocks)
+        if hold_kv:
+            await self._exporter.hold(prompt_ids, cache_salt)
         sent: dict[int, int] = {}
         self._open.add(request_id)
         try:

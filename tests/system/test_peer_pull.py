@@ -328,3 +328,31 @@ def test_a_holder_without_slots_sends_through_the_object_store(
     assert last.usage is not None and last.usage.cached_tokens == {"peer": NUM_BLOCKS * 4}
     assert sent["peer_exported_chunks"] >= 1 and sent["peer_exported_local_chunks"] == 0
     assert sent["peer_slots"] == 0
+
+
+def test_a_held_prefill_is_served_from_its_pins_then_let_go(pair: dict[str, Any]) -> None:
+    """A hand-off's prefill (`hold_kv`) keeps its blocks pinned for the pull that follows: the
+    pull is served from those pins (no step boundary awaited), they go back once sent, and a
+    later pull of the same prompt pins the usual way with the same tokens."""
+    import ray
+
+    prompt = _prompt(50)
+    stream = pair["holder"].generate.options(num_returns="streaming").remote(
+        prompt, PARAMS, uuid.uuid4().hex, None, None, hold_kv=True
+    )
+    expected = [t for ref in stream for t in ray.get(ref).token_ids]
+    held = _sent(pair["holder"])
+    assert held["peer_held_blocks"] == NUM_BLOCKS  # pinned from the step that computed them
+    hint = HolderHint(pair["names"]["holder"], NUM_BLOCKS)
+    tokens, last = _generate(pair["puller"], prompt, None, hint)
+    assert tokens == expected
+    assert last.usage is not None and last.usage.cached_tokens == {"peer": NUM_BLOCKS * 4}
+    sent = _until(pair["holder"], lambda s: s["peer_held_blocks"] == 0)
+    assert sent["peer_held_blocks"] == 0
+    assert sent["peer_held_chunks"] > held["peer_held_chunks"]
+
+    ray.get(pair["puller"].flush.remote())
+    again, last = _generate(pair["puller"], prompt, None, hint)
+    assert again == expected and last.usage is not None
+    assert last.usage.cached_tokens == {"peer": NUM_BLOCKS * 4}
+    assert _sent(pair["holder"])["peer_held_chunks"] == sent["peer_held_chunks"]

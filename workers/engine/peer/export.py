@@ -26,6 +26,7 @@ import numpy as np
 import xxhash
 
 from cachesvc.types import BlockHash
+from workers.engine.peer.holds import HandoffHolds
 from workers.engine.peer.pull import PULL_CHUNK_BLOCKS
 from workers.engine.peer.stage import (
     PinnedRun,
@@ -47,6 +48,11 @@ if TYPE_CHECKING:  # the engine imports this package (its pull side): a type, no
 
 
 _HASHED_PROMPTS = 8  # prompts whose hashes an exporter keeps: the pulls it serves now
+# How long a handed-off request's blocks stay pinned for its decode worker's pull (as long as a
+# decode worker waits for one: `workers.cluster.DECODE_PULL_TIMEOUT_S`), and the share of the
+# device pool such holds may take.
+HOLD_TTL_S = 30.0
+HOLD_POOL_SHARE = 0.5
 
 
 class ChunkExporter:
@@ -72,6 +78,14 @@ class ChunkExporter:
         self._prompts_lock = threading.Lock()  # its threads key and fill it
         self.num_exported_chunks = 0
         self.num_exported_bytes = 0
+        self.holds = HandoffHolds(HOLD_TTL_S, int(engine.engine.pool.num_blocks * HOLD_POOL_SHARE))
+        engine.at_boundary(self.holds.at_boundary)
+
+    async def hold(self, token_ids: Sequence[int], cache_salt: str | None) -> None:
+        """Keep the full blocks of this prompt pinned once computed, for a pull that will follow
+        (`holds.HandoffHolds`): its chunks then wait for no step boundary here."""
+        prompt = await self._prompt(token_ids, cache_salt)
+        self.holds.expect(prompt.ids, prompt.hashes, cache_salt)
 
     async def export(
         self,
@@ -89,12 +103,16 @@ class ChunkExporter:
             staging = self.stager.take(puller, end_block - start_block)
             shipping: asyncio.Future[KVChunk] | None = None
             try:
-                run = await self._pin(prompt, cache_salt, start_block, end_block, staging)
+                room = staging.buffer.shape[0]
+                run = self.holds.lease(prompt.hashes, start_block, end_block, room)
+                held = run is not None
+                if run is None:
+                    run = await self._pin(prompt, cache_salt, start_block, end_block, staging)
                 shipping = asyncio.get_running_loop().run_in_executor(
                     self._threads, self._copy_seal_ship, run, staging
                 )
                 # The pins go back once the copy is done, whatever becomes of this call.
-                shipping.add_done_callback(lambda _: self._unpin(run))
+                shipping.add_done_callback(lambda done: self._release(run, held, done))
                 chunk = await asyncio.shield(shipping)
             except BaseException:
                 self._give_up(staging, shipping)
@@ -122,6 +140,15 @@ class ChunkExporter:
             pinning.add_done_callback(self._unpin_pinned)
             raise
 
+    def _release(self, run: PinnedRun, held: bool, shipping: asyncio.Future[KVChunk]) -> None:
+        if held:
+            ok = not shipping.cancelled() and shipping.exception() is None
+            if self.holds.give_back(run, delivered=ok):
+                # Sent in full: the pins go back now when no step runs, else at its end.
+                self.engine.try_call(self.holds.at_boundary)
+        else:
+            self._unpin(run)
+
     def _unpin_pinned(self, pinning: asyncio.Future[PinnedRun]) -> None:
         if not pinning.cancelled() and pinning.exception() is None:
             self._unpin(pinning.result())
@@ -133,6 +160,7 @@ class ChunkExporter:
             "peer_exported_chunks": float(self.num_exported_chunks),
             "peer_exported_bytes": float(self.num_exported_bytes),
             **self.stager.counters(),
+            **self.holds.counters(),
         }
 
     def close(self) -> None:

@@ -1,0 +1,130 @@
+"""A handed-off prompt's blocks held for its puller (`HandoffHolds`) on a tiny engine: pinned at
+the first boundary at which all are computed, served in slices equal to what a boundary pin
+would copy, given back once sent in full or too old, never while a copy is under way, and never
+served to another prompt or another tenant."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cachesvc.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.peer.holds import HandoffHolds
+from workers.engine.peer.stage import copy_run, pin_run, prompt_hashes, unpin
+from workers.sampling_params import SamplingParams
+
+ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+NUM_FULL = 6  # full blocks of the prompt (block size 4)
+
+
+@pytest.fixture
+def engine(tiny_llama_dir: Path) -> Engine:
+    return Engine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_blocks=64))
+
+
+def _prompt(seed: int) -> list[int]:
+    return [(seed * 31 + 7 * j) % 300 + 3 for j in range(NUM_FULL * 4 + 3)]
+
+
+def _held(engine: Engine, holds: HandoffHolds, prompt: list[int], salt: str | None = None) -> None:
+    holds.expect(prompt, prompt_hashes(engine, prompt, salt), salt)
+    engine.generate([prompt], ONE_TOKEN, cache_salt=salt)
+    holds.at_boundary(engine)
+
+
+def _room(engine: Engine, num_blocks: int) -> torch.Tensor:
+    cache = engine.runner.kv_caches[0]
+    from workers.engine.peer.stage import block_shape
+
+    return torch.empty((num_blocks, *block_shape(engine)), dtype=cache.dtype)
+
+
+def test_pinned_once_computed_and_given_back_once_sent(engine: Engine) -> None:
+    holds = HandoffHolds(ttl_s=60.0, max_blocks=32)
+    prompt = _prompt(1)
+    hashes = prompt_hashes(engine, prompt, None)
+    holds.expect(prompt, hashes, None)
+    holds.at_boundary(engine)  # nothing computed yet: nothing to serve
+    assert holds.lease(hashes, 0, NUM_FULL, 4) is None
+
+    engine.generate([prompt], ONE_TOKEN)
+    holds.at_boundary(engine)
+    assert engine.pool.num_free == engine.pool.num_blocks - NUM_FULL  # pinned, not evictable
+    first = holds.lease(hashes, 0, NUM_FULL, 4)
+    second = holds.lease(hashes, 4, NUM_FULL, 4)
+    assert first is not None and second is not None
+    assert (first.start_block, first.num_blocks, second.start_block, second.num_blocks) == (
+        0,
+        4,
+        4,
+        2,
+    )
+
+    # What a slice copies is what a boundary pin of the same blocks copies.
+    reference = pin_run(engine, prompt, None, 0, NUM_FULL, NUM_FULL)
+    expected = copy_run(engine.runner.kv_caches, reference, _room(engine, NUM_FULL)).payload
+    got = [copy_run(engine.runner.kv_caches, r, _room(engine, 4)).payload for r in (first, second)]
+    assert np.array_equal(expected, np.concatenate(got))
+    unpin(engine, reference)
+
+    assert not holds.give_back(first, delivered=True)  # block 4 and 5 not sent yet
+    assert holds.give_back(second, delivered=True)
+    holds.at_boundary(engine)
+    assert engine.pool.num_free == engine.pool.num_blocks
+    assert holds.lease(hashes, 0, NUM_FULL, 4) is None  # gone: a later pull pins the usual way
+    engine.pool.check_integrity()
+
+
+def test_a_copy_under_way_keeps_an_expired_hold(engine: Engine) -> None:
+    holds = HandoffHolds(ttl_s=60.0, max_blocks=32)
+    prompt = _prompt(2)
+    _held(engine, holds, prompt)
+    hashes = prompt_hashes(engine, prompt, None)
+    leased = holds.lease(hashes, 0, NUM_FULL, NUM_FULL)
+    assert leased is not None
+    holds.ttl_s = 0.0  # too old from now on
+    holds.at_boundary(engine)
+    assert engine.pool.num_free == engine.pool.num_blocks - NUM_FULL  # still being copied
+    holds.give_back(leased, delivered=False)  # the puller went away: not sent
+    holds.at_boundary(engine)
+    assert engine.pool.num_free == engine.pool.num_blocks
+    engine.pool.check_integrity()
+
+
+def test_never_served_to_another_prompt_or_tenant(engine: Engine) -> None:
+    holds = HandoffHolds(ttl_s=60.0, max_blocks=32)
+    prompt = _prompt(3)
+    _held(engine, holds, prompt, salt="tenant-a")
+    assert holds.lease(prompt_hashes(engine, prompt, "tenant-b"), 0, NUM_FULL, 8) is None
+    assert holds.lease(prompt_hashes(engine, prompt, None), 0, NUM_FULL, 8) is None
+    other = prompt[:8] + [p + 1 for p in prompt[8:]]  # the first two blocks alike
+    other_hashes = prompt_hashes(engine, other, "tenant-a")
+    assert holds.lease(other_hashes, 2, NUM_FULL, 8) is None
+    shared = holds.lease(other_hashes, 0, NUM_FULL, 8)
+    # Only the shared leading blocks, as a boundary pin of the other prompt would find.
+    assert shared is not None and shared.hashes == tuple(other_hashes[:2])
+
+
+def test_holds_take_at_most_their_share_of_the_pool(engine: Engine) -> None:
+    holds = HandoffHolds(ttl_s=60.0, max_blocks=NUM_FULL + 2)
+    first, second = _prompt(4), _prompt(5)
+    _held(engine, holds, first)
+    _held(engine, holds, second)  # would take 12 blocks of 8: not held
+    assert holds.lease(prompt_hashes(engine, first, None), 0, NUM_FULL, 8) is not None
+    assert holds.lease(prompt_hashes(engine, second, None), 0, NUM_FULL, 8) is None
+    assert holds.counters()["peer_held_blocks"] == NUM_FULL
+
+
+def test_the_wait_for_the_prefill_is_not_counted_against_the_pins(engine: Engine) -> None:
+    holds = HandoffHolds(ttl_s=0.0, max_blocks=32)  # pins go at the boundary after they came
+    prompt = _prompt(6)
+    hashes = prompt_hashes(engine, prompt, None)
+    holds.expect(prompt, hashes, None)
+    holds.at_boundary(engine)  # queued behind other prompts: still waiting, not expired
+    engine.generate([prompt], ONE_TOKEN)
+    holds.at_boundary(engine)
+    assert holds.lease(hashes, 0, NUM_FULL, 8) is not None
