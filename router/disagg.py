@@ -276,6 +276,7 @@ class Disaggregation:
         before its token. `part_stream(decision, part, request_id, req, hold_kv=)` streams one
         part."""
         outcome.pd_mode = handoff.decision.mode
+        outcome.pd_reason = handoff.decision.reason
         outcome.pd_predicted_ttft_ms = round(handoff.decision.predicted_ttft_s * 1e3, 2)
         if handoff.prefill is None or handoff.decode is None:
             return

@@ -154,6 +154,7 @@ class RequestOutcome:
     # Prefill/decode disaggregation (`router.disagg`): the mode chosen, the prefill worker of a
     # disaggregated request, predicted and measured times.
     pd_mode: str | None = None
+    pd_reason: str | None = None  # why: `PDDecision.reason` (the route reason is the worker's)
     prefill_worker: str | None = None
     pd_predicted_ttft_ms: float | None = None
     pd_predicted_handoff_ms: float | None = None
@@ -201,6 +202,7 @@ class RequestOutcome:
                 "latency_ms": round(latency_s * 1e3, 2),
                 "num_resumes": self.num_resumes,
                 "pd_mode": self.pd_mode,
+                "pd_reason": self.pd_reason,
                 "prefill_worker": self.prefill_worker,
                 "pd_predicted_ttft_ms": self.pd_predicted_ttft_ms,
                 "pd_predicted_handoff_ms": self.pd_predicted_handoff_ms,

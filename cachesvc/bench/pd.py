@@ -31,6 +31,7 @@ from cachesvc.bench.pd_workload import (
     PDShape,
     phase_requests,
     warmup_request,
+    worker_warmup_request,
 )
 from cachesvc.bench.table import format_table
 
@@ -60,6 +61,9 @@ class PhaseResult:
     ttft_s: list[float] = field(default_factory=list)  # the long prompts' TTFTs
     # The long prompts' TTFTs as their workers measured them (from the engine's arrival).
     worker_ttft_s: list[float] = field(default_factory=list)
+    # A handed-off long prompt's first two tokens apart: the hand-off as the client sees it (the
+    # decode worker pulls the KV, lands it, computes the tail and its first token).
+    handoff_s: list[float] = field(default_factory=list)
     disaggregated: int = 0  # long prompts handed to a prefill worker
     kv_moved_tokens: int = 0
 
@@ -69,6 +73,10 @@ class PhaseResult:
         ttft = None
         if self.ttft_s:
             ttft = (percentile(self.ttft_s, 50) * 1e3, percentile(self.ttft_s, 99) * 1e3)
+        handoff = "-"
+        if self.handoff_s:
+            low, high = percentile(self.handoff_s, 50), percentile(self.handoff_s, 99)
+            handoff = f"{low * 1e3:.0f} / {high * 1e3:.0f}"
         return [
             self.setup,
             self.phase,
@@ -78,6 +86,7 @@ class PhaseResult:
             "-" if ttft is None else f"{ttft[0]:.0f}",
             "-" if ttft is None else f"{ttft[1]:.0f}",
             f"{self.disaggregated}/{len(self.ttft_s)}" if self.ttft_s else "-",
+            handoff,
         ]
 
 
@@ -133,6 +142,8 @@ async def _phase(stub: Any, shape: PDShape, setup: str, phase: str, vocab: int) 
         if usage is not None and usage.prefill_worker_id:
             result.disaggregated += 1
             result.kv_moved_tokens += usage.kv_transfer_tokens
+            if len(stamps) > 1:
+                result.handoff_s.append(stamps[1] - stamps[0])
     return result
 
 
@@ -153,6 +164,7 @@ async def _run_setup(
     server = RouterServer(router, config)
     await server.start()
     vocab = router.pool.model.vocab_size
+    await _warm_workers(actors, worker_warmup_request(vocab))
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.InferenceStub(channel)
@@ -162,6 +174,19 @@ async def _run_setup(
     finally:
         await server.stop(grace_s=1.0)
         await router.close()
+
+
+async def _warm_workers(actors: dict[Any, Any], request: PDRequest) -> None:
+    """Each worker computes `request` (sent to it directly, one after the other), then forgets
+    it: what it learnt of its prefill cost stays, its cache holds nothing of the phases."""
+    params = {"max_tokens": request.max_tokens, "temperature": 0.0, "ignore_eos": True}
+    for actor in actors.values():
+        stream = actor.generate.options(num_returns="streaming").remote(
+            list(request.prompt_ids), params, f"bench-pd-warm-{uuid.uuid4().hex[:8]}", None
+        )
+        async for ref in stream:
+            await ref
+        await actor.flush.remote()
 
 
 def measure_pd(args: PDBenchArgs) -> list[PhaseResult]:
@@ -235,6 +260,7 @@ def format_results(results: list[PhaseResult]) -> str:
         "long TTFT p50 ms",
         "long TTFT p99 ms",
         "handed off",
+        "hand-off p50 / p99 ms",
     ]
     rows = []
     baseline: dict[str, float] = {}

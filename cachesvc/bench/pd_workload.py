@@ -23,6 +23,10 @@ PHASE_SEEDS = {ALONE: 1, WITH_PROMPTS: 2}
 DECODE_PROMPT_LEN = 48
 LONG_OUTPUT_LEN = 8
 WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 64, 4
+# Every worker computes one prompt of this size before the phases, sent to it directly: a
+# worker's prefill cost is calibrated at its start on short passes (while the other worker
+# starts too); a real prompt corrects it before the router's first decision relies on it.
+WORKER_WARMUP_PROMPT_LEN = 512
 BLOCK_SIZE = 16
 
 
@@ -73,6 +77,12 @@ def warmup_request(vocab_size: int) -> PDRequest:
     """The request served before the phases (first calls are slow), not reported."""
     rng = random.Random(0)
     return PDRequest(0.0, _ids(rng, WARMUP_PROMPT_LEN, vocab_size), WARMUP_OUTPUT_LEN, False)
+
+
+def worker_warmup_request(vocab_size: int) -> PDRequest:
+    """The prompt every worker computes before the phases (sent to it, not routed)."""
+    rng = random.Random(3)
+    return PDRequest(0.0, _ids(rng, WORKER_WARMUP_PROMPT_LEN, vocab_size), 1, False)
 
 
 def phase_requests(shape: PDShape, phase: str, vocab_size: int) -> list[PDRequest]:

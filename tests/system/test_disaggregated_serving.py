@@ -7,6 +7,7 @@ worker costs a recompute on the decode side, never an error."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -89,6 +90,8 @@ def _answer(messages: list[pb.GenerateResponse]) -> tuple[list[int], str, pb.Usa
 def test_handed_off_stream_equals_colocated(
     start_router: Any, roles: dict[WorkerId, Any], sampling: pb.SamplingParams
 ) -> None:
+    import ray
+
     ids = _prompt(int(sampling.seed) + 1)
     colocated = start_router(roles, pd_mode="never")
     expected, expected_text, alone = _answer(_generate(colocated, ids, sampling))
@@ -110,6 +113,9 @@ def test_handed_off_stream_equals_colocated(
     assert usage.computed_tokens == PROMPT_TOKENS + (PROMPT_TOKENS - full + 1)
     metrics = server.router.metrics.registry
     assert metrics.get_sample_value("cachesvc_pd_decisions_total", {"mode": "disaggregated"}) == 1
+    # The prefill worker held the prompt's blocks for the pull and served it from those pins.
+    sent = ray.get(roles[PREFILL].stats.remote(), timeout=60).tiering
+    assert sent["peer_held_chunks"] >= 1
     _flush(server)
 
 
@@ -160,12 +166,19 @@ def _samples(messages: list[pb.GenerateResponse]) -> dict[int, tuple[list[int], 
 
 
 def test_auto_decides_per_request_and_says_why(
-    start_router: Any, roles: dict[WorkerId, Any]
+    start_router: Any, roles: dict[WorkerId, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Whichever way `auto` goes, the answer is the colocated one and the decision is
-    counted; the tiny model's prefill is so cheap that an idle decode worker keeps it."""
+    counted and logged with its reason; the tiny model's prefill is so cheap that an idle
+    decode worker keeps it."""
     server = start_router(roles, pd_mode="auto")
-    tokens, _, usage = _answer(_generate(server, _prompt(70), GREEDY))
+    with caplog.at_level(logging.INFO, logger="router.requests"):
+        tokens, _, usage = _answer(_generate(server, _prompt(70), GREEDY))
+    logged = [r for r in caplog.records if r.getMessage() == "request finished"]
+    assert len(logged) == 1
+    fields = vars(logged[0])
+    mode, reason = fields["pd_mode"], fields["pd_reason"]
+    assert mode in ("colocated", "disaggregated") and reason.startswith(mode)
     assert len(tokens) == GREEDY.max_tokens
     metrics = server.router.metrics.registry
     counted = sum(

@@ -82,6 +82,18 @@ class SlotRing:
         threading.Thread(target=self._grow, name="kv-slot-grow", daemon=True).start()
         return None
 
+    def prepare(self, num_slots: int) -> None:
+        """Have at least `num_slots` slots (at most the ring's), made on a thread of their own
+        now, before a pull asks: for a pull known to come (a hand-off's prefill)."""
+        with self._lock:
+            want = min(num_slots, self.max_slots) - len(self._slots) - self._due
+            if want <= 0:
+                return
+            idle = self._due == 0
+            self._due += want
+        if idle:
+            threading.Thread(target=self._grow, name="kv-slot-grow", daemon=True).start()
+
     def _grow(self) -> None:
         """Make the slots that are due, one after the other (a pull that found none free
         wants as many as it missed)."""

@@ -74,6 +74,11 @@ class Stager:
             and num_blocks <= self.slot_blocks
         )
 
+    def prepare(self, num_blocks: int) -> None:
+        """Make the slots a same-node pull of `num_blocks` will want, ahead of it."""
+        if self.ring is not None and self.node_id is not None:
+            self.ring.prepare(-(-num_blocks // self.slot_blocks))
+
     def take(self, puller: PullerProcess | None, num_blocks: int) -> Staging:
         """Room for a chunk of at most `num_blocks` for `puller`: a slot when it is on this
         node and one is free, else a host buffer (made, the first times). Give it back with

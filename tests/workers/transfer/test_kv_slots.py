@@ -225,3 +225,21 @@ def test_what_goes_through_the_object_store() -> None:
 
 def test_no_ring_without_room_for_a_slot() -> None:
     assert _stager(ring_blocks=3).ring is None  # less than one slot: off
+
+
+def test_slots_prepared_for_a_pull_known_to_come() -> None:
+    """A hand-off's prefill makes the slots its pull will want ahead of it: the pull's first
+    chunks find them, none goes through the object store for want of a slot."""
+    me = this_process(NODE)
+    assert me is not None
+    stager = _stager(ring_blocks=12)  # room for three slots of 4 blocks
+    assert stager.ring is not None
+    stager.prepare(9)  # three slots' worth
+    deadline = time.monotonic() + 60
+    while stager.ring.num_slots() < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stager.ring.num_slots() == 3
+    takes = [stager.take(me, 4) for _ in range(3)]
+    assert all(t.slot is not None for t in takes)
+    stager.prepare(40)  # never more than the ring holds
+    assert stager.ring.num_slots() == 3

@@ -86,6 +86,9 @@ class ChunkExporter:
         (`holds.HandoffHolds`): its chunks then wait for no step boundary here."""
         prompt = await self._prompt(token_ids, cache_salt)
         self.holds.expect(prompt.ids, prompt.hashes, cache_salt)
+        # The slots that pull will want are made meanwhile, not when it asks (a first pull
+        # would go through the object store while they are made).
+        self.stager.prepare(len(prompt.hashes))
 
     async def export(
         self,
