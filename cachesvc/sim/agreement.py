@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -30,7 +31,7 @@ from cachesvc.bench.routing import RoutingBenchArgs, build_workload, run_all_pol
 from cachesvc.bench.routing_report import PolicyResult, to_json
 from cachesvc.bench.table import write_json
 from cachesvc.sim.agreement_report import Figure, format_figures, pd_figures, routing_figures
-from cachesvc.sim.calibrate import calibrate_profile, measure_slowdown
+from cachesvc.sim.calibrate import calibrate_profile, measure_slowdown, speed_ratio
 from cachesvc.sim.cost_profile import CostProfile, load_profile, save_profile
 from cachesvc.sim.like_bench_pd import replay_bench_pd
 from cachesvc.sim.loop import replay
@@ -55,8 +56,13 @@ class AgreementArgs:
     model: str | None = None
     json_path: str | None = None
     itl_slo_ms: float | None = None  # bench pd's --itl-slo-ms, live and simulated
+    # The live runs an earlier `--json` recorded, compared again instead of running new ones
+    # (a model or profile change judged against the same measurements).
+    live_from: str | None = None
 
     def __post_init__(self) -> None:
+        if self.live_from is not None and self.calibrate:
+            raise ValueError("--live-from compares recorded runs: measure no profile with it")
         if self.runs < 1:
             raise ValueError(f"--runs must be at least 1, got {self.runs}")
         unknown = set(self.benches) - set(BENCHES)
@@ -120,6 +126,28 @@ def live_runs(args: AgreementArgs, profile: CostProfile) -> list[LiveRun]:
     return runs
 
 
+def load_runs(path: str, benches: Sequence[str], profile: CostProfile) -> list[LiveRun]:
+    """The live runs an earlier `cachesvc bench sim-agreement --json` wrote to `path`, their
+    slowdowns against `profile` (they were measured against the file's); a bench in `benches`
+    that they lack is a ValueError."""
+    data = json.loads(Path(path).read_text())
+    rebase = speed_ratio(CostProfile.from_json(data["profile"]), profile)
+    runs = [
+        LiveRun(
+            [PolicyResult(**r) for r in run["routing"]],
+            [PhaseResult(**r) for r in run["pd"]],
+            run["load_average"][0],
+            run["load_average"][1],
+            run["slowdown"] * rebase,
+        )
+        for run in data["runs"]
+    ]
+    for bench in benches:
+        if not all(getattr(r, bench) for r in runs):
+            raise ValueError(f"{path} has no live {bench} runs: pass --only for the others")
+    return runs
+
+
 def simulated_routing(args: AgreementArgs, profile: CostProfile) -> list[SimSummary]:
     """`cachesvc simulate --like-bench-routing` for the live bench's sample: every policy, with
     the router's default thresholds."""
@@ -177,7 +205,10 @@ def run_agreement(args: AgreementArgs) -> int:
             save_profile(measured, profile)
             _say(f"profile measured now: {profile}")
         used = load_profile(profile)
-    runs = live_runs(args, used)
+    if args.live_from:
+        runs = load_runs(args.live_from, args.benches, used)
+    else:
+        runs = live_runs(args, used)
     figures = compare(args, runs, used)
     print(format_figures(figures))
     loads = ", ".join(
@@ -192,18 +223,22 @@ def run_agreement(args: AgreementArgs) -> int:
         {
             "profile": used.to_json(),
             "figures": [{**dataclasses.asdict(f), "error": f.error} for f in figures],
-            "runs": [
-                {
-                    "routing": [to_json(r) for r in run.routing],
-                    "pd": [dataclasses.asdict(r) for r in run.pd],
-                    "load_average": [run.load_before, run.load_after],
-                    "slowdown": run.slowdown,
-                }
-                for run in runs
-            ],
+            "runs": runs_to_json(runs),
         },
     )
     return 0
+
+
+def runs_to_json(runs: Sequence[LiveRun]) -> list[dict[str, Any]]:
+    return [
+        {
+            "routing": [to_json(r) for r in run.routing],
+            "pd": [dataclasses.asdict(r) for r in run.pd],
+            "load_average": [run.load_before, run.load_after],
+            "slowdown": run.slowdown,
+        }
+        for run in runs
+    ]
 
 
 def _say(line: str) -> None:

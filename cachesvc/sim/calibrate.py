@@ -225,3 +225,15 @@ def measure_slowdown(profile: CostProfile, model: str | None = None) -> float:
     finally:
         engine.close()
     return statistics.median(ratios)
+
+
+def speed_ratio(measured_with: CostProfile, profile: CostProfile) -> float:
+    """What a slowdown measured against `measured_with` is against `profile`: the median, over
+    `measure_slowdown`'s shapes, of the first's predicted step over the second's."""
+    steps: list[tuple[list[tuple[int, int]], list[int]]] = [
+        ([shape], []) for shape in SPEED_PREFILL_SHAPES
+    ]
+    steps += [([], [ctx] * batch) for batch, ctx in SPEED_DECODE_SHAPES]
+    return statistics.median(
+        measured_with.engine_step_s(c, d) / profile.engine_step_s(c, d) for c, d in steps
+    )

@@ -123,6 +123,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 args.model,
                 args.json_path,
                 args.itl_slo_ms,
+                args.live_from,
             )
         except ValueError as exc:
             raise CliError(str(exc)) from None
@@ -218,6 +219,11 @@ def _add_agreement_parser(bench_sub: Any) -> None:
     b.add_argument("--json", dest="json_path", help="also write every run and figure here")
     b.add_argument(
         "--itl-slo-ms", type=float, default=None, help="bench pd's --itl-slo-ms, both sides"
+    )
+    b.add_argument(
+        "--live-from",
+        default=None,
+        help="compare the live runs an earlier --json recorded instead of running new ones",
     )
 
 

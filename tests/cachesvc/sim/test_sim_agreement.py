@@ -112,3 +112,31 @@ def test_pd_figures_compare_percentiles_of_the_gaps_and_the_long_prompts() -> No
     assert not figures[3].agrees, "the simulator misses the stall the live p99 shows"
     slowed = Figure("pd", "r", "ITL p50 ms", (100.0, 120.0), 80.0, at_speed=(105.0, 115.0))
     assert slowed.at_speed_error == pytest.approx(0.0) and not slowed.agrees
+
+
+def test_recorded_live_runs_are_read_back_with_their_slowdown_against_another_profile(
+    tmp_path: Path,
+) -> None:
+    from cachesvc.sim.agreement import LiveRun, load_runs, runs_to_json
+
+    run = LiveRun(
+        [_policy("rr", 0.5, 200, 400)],
+        [PhaseResult("2 mixed", ALONE, gaps_s=[0.1, 0.2])],
+        load_before=1.5,
+        load_after=2.5,
+        slowdown=1.2,
+    )
+    path = tmp_path / "agreement.json"
+    path.write_text(json.dumps({"profile": SLOW.to_json(), "runs": runs_to_json([run])}))
+    [back] = load_runs(str(path), ["routing", "pd"], SLOW)
+    assert back == run
+    # Measured 1.2x slower than SLOW: 2.4x slower than a profile twice as fast.
+    [faster] = load_runs(str(path), ["pd"], SLOW.slowed(0.5))
+    assert faster.slowdown == pytest.approx(2.4)
+    path.write_text(
+        json.dumps(
+            {"profile": SLOW.to_json(), "runs": runs_to_json([LiveRun([], run.pd, 1.0, 1.0, 1.0)])}
+        )
+    )
+    with pytest.raises(ValueError, match="no live routing"):
+        load_runs(str(path), ["routing", "pd"], SLOW)
