@@ -13,6 +13,7 @@ prompt to it when the decode batch would lose more than the transfer costs.
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
 import sys
 import time
@@ -64,6 +65,7 @@ class PhaseResult:
     # A handed-off long prompt's first two tokens apart: the hand-off as the client sees it (the
     # decode worker pulls the KV, lands it, computes the tail and its first token).
     handoff_s: list[float] = field(default_factory=list)
+    decisions: list[str] = field(default_factory=list)  # the router's reason for each long prompt
     disaggregated: int = 0  # long prompts handed to a prefill worker
     kv_moved_tokens: int = 0
 
@@ -99,7 +101,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-async def _stream(stub: Any, ids: Sequence[int], max_tokens: int) -> tuple[list[float], Any]:
+async def _stream(
+    stub: Any, ids: Sequence[int], max_tokens: int, request_id: str | None = None
+) -> tuple[list[float], Any]:
     """Arrival times of the stream's messages (from the call), and its usage."""
     from proto.cachesvc.v1 import cachesvc_pb2 as pb
 
@@ -107,7 +111,7 @@ async def _stream(stub: Any, ids: Sequence[int], max_tokens: int) -> tuple[list[
         prompt=pb.Prompt(token_ids=pb.TokenIds(ids=ids)),
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
         no_response_cache=True,
-        request_id=f"bench-pd-{uuid.uuid4().hex[:8]}",
+        request_id=request_id or f"bench-pd-{uuid.uuid4().hex[:8]}",
     )
     start = time.perf_counter()
     stamps: list[float] = []
@@ -120,23 +124,44 @@ async def _stream(stub: Any, ids: Sequence[int], max_tokens: int) -> tuple[list[
     return stamps, usage
 
 
-async def _send_at(stub: Any, request: PDRequest, start: float) -> tuple[list[float], Any]:
+async def _send_at(
+    stub: Any, request: PDRequest, start: float, request_id: str
+) -> tuple[list[float], Any]:
     loop = asyncio.get_running_loop()
     await asyncio.sleep(max(0.0, start + request.offset_s - loop.time()))
-    return await _stream(stub, request.prompt_ids, request.max_tokens)
+    return await _stream(stub, request.prompt_ids, request.max_tokens, request_id)
 
 
-async def _phase(stub: Any, shape: PDShape, setup: str, phase: str, vocab: int) -> PhaseResult:
+class _Decisions(logging.Handler):
+    """The router's reason for each request's mode (`pd_reason` of its request log line), by
+    request id, while attached to the `router.requests` logger."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.reasons: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = vars(record)
+        if fields.get("pd_reason"):
+            self.reasons[str(fields.get("request_id"))] = str(fields["pd_reason"])
+
+
+async def _phase(
+    stub: Any, shape: PDShape, setup: str, phase: str, vocab: int, decisions: _Decisions
+) -> PhaseResult:
     """Send the phase's requests (`pd_workload.phase_requests`) at their offsets."""
     requests = phase_requests(shape, phase, vocab)
+    ids = [f"bench-pd-{uuid.uuid4().hex[:8]}" for _ in requests]
     start = asyncio.get_running_loop().time()
-    done = await asyncio.gather(*(_send_at(stub, r, start) for r in requests))
+    sends = [_send_at(stub, r, start, i) for r, i in zip(requests, ids, strict=True)]
+    done = await asyncio.gather(*sends)
     result = PhaseResult(setup, phase)
-    for request, (stamps, usage) in zip(requests, done, strict=True):
+    for request, request_id, (stamps, usage) in zip(requests, ids, done, strict=True):
         if not request.long:
             result.gaps_s += [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
             continue
         result.ttft_s.append(stamps[0])
+        result.decisions.append(decisions.reasons.get(request_id, ""))
         if usage is not None:
             result.worker_ttft_s.append(usage.ttft_ms / 1e3)
         if usage is not None and usage.prefill_worker_id:
@@ -165,13 +190,23 @@ async def _run_setup(
     await server.start()
     vocab = router.pool.model.vocab_size
     await _warm_workers(actors, worker_warmup_request(vocab))
+    decisions = _Decisions()
+    requests_log = logging.getLogger("router.requests")
+    level = requests_log.level
+    requests_log.addHandler(decisions)
+    requests_log.setLevel(logging.INFO)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.InferenceStub(channel)
             warmup = warmup_request(vocab)
             await _stream(stub, warmup.prompt_ids, warmup.max_tokens)
-            return [await _phase(stub, args.shape, setup, p, vocab) for p in (ALONE, WITH_PROMPTS)]
+            return [
+                await _phase(stub, args.shape, setup, p, vocab, decisions)
+                for p in (ALONE, WITH_PROMPTS)
+            ]
     finally:
+        requests_log.removeHandler(decisions)
+        requests_log.setLevel(level)
         await server.stop(grace_s=1.0)
         await router.close()
 
