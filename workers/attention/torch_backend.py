@@ -5,9 +5,9 @@ attends with `ops` (research notes §10). It is both the production CPU path and
 FlashInfer backend is tested against. It implements plain paged attention only; cascade,
 multi-item scoring and custom masks take the interface's torch defaults.
 
-Decode requests (one new token each) are gathered page by page into one padded batch and attended
-in a single kernel call; prefill requests are attended one at a time, since their query lengths
-differ.
+Decode requests (one new token each) are gathered page by page into padded batches of similar
+lengths, each attended in a single kernel call; prefill requests are attended one at a time,
+since their query lengths differ.
 """
 
 from __future__ import annotations
@@ -74,32 +74,63 @@ class _Prefill:
 
 
 @dataclass(frozen=True)
+class _Decodes:
+    """One-token requests of similar lengths, gathered and attended together."""
+
+    rows: torch.Tensor  # int64 query rows
+    gather: _KVGather
+
+
+@dataclass(frozen=True)
 class _Plan:
     """Per-layout gather tables, built once and reused by every layer's `forward`."""
 
-    decode_rows: torch.Tensor  # int64 query rows of the one-token requests
-    decode: _KVGather | None
+    decodes: list[_Decodes]
     prefills: list[_Prefill]
 
 
+# A decode group pads every request to its longest: a request joins the group while its pages
+# are at most this factor times the group's shortest (or `_GROUP_SLACK_PAGES` more), so padding
+# at most doubles what is read. One long request among short ones (a handed-off prompt joining
+# a decode batch) would otherwise make every request of the batch read its length.
+_GROUP_FACTOR = 2
+_GROUP_SLACK_PAGES = 8
+
+
+def _decode_groups(layout: BatchLayout, decodes: list[int]) -> list[list[int]]:
+    """`decodes` (batch indexes) split into groups of similar page counts."""
+    pages = {b: -(-layout.kv_lens[b] // layout.page_size) for b in decodes}
+    groups: list[list[int]] = []
+    for b in sorted(decodes, key=pages.__getitem__):
+        if groups:
+            least = pages[groups[-1][0]]
+            if pages[b] <= max(_GROUP_FACTOR * least, least + _GROUP_SLACK_PAGES):
+                groups[-1].append(b)
+                continue
+        groups.append([b])
+    return groups
+
+
 def _build_plan(layout: BatchLayout) -> _Plan:
-    """Split the batch into one padded decode group and per-request prefills."""
+    """Split the batch into padded decode groups and per-request prefills."""
     starts = [0]
     for qo_len in layout.qo_lens:
         starts.append(starts[-1] + qo_len)
-    decodes = [b for b, qo_len in enumerate(layout.qo_lens) if qo_len == 1]
     prefills = [
         _Prefill(slice(starts[b], starts[b + 1]), layout.kv_lens[b], _gather_for(layout, [b]))
         for b, qo_len in enumerate(layout.qo_lens)
         if qo_len > 1
     ]
     device = layout.kv_indices.device
-    decode_rows = torch.tensor([starts[b] for b in decodes], dtype=torch.int64, device=device)
-    return _Plan(
-        decode_rows=decode_rows,
-        decode=_gather_for(layout, decodes) if decodes else None,
-        prefills=prefills,
-    )
+    decodes = [b for b, qo_len in enumerate(layout.qo_lens) if qo_len == 1]
+    groups = [
+        _Decodes(
+            torch.tensor([starts[b] for b in group], dtype=torch.int64, device=device),
+            _gather_for(layout, group),
+        )
+        for group in _decode_groups(layout, decodes)
+    ]
+    return _Plan(decodes=groups, prefills=prefills)
 
 
 class TorchBackend(AttentionBackend):
@@ -134,12 +165,12 @@ class TorchBackend(AttentionBackend):
         plan = self._plan_for(layout)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        if plan.decode is not None:
-            k, v = plan.decode.read(kv_cache)
-            q_dec = q[plan.decode_rows][:, None]
-            o, s = attend_padded(q_dec, k, v, plan.decode.visible[:, None], sm_scale)
-            out[plan.decode_rows] = o[:, 0]
-            lse[plan.decode_rows] = s[:, 0]
+        for group in plan.decodes:
+            k, v = group.gather.read(kv_cache)
+            q_dec = q[group.rows][:, None]
+            o, s = attend_padded(q_dec, k, v, group.gather.visible[:, None], sm_scale)
+            out[group.rows] = o[:, 0]
+            lse[group.rows] = s[:, 0]
         for p in plan.prefills:
             k, v = p.gather.read(kv_cache)
             # Cutting the tail of the last page off also aligns the causal diagonal to kv_len.

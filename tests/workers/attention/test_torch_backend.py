@@ -147,6 +147,25 @@ def test_decode_batch_matches_reference(page_size: int) -> None:
     check_batch([1] * len(kv_lens), kv_lens, page_size, (8, 2), True, seed=7)
 
 
+def test_decodes_of_very_different_lengths_are_attended_in_groups() -> None:
+    """A long request among short decodes (a handed-off prompt joining a decode batch) is not
+    a padding length for all of them: the decodes split into groups of similar lengths, whose
+    results are each request's own."""
+    from workers.attention.torch_backend import _build_plan
+
+    kv_lens = [9, 2049, 12, 30, 700, 10]
+    tables = [[0] * -(-n // 4) for n in kv_lens]
+    layout = build_layout([1] * len(kv_lens), kv_lens, tables, 4)
+    groups = _build_plan(layout).decodes
+    members = sorted(sorted(int(r) for r in g.rows) for g in groups)
+    assert members == [[0, 2, 3, 5], [1], [4]]
+    # Each group reads at most twice its shortest request's pages, or 8 pages more.
+    for g in groups:
+        pages = [-(-kv_lens[int(r)] // 4) for r in g.rows]
+        assert g.gather.pages.shape[1] == max(pages) <= max(2 * min(pages), min(pages) + 8)
+    check_batch([1] * len(kv_lens), kv_lens, 4, (8, 2), True, seed=11)
+
+
 def test_write_kv_then_forward_round_trip() -> None:
     page_size, num_kv_heads = 4, 2
     cache = torch.zeros(8, 2, page_size, num_kv_heads, HEAD_DIM)
