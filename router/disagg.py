@@ -308,8 +308,10 @@ class Disaggregation:
         params = {**progress.params, "max_tokens": 1}
         part = Part(None, progress.prompt_ids, params)
         limit = int(progress.params.get("max_tokens", 1))
-        # The prefill worker keeps the prompt's KV pinned for the decode worker's pull.
-        stream = part_stream(handoff.prefill, part, f"{request_id}.prefill", req, hold_kv=True)
+        # The prefill worker keeps the prompt's KV pinned for the decode worker's pull, when a
+        # pull will follow (a one-token request ends there).
+        hold = limit > 1
+        stream = part_stream(handoff.prefill, part, f"{request_id}.prefill", req, hold_kv=hold)
         try:
             async for raw in stream:
                 delta = raw

@@ -122,10 +122,16 @@ def test_handed_off_stream_equals_colocated(
 def test_one_token_request_is_served_by_the_prefill_worker(
     start_router: Any, roles: dict[WorkerId, Any]
 ) -> None:
+    import ray
+
     server = start_router(roles, pd_mode="always")
     sampling = pb.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    held = ray.get(roles[PREFILL].stats.remote(), timeout=60).tiering["peer_held_requests"]
     tokens, _, usage = _answer(_generate(server, _prompt(50), sampling))
     assert len(tokens) == 1 and usage.worker_id == PREFILL and usage.kv_transfer_tokens == 0
+    # No pull follows: the prefill worker was not asked to keep the prompt's blocks pinned.
+    after = ray.get(roles[PREFILL].stats.remote(), timeout=60).tiering["peer_held_requests"]
+    assert after == held
     _flush(server)
 
 

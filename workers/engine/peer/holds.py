@@ -96,6 +96,10 @@ class HandoffHolds:
         if self._pinned_blocks() + len(hold.hashes) > self.max_blocks:
             return
         want = len(hold.hashes)
+        bs = engine.config.block_size
+        last = hold.ids[(want - 1) * bs : want * bs]
+        if engine.pool.lookup(hold.hashes[-1], last) is None:
+            return  # blocks are computed in order: the last one missing, not all are there yet
         run = pin_run(engine, hold.ids, hold.cache_salt, 0, want, want, hold.hashes)
         if run.num_blocks == want:
             hold.run, hold.since_s = run, time.monotonic()
