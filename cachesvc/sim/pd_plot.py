@@ -35,6 +35,8 @@ def plot_rows(rows: Sequence[PDRow], path: str) -> None:
                 [r.load for r in mine],
                 [getattr(r.result, key) for r in mine],
                 marker="o",
+                # Dynamic often lies on colocated (it keeps every request there): dashed, both show.
+                linestyle="--" if mode == "dynamic" else "-",
                 label=mode,
             )
         ax.set_title(title, fontsize=10)

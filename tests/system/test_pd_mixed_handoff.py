@@ -110,3 +110,35 @@ def test_mixed_workers_without_the_switch_serve_colocated(
     _, _, usage, _ = _answer(server, list(range(3, 3 + PROMPT_TOKENS)), sampling)
     assert not usage.prefill_worker_id and usage.kv_transfer_tokens == 0
     _flush(server)
+
+
+def test_a_frozen_prompt_worker_falls_back_on_the_other(
+    start_router: Any, mixed: dict[WorkerId, Any]
+) -> None:
+    """The prompt's worker (the one holding it, so the policy's choice) stops answering
+    (SIGSTOP) before its token: the request is served whole on the other mixed worker, with
+    the same tokens, in the same attempt (no retry is allowed), not sent back to the frozen
+    worker as its colocated placement."""
+    import os
+    import signal
+
+    import ray
+
+    ids = [(11 * j) % 250 + 3 for j in range(PROMPT_TOKENS)]
+    sampling = pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    reference = start_router(mixed, pd_mode="never", pd_mixed=True)
+    expected, _, alone, _ = _answer(reference, ids, sampling)
+    holder = WorkerId(alone.worker_id)  # it keeps the prompt's blocks
+    (other,) = set(WORKERS) - {holder}
+    # The default ping timeouts: shorter ones declare the other worker dead too on a busy host.
+    server = start_router(mixed, pd_mode="always", pd_mixed=True, max_retries=0)
+    actor = mixed[holder]
+    pid = int(ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        tokens, _, usage, _ = _answer(server, ids, sampling)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert tokens == expected
+    assert usage.worker_id == other and not usage.prefill_worker_id
+    _flush(server)

@@ -53,6 +53,13 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="with prefill workers: decide per request from calibrated costs and load (auto), "
         "hand every request to a prefill worker (always), or none (never)",
     )
+    serve.add_argument(
+        "--pd-mixed",
+        action="store_true",
+        help="with no prefill workers and two or more mixed ones: a prompt computed where the "
+        "policy chose may be decoded on another worker (--pd-mode auto: when predicted to pay, "
+        "which the simulator finds it never is; always: every request)",
+    )
     for name, what in (("ttft", "time to first token"), ("itl", "gap between two tokens")):
         serve.add_argument(
             f"--pd-{name}-slo-ms",
@@ -225,6 +232,7 @@ def _router_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_queued_per_worker": args.max_queued_per_worker,
         "max_inflight": args.max_inflight,
         "pd_mode": args.pd_mode,
+        "pd_mixed": args.pd_mixed,
         "pd_ttft_slo_ms": args.pd_ttft_slo_ms,
         "pd_itl_slo_ms": args.pd_itl_slo_ms,
         **_response_cache_options(args),
