@@ -6,16 +6,15 @@ worker costs a recompute on the decode side, never an error."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from pd_support import spawn_pulling
 
-from cachesvc.config import EngineConfig, TierConfig
+from cachesvc.config import EngineConfig
 from cachesvc.types import WorkerId
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
@@ -31,30 +30,10 @@ PREFILL, DECODE = WorkerId("prefill-0"), WorkerId("decode-0")
 
 @pytest.fixture(scope="module")
 def roles(ray_cluster: None, engine_config: EngineConfig) -> Iterator[dict[WorkerId, Any]]:
-    """One prefill and one decode worker, pulls on and forced (the tiny model computes a
-    prompt faster than a pull's prior cost, so the planner would recompute)."""
+    """One prefill and one decode worker, pulls on and forced (`pd_support.spawn_pulling`)."""
     import ray
 
-    from workers.actor import spawn_worker
-
-    base = dataclasses.replace(
-        engine_config,
-        peer_pull=True,
-        peer_pull_timeout_s=3.0,
-        tiers=TierConfig(plan="fetch", calibrate=False),
-    )
-    namespace = f"pd-test-{uuid.uuid4().hex[:6]}"
-    actors = {
-        worker: spawn_worker(
-            worker,
-            dataclasses.replace(base, role=role),
-            name=f"cachesvc-{worker}",
-            namespace=namespace,
-            num_cpus=0.5,
-            max_restarts=0,
-        )
-        for worker, role in ((PREFILL, "prefill"), (DECODE, "decode"))
-    }
+    actors = spawn_pulling(engine_config, {PREFILL: "prefill", DECODE: "decode"})
     yield actors
     for actor in actors.values():
         ray.kill(actor)

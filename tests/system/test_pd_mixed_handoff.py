@@ -4,14 +4,13 @@ prompt's KV from it. The client's tokens and text are colocated serving's."""
 
 from __future__ import annotations
 
-import dataclasses
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from pd_support import spawn_pulling
 
-from cachesvc.config import EngineConfig, TierConfig
+from cachesvc.config import EngineConfig
 from cachesvc.types import WorkerId
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
@@ -25,30 +24,10 @@ WORKERS = (WorkerId("mixed-0"), WorkerId("mixed-1"))
 
 @pytest.fixture(scope="module")
 def mixed(ray_cluster: None, engine_config: EngineConfig) -> Iterator[dict[WorkerId, Any]]:
-    """Two mixed workers, pulls on and forced (the tiny model computes a prompt faster than a
-    pull's prior cost, so the planner would recompute), named so a holder can be found."""
+    """Two mixed workers, pulls on and forced (`pd_support.spawn_pulling`)."""
     import ray
 
-    from workers.actor import spawn_worker
-
-    config = dataclasses.replace(
-        engine_config,
-        peer_pull=True,
-        peer_pull_timeout_s=3.0,
-        tiers=TierConfig(plan="fetch", calibrate=False),
-    )
-    namespace = f"pd-mixed-{uuid.uuid4().hex[:6]}"
-    actors = {
-        worker: spawn_worker(
-            worker,
-            config,
-            name=f"cachesvc-{worker}",
-            namespace=namespace,
-            num_cpus=0.5,
-            max_restarts=0,
-        )
-        for worker in WORKERS
-    }
+    actors = spawn_pulling(engine_config, dict.fromkeys(WORKERS, "mixed"))
     yield actors
     for actor in actors.values():
         ray.kill(actor)
