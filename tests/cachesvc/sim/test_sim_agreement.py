@@ -140,3 +140,18 @@ def test_recorded_live_runs_are_read_back_with_their_slowdown_against_another_pr
     )
     with pytest.raises(ValueError, match="no live routing"):
         load_runs(str(path), ["routing", "pd"], SLOW)
+
+
+def test_the_committed_cpu_profile_carries_the_live_path() -> None:
+    from cachesvc.sim.cost_profile import load_profile
+
+    # Without the live path the simulator was 1.4-1.6x below the live workers' own TTFT: a
+    # profile of the engine alone must not replace it.
+    cpu = load_profile("cpu-calibrated")
+    assert cpu.hop_s > 0 and cpu.prefill_overhead_s > 0 and cpu.contention > 0
+    assert cpu.step_overhead_s + cpu.token_overhead_s > 0
+    assert len(cpu.decode.by_batch_s) == 8, "small batches measured, not extrapolated"
+    # A client sees a one-token request of a 64-token prompt after the engine's prefill step,
+    # the live worker's extra, and a hop: more than the engine alone takes.
+    engine_s = cpu.engine_step_s([(64, 0)], [])
+    assert cpu.step_s([(64, 0)], []) + cpu.hop_s > engine_s + cpu.prefill_overhead_s
