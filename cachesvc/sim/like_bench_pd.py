@@ -14,7 +14,7 @@ decodes' inter-token gaps and the long prompts' time to first token, in the benc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cachesvc.bench.pd import PhaseResult, format_results
@@ -38,8 +38,9 @@ from cachesvc.sim.pd import ALWAYS, COLOCATED, DECIDE
 from cachesvc.sim.simulate import SimulateArgs, profile_for
 from cachesvc.sim.trace import BENCH_VOCAB_SIZE as VOCAB
 from cachesvc.sim.trace import SimRequest
+from cachesvc.types import WorkerId
 from router.pd import SLO as TargetsSLO
-from router.policy import PEER
+from router.policy import PEER, Candidate, Policy, RouteDecision, RouteRequest, make_policy
 
 # The router's pd_mode -> the simulator's mode with a prefill worker.
 PD_MODES = {"auto": DECIDE, "always": ALWAYS}
@@ -65,6 +66,37 @@ def _sim_request(index: int, start_s: float, request: PDRequest, timed: bool = T
     )
 
 
+# The live bench warms each worker with a prompt of its own, sent to it directly, one after the
+# other (`bench.pd._warm_workers`), just before the router's first request.
+LAST_WARMED = WorkerId(f"w{NUM_WORKERS - 1}")
+
+
+class PolledLate:
+    """`policy`, but its first decision sees `worker` with a request: the worker warmed last
+    has just finished its prompt, and the router's poll of it (every 50 ms) still shows it.
+    So the policy counts that worker busy from then until its next decision, as it counts the
+    one the first request goes to, and the two decode streams that follow go one to each: live
+    they did in every quiet run, and without this the simulated router put both on one worker
+    (their steps of two sequences, 1.4x a gap of one)."""
+
+    def __init__(self, policy: Policy, worker: WorkerId) -> None:
+        self.policy = policy
+        self.worker = worker
+        self.name = policy.name
+        self._first = True
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
+        if self._first:
+            self._first = False
+            candidates = [
+                dataclasses.replace(c, num_requests=max(1, c.num_requests))
+                if c.worker == self.worker
+                else c
+                for c in candidates
+            ]
+        return self.policy.choose(request, candidates)
+
+
 def replay_bench_pd(
     profile: CostProfile,
     shape: PDShape,
@@ -86,15 +118,19 @@ def replay_bench_pd(
         pd = PDSetup(mode, num_prefill, router.pd_stall_weight, targets)
         requests = [_sim_request(0, 0.0, warmup_request(VOCAB), timed=False)]
         phases = {}
+
+        def policy() -> Policy:
+            return PolledLate(make_policy(router.policy, **options), LAST_WARMED)
+
         for phase in (ALONE, WITH_PROMPTS):
             # The router names holders (its peer_pull) and the workers pull, as in the bench.
-            run = replay(requests, profile, spec, router.policy, options, True, pd)
+            run = replay(requests, profile, spec, policy(), options, True, pd)
             # A phase starts once the client has every token of what came before.
             start_s = max(s.token_times[-1] for s in run.seqs)
             added = phase_sim_requests(shape, phase, start_s)
             phases[phase] = range(len(requests), len(requests) + len(added))
             requests += [dataclasses.replace(r, index=r.index + len(requests)) for r in added]
-        run = replay(requests, profile, spec, router.policy, options, True, pd)
+        run = replay(requests, profile, spec, policy(), options, True, pd)
         done = {o.index: o for o in outcomes(run)}
         pulled = {s.req.index: s.cached.get(PEER, 0) for s in run.seqs if s.pulls_prompt}
         for phase, indexes in phases.items():

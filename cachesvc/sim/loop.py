@@ -180,20 +180,22 @@ def replay(
     requests: Sequence[SimRequest],
     profile: CostProfile,
     spec: ClusterSpec,
-    policy: str,
+    policy: str | Policy,
     policy_options: Mapping[str, Any] | None = None,
     peer_pull: bool = False,
     pd: PDSetup | None = None,
 ) -> SimRun:
-    """Replay `requests` (in arrival order) through a fresh cluster routed by `policy`; with
-    `peer_pull`, workers pull prefixes from the holders the router names; with `pd`, workers
-    have prefill/decode roles and requests go where its mode says (`cachesvc.sim.pd`)."""
+    """Replay `requests` (in arrival order) through a fresh cluster routed by `policy` (a
+    registry name and its options, or a fresh policy); with `peer_pull`, workers pull prefixes
+    from the holders the router names; with `pd`, workers have prefill/decode roles and
+    requests go where its mode says (`cachesvc.sim.pd`)."""
     began = time.perf_counter()
     if any(r.block_size != spec.block_size for r in requests):
         raise ValueError(f"every request must have blocks of {spec.block_size} tokens")
     options = policy_options or {}
-    cluster = _Cluster(spec, profile, make_policy(policy, **options), peer_pull, pd)
-    run = SimRun(policy, peer_pull, [], cluster.workers, cluster.index, pd=pd)
+    chooser = make_policy(policy, **options) if isinstance(policy, str) else policy
+    cluster = _Cluster(spec, profile, chooser, peer_pull, pd)
+    run = SimRun(chooser.name, peer_pull, [], cluster.workers, cluster.index, pd=pd)
     if pd is not None and pd.mode != COLOCATED:
         run.pd_routes = PDRoutes(
             pd.mode,

@@ -4,6 +4,7 @@ and latencies relative to it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -155,3 +156,33 @@ def test_the_committed_cpu_profile_carries_the_live_path() -> None:
     # the live worker's extra, and a hop: more than the engine alone takes.
     engine_s = cpu.engine_step_s([(64, 0)], [])
     assert cpu.step_s([(64, 0)], []) + cpu.hop_s > engine_s + cpu.prefill_overhead_s
+
+
+def test_the_bench_pd_replay_spreads_the_decode_streams_as_the_live_router_does() -> None:
+    # Two sequences step twice as long as one: where the two streams run shows in their gaps.
+    paired = dataclasses.replace(SLOW, decode=DecodeCost(0.06, 0.0, 0.0, by_batch_s=(0.06, 0.12)))
+    mixed_alone = replay_bench_pd(paired, PDShape(quick=True))[0]
+    # The worker warmed last still looks busy at the router's first decision (a poll late), so
+    # the warm-up request's worker is not the only one with busy seconds: one stream each.
+    assert max(mixed_alone.gaps_s) == pytest.approx(0.06)
+
+
+def test_a_policy_polled_late_sees_the_last_warmed_worker_busy_once() -> None:
+    from cachesvc.sim.like_bench_pd import LAST_WARMED, PolledLate
+    from cachesvc.types import WorkerId
+    from router.policy import Candidate, RouteRequest
+
+    seen: list[list[int]] = []
+
+    class Recorder:
+        name = "recorder"
+
+        def choose(self, request: RouteRequest, candidates: list[Candidate]) -> str:
+            seen.append([c.num_requests for c in candidates])
+            return "chosen"
+
+    late = PolledLate(Recorder(), LAST_WARMED)  # type: ignore[arg-type]
+    idle = [Candidate(WorkerId(w), 0, 0, None, None) for w in ("w0", LAST_WARMED)]
+    for _ in range(2):
+        late.choose(RouteRequest(64, 16, 0.0), idle)
+    assert seen == [[0, 1], [0, 0]] and late.name == "recorder"
