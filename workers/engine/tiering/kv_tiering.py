@@ -314,7 +314,11 @@ class KVTiering:
     def after_step(self, output: SchedulerOutput, seconds: float) -> None:
         """Learn the compute speed from the step; share queued blocks (their KV is now written)."""
         chunks = [(len(c.token_ids), c.start_pos) for c in output.chunks]
-        if chunks:
+        # Only steps that compute some prompt teach the prefill cost: a decode-only step is
+        # bound by reading the weights, not by its few tokens, and a window of them (a decode
+        # worker's, or any worker's between prompts) once fit a 2K-token prefill at a quarter
+        # of its cost. A step that mixes both is the cost of its mix, and stays in.
+        if any(num_tokens > 1 for num_tokens, _ in chunks):
             self.costs.observe_compute(chunks, seconds)
         self._writer.share_queued()
         self.manager.poll()
