@@ -337,9 +337,8 @@ def test_a_held_prefill_is_served_from_its_pins_then_let_go(pair: dict[str, Any]
     import ray
 
     prompt = _prompt(50)
-    stream = pair["holder"].generate.options(num_returns="streaming").remote(
-        prompt, PARAMS, uuid.uuid4().hex, None, None, hold_kv=True
-    )
+    generate = pair["holder"].generate.options(num_returns="streaming")
+    stream = generate.remote(prompt, PARAMS, uuid.uuid4().hex, None, None, hold_kv=True)
     expected = [t for ref in stream for t in ray.get(ref).token_ids]
     held = _sent(pair["holder"])
     assert held["peer_held_blocks"] == NUM_BLOCKS  # pinned from the step that computed them
