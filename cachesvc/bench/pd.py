@@ -147,9 +147,16 @@ class _Decisions(logging.Handler):
 
 
 async def _phase(
-    stub: Any, shape: PDShape, setup: str, phase: str, vocab: int, decisions: _Decisions
+    stub: Any,
+    shape: PDShape,
+    setup: str,
+    phase: str,
+    vocab: int,
+    decisions: _Decisions | None = None,
 ) -> PhaseResult:
-    """Send the phase's requests (`pd_workload.phase_requests`) at their offsets."""
+    """Send the phase's requests (`pd_workload.phase_requests`) at their offsets; `decisions`
+    collects the router's reasons (none without)."""
+    decisions = decisions or _Decisions()
     requests = phase_requests(shape, phase, vocab)
     ids = [f"bench-pd-{uuid.uuid4().hex[:8]}" for _ in requests]
     start = asyncio.get_running_loop().time()
