@@ -61,6 +61,7 @@ class HandoffHolds:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
         self._holds: list[_Hold] = []
+        self._leases: dict[int, _Hold] = {}  # id of a leased slice -> its hold
         self.num_held = 0  # requests whose blocks were pinned by a hold
         self.num_served_chunks = 0  # chunks sent from held pins, without a step boundary
 
@@ -123,19 +124,21 @@ class HandoffHolds:
             stop = next((i for i in range(start, stop) if hold.hashes[i] != hashes[i]), stop)
             hold.leased += 1
             self.num_served_chunks += 1
-            return _slice(run, start, stop)
+            part = _slice(run, start, stop)
+            self._leases[id(part)] = hold
+            return part
         return None
 
     def give_back(self, run: PinnedRun, delivered: bool) -> bool:
         """A leased run's copy is over (`delivered`: it reached the puller). True when its hold
         may now go (sent in full): the caller runs `at_boundary` when it can."""
-        for hold in self._holds:
-            if hold.run is not None and hold.leased and _within(hold.run, run):
-                hold.leased -= 1
-                if delivered:
-                    hold.sent.update(range(run.start_block, run.start_block + run.num_blocks))
-                return hold.leased == 0 and hold.done
-        return False
+        hold = self._leases.pop(id(run), None)
+        if hold is None:
+            return False
+        hold.leased -= 1
+        if delivered:
+            hold.sent.update(range(run.start_block, run.start_block + run.num_blocks))
+        return hold.leased == 0 and hold.done
 
     def counters(self) -> dict[str, float]:
         return {
@@ -154,12 +157,3 @@ def _slice(run: PinnedRun, start: int, stop: int) -> PinnedRun:
     device = run.device[start:stop]
     rows = run.tier_rows[max(0, start - num_device) : max(0, stop - num_device)]
     return PinnedRun(start, run.dtype, device, rows, run.hashes[start:stop], run.lossy)
-
-
-def _within(held: PinnedRun, part: PinnedRun) -> bool:
-    end = part.start_block + part.num_blocks
-    return (
-        end <= held.num_blocks
-        and held.hashes[part.start_block : end] == part.hashes
-        and part.device == held.device[part.start_block : part.start_block + len(part.device)]
-    )
