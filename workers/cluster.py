@@ -168,7 +168,7 @@ def spawn_workers(group: WorkerGroup) -> dict[WorkerId, Any]:
     their handles without waiting for the models to load. Raises AttachError when workers of
     this namespace are already running."""
 
-    from workers.actor import spawn_worker
+    from workers.spawn import spawn_worker
 
     running = _named_workers(group.namespace)
     if running:
@@ -201,7 +201,7 @@ def replace_worker(group: WorkerGroup, worker: WorkerId, name_wait_s: float = 10
     it is still taken after `name_wait_s`."""
     import ray
 
-    from workers.actor import spawn_worker
+    from workers.spawn import spawn_worker
 
     name = f"cachesvc-{worker}"
     asks = _resources(group)

@@ -145,7 +145,7 @@ def run_holder(quick: bool, model: str | None) -> dict[str, Any]:
     import ray
 
     from cachesvc.config import EngineConfig, TierConfig
-    from workers.actor import spawn_worker
+    from workers.spawn import spawn_worker
 
     context_len = 512 if quick else 2048
     out = 32 if quick else 96

@@ -60,7 +60,7 @@ def ray_cluster() -> Iterator[None]:
 
 def spawn_pair(config: EngineConfig) -> dict[WorkerId, Any]:
     """Two worker actors; half a CPU each so a second pair fits while one is torn down."""
-    from workers.actor import spawn_worker
+    from workers.spawn import spawn_worker
 
     return {
         WorkerId(f"worker-{i}"): spawn_worker(f"worker-{i}", config, num_cpus=0.5, max_restarts=0)

@@ -15,7 +15,7 @@ def spawn_pulling(engine_config: EngineConfig, roles: dict[WorkerId, str]) -> di
     each, in a namespace of their own and named so a holder can be found, with pulls on and
     forced (the tiny model computes a prompt faster than a pull's prior cost, so the planner
     would recompute). Kill them with `ray.kill`."""
-    from workers.actor import spawn_worker
+    from workers.spawn import spawn_worker
 
     base = dataclasses.replace(
         engine_config,

@@ -53,7 +53,7 @@ def _request(ids: list[int], request_id: str = "") -> pb.GenerateRequest:
 
 
 def _spawn(config: EngineConfig, worker: str) -> Any:
-    from workers.actor import spawn_worker
+    from workers.spawn import spawn_worker
 
     return spawn_worker(worker, config, num_cpus=0.5, max_restarts=0)
 

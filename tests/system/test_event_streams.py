@@ -30,7 +30,7 @@ def worker_pair(
     """Two workers publishing their events to this module's streams (the last test kills one)."""
     import ray
 
-    from workers.actor import spawn_worker
+    from workers.spawn import spawn_worker
 
     stream = EventStreamConfig(redis_url, NAMESPACE)
     actors = {

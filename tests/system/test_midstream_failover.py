@@ -41,7 +41,7 @@ def worker_pair(
     """A fresh pair for each sampling mode: the test kills one of them."""
     import ray
 
-    from workers.actor import spawn_worker
+    from workers.spawn import spawn_worker
 
     actors = {
         WorkerId(f"worker-{i}"): spawn_worker(

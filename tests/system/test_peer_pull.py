@@ -53,7 +53,7 @@ def _generate(
 def pair(ray_cluster: None, engine_config: EngineConfig) -> Iterator[dict[str, Any]]:
     import ray
 
-    from workers.actor import spawn_worker
+    from workers.spawn import spawn_worker
 
     # A forced fetch: the tiny model computes a prompt faster than a pull's prior cost.
     tiers = TierConfig(plan="fetch", calibrate=False)
@@ -310,7 +310,7 @@ def test_a_holder_without_slots_sends_through_the_object_store(
 ) -> None:
     import ray
 
-    from workers.actor import spawn_worker
+    from workers.spawn import spawn_worker
 
     config = dataclasses.replace(
         engine_config, peer_shm_mb=0, tiers=TierConfig(plan="fetch", calibrate=False)

@@ -37,7 +37,7 @@ def workers(
 ) -> Iterator[dict[WorkerId, Any]]:
     import ray
 
-    from workers.actor import spawn_worker
+    from workers.spawn import spawn_worker
 
     # Every block reused once goes to Redis; a planned load is always fetched (the tiny model
     # computes faster than a pull's prior cost), so whatever is reachable is used.

@@ -31,7 +31,7 @@ def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 
 def _spawn(config: EngineConfig, worker: str) -> Any:
-    from workers.actor import spawn_worker
+    from workers.spawn import spawn_worker
 
     return spawn_worker(worker, config, num_cpus=0.5, max_restarts=0)
 

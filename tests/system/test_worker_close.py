@@ -27,7 +27,7 @@ def test_close_flushes_the_nvme_tier(
 ) -> None:
     import ray
 
-    from workers.actor import spawn_worker
+    from workers.spawn import spawn_worker
 
     tiers = TierConfig(nvme_path=str(tmp_path), nvme_mb=16, calibrate=False)
     config = dataclasses.replace(engine_config, tiers=tiers)

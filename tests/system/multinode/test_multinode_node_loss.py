@@ -60,7 +60,7 @@ def two_nodes(ray_nodes: RayNodes) -> Iterator[tuple[Any, Any]]:
 def _spawn_on(node: Any, worker: str, config: EngineConfig) -> tuple[Any, str]:
     """A worker actor on `node` and nowhere else (no restarts: its node's loss is its death);
     returns its handle and its actor name."""
-    from workers.actor import spawn_worker
+    from workers.spawn import spawn_worker
 
     name = f"cachesvc-{worker}-{uuid.uuid4().hex[:6]}"
     actor = spawn_worker(
