@@ -33,6 +33,9 @@ SHORT = {
     "stall_check_s": 0.1,
     "poll_interval_s": 0.05,
 }
+# For the hang tests: pings get a long timeout, so that on a busy machine a late answer is not
+# counted as missed before the stall is seen (the test checks which of the two found it).
+HANG = {**SHORT, "ping_timeout_s": 5.0, "hang_after_s": 2.0}
 PROMPTS = [[7 + 13 * p + i for i in range(30 + 5 * p)] for p in range(6)]
 MAX_TOKENS = 4
 
@@ -215,7 +218,7 @@ def test_a_step_that_never_ends_is_a_hang_though_pings_answer(
     two_workers: dict[WorkerId, Any], start_router: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="router")
-    run = Failover(start_router(two_workers, **SHORT, hang_after_s=2.0))
+    run = Failover(start_router(two_workers, **HANG))
     run.run(lambda victim: _hang_next_step(two_workers[victim]))
     [reason] = _unhealthy_logs(caplog)
     assert "no progress" in reason  # found stuck by its pings' answers, not by missing them
@@ -225,7 +228,7 @@ def test_an_event_loop_that_stopped_turning_is_a_hang_though_pings_answer(
     two_workers: dict[WorkerId, Any], start_router: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="router")
-    run = Failover(start_router(two_workers, **SHORT, hang_after_s=2.0))
+    run = Failover(start_router(two_workers, **HANG))
     for actor in two_workers.values():
         _slow_steps(actor, 0.5)  # the stream is still running when the loop stops
 

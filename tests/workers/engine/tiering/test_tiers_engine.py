@@ -324,11 +324,25 @@ def test_redis_killed_mid_run_and_restarted(
     redis_tier = engine.tiering.manager.tier("redis")
     assert redis_tier.stats.errors >= 1
     own_redis.start()  # empty: it kept nothing
-    time.sleep(0.3)  # the tier's retry window
-    engine.pool.reset_cache()
-    assert run_then_evict(engine, C) == expected(C)  # shared again, now that Redis is back
-    tokens, usage = run(engine, A)
-    assert tokens == expected(A) and usage["redis"] == 48
+    # Shared again, now that Redis is back. A call right after the restart may still time out
+    # (0.2 s, on a busy machine) and lose its writes or miss: allowed, as long as a few tries on
+    # Redis store C's blocks and serve the shared prefix to A.
+    server = redis.Redis.from_url(own_redis.url, password=own_redis.password)
+    keys = [redis_tier.key(h) for h in _chain(engine, C)]  # type: ignore[attr-defined]
+    fetched = []
+    for _ in range(10):
+        time.sleep(0.3)  # the tier's retry window
+        engine.pool.reset_cache()
+        assert run_then_evict(engine, C) == expected(C)
+        redis_tier.flush()  # type: ignore[attr-defined]
+        if server.exists(*keys) != len(keys):
+            continue
+        tokens, usage = run(engine, A)
+        assert tokens == expected(A)
+        fetched.append(usage["redis"])
+        if usage["redis"]:
+            break
+    assert fetched and fetched[-1] == 48
     engine.close()
 
 
