@@ -120,6 +120,10 @@ class RouterConfig:
     # another mixed worker. Off: simulated, "auto" predicts a hand-off never pays there (the
     # prefill stalls the policy's choice's streams either way), so it would only add planning.
     pd_mixed: bool = False
+    # A handed-off request's decode worker pulls the prompt's KV while its prefill runs, chunk
+    # by chunk as the prefill worker computes it (`router/prefetch.py`), rather than after the
+    # first token only.
+    pd_prefetch: bool = True
     # A worker with this many requests (running, waiting or in flight from this router) gets no
     # more: when every worker is that full, a call fails with RESOURCE_EXHAUSTED. None: no limit.
     max_queued_per_worker: int | None = None

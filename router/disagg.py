@@ -52,6 +52,7 @@ from router.pd import (
 from router.placement import Placed, Placement, role_of
 from router.policy import RouteDecision
 from router.pool import WorkerDied, WorkerPool
+from router.prefetch import start_prefetch
 from router.resume import Part, RequestProgress
 from router.worker_state import WorkerState
 from workers.protocol import HolderHint, StreamDelta, Usage
@@ -285,6 +286,17 @@ class Disaggregation:
         # arriving during this prefill see it and pair elsewhere when it is busier.
         decode = self.pool.state(handoff.decode)
         decode.num_inflight += 1
+        prefetch = None
+        if self.config.pd_prefetch and int(progress.params.get("max_tokens", 1)) > 1:
+            prefetch = start_prefetch(
+                decode,
+                self.pool.state(handoff.prefill.worker),
+                progress.prompt_ids,
+                req.cache_salt,
+                self.pool.model.block_size,
+                handoff.decision.predicted_ttft_s,
+                request_id,
+            )
         try:
             async with contextlib.aclosing(
                 self._prefill(handoff, progress, request_id, outcome, part_stream, record, req)
@@ -293,6 +305,8 @@ class Disaggregation:
                     yield delta
         finally:
             decode.num_inflight -= 1
+            if prefetch is not None and not handoff.handed_off:  # served colocated after all
+                prefetch.cancel()
 
     async def _prefill(
         self,

@@ -87,6 +87,7 @@ class WorkerActor:
     ) -> None:
         from workers.engine.async_engine import AsyncEngine
         from workers.engine.engine import Engine
+        from workers.engine.peer.prefetch import Prefetcher
 
         engine = Engine(config)
         if config.peer_pull:
@@ -100,6 +101,7 @@ class WorkerActor:
         self._engine: AsyncEngine = AsyncEngine(engine)
         # Serves peers' pulls of this worker's KV (`export_chunk`), whether or not it pulls.
         self._exporter: ChunkExporter = _exporter(self._engine, config)
+        self._prefetcher = Prefetcher(self._engine)  # a hand-off's pull while its prefill runs
         # What a step changed reaches `poll` at its end: a poll never waits for a step.
         self._engine.at_boundary(self._collect_events)
         self._max_queued = max_queued_requests
@@ -175,11 +177,16 @@ class WorkerActor:
         except (TypeError, ValueError) as exc:
             yield StreamError("invalid_argument", f"sampling: {exc}")
             return
-        peer = None
+        peer, prefetched = None, 0
         if holder is not None and self._engine.engine.config.peer_pull:
             from workers.engine.request import PeerSource
 
             peer = PeerSource(holder.actor_name, holder.num_blocks)
+            # A prefetch of this prompt still under way brings its blocks: wait, not pull twice.
+            timeout_s = self._engine.engine.config.peer_pull_timeout_s
+            prefetched = await self._prefetcher.settled(
+                prompt_ids, cache_salt, holder.num_blocks, timeout_s
+            )
         if hold_kv:
             await self._exporter.hold(prompt_ids, cache_salt)
         sent: dict[int, int] = {}
@@ -187,7 +194,8 @@ class WorkerActor:
         try:
             stream = self._engine.generate(prompt_ids, sampling, request_id, cache_salt, peer)
             async for out in stream:
-                yield stream_delta(out, request_id, sampling.n, sent, self._info.worker_id)
+                worker = self._info.worker_id
+                yield stream_delta(out, request_id, sampling.n, sent, worker, prefetched)
         except PromptError as exc:
             yield StreamError("invalid_argument", f"prompt: {exc}")
         finally:
@@ -203,12 +211,31 @@ class WorkerActor:
         start_block: int,
         end_block: int,
         puller: PullerProcess | None = None,
+        follow: bool = False,
     ) -> KVChunk:
         """The blocks `start_block .. end_block - 1` of a prompt under `cache_salt` that this
         worker holds, up to the first it lacks, as one buffer (`workers.transfer`): staged
         between steps, sealed off the loop; in a shared-memory slot leased to `puller` when it
-        runs on this worker's node, else through the object store."""
-        return await self._exporter.export(prompt_ids, cache_salt, start_block, end_block, puller)
+        runs on this worker's node, else through the object store. `follow`: the prompt is
+        being computed here for a hand-off, and the call waits for its blocks."""
+        return await self._exporter.export(
+            prompt_ids, cache_salt, start_block, end_block, puller, follow
+        )
+
+    async def prefetch(
+        self,
+        holder: HolderHint,
+        prompt_ids: Sequence[int],
+        cache_salt: str | None,
+        timeout_s: float,
+    ) -> dict[str, Any]:
+        """Pull the prompt's blocks from `holder` while it computes them, into this worker's
+        pool (`workers.engine.peer.prefetch`), for a handed-off request that will follow; what
+        it did, as a dict (`PrefetchResult`)."""
+        result = await self._prefetcher.prefetch(
+            holder.actor_name, prompt_ids, cache_salt, holder.num_blocks, timeout_s
+        )
+        return result.as_dict()
 
     async def tokenize(self, text: str) -> list[int]:
         """Token ids of `text` with the worker's own tokenizer (as `generate` would see it)."""
@@ -361,6 +388,6 @@ class WorkerActor:
             load.num_waiting,
             load.num_queued_tokens,
             {TIER_HBM: hbm},
-            {**load.tiering, **self._exporter.counters()},
+            {**load.tiering, **self._exporter.counters(), **self._prefetcher.counters()},
             costs,
         )

@@ -12,20 +12,37 @@ if TYPE_CHECKING:
     from workers.engine.outputs import RequestOutput
 
 
+PEER_TIER = "peer"  # prompt tokens pulled from another worker (`Usage.cached_tokens`)
+
+
 def stream_delta(
-    out: RequestOutput, request_id: str, n: int, sent: dict[int, int], worker_id: str
+    out: RequestOutput,
+    request_id: str,
+    n: int,
+    sent: dict[int, int],
+    worker_id: str,
+    prefetched: int = 0,
 ) -> StreamDelta:
     """The delta of one sample's snapshot `out` of request `request_id` (of `n` samples): the
-    tokens not sent yet (`sent` counts them per sample, updated), and its usage at its end."""
+    tokens not sent yet (`sent` counts them per sample, updated), and its usage at its end.
+    `prefetched`: prompt tokens a prefetch pulled from a peer into the device pool for this
+    request; counted as the peer's, not the device's, where the request found them there."""
     index = 0 if n == 1 else int(out.request_id[len(request_id) + 1 :])
     start = sent.get(index, 0)
     sent[index] = len(out.token_ids)
     usage = None
     if out.finished:
+        cached = dict(out.cached_tokens_by_tier) or {TIER_HBM: out.num_cached_tokens}
+        moved = min(prefetched, cached.get(TIER_HBM, 0))
+        if moved:
+            cached[TIER_HBM] -= moved
+            cached[PEER_TIER] = cached.get(PEER_TIER, 0) + moved
+            if not cached[TIER_HBM]:
+                del cached[TIER_HBM]
         usage = Usage(
             prompt_tokens=len(out.prompt_token_ids),
             completion_tokens=len(out.token_ids),
-            cached_tokens=dict(out.cached_tokens_by_tier) or {TIER_HBM: out.num_cached_tokens},
+            cached_tokens=cached,
             computed_tokens=out.num_computed_tokens,
             ttft_ms=out.ttft_ms or 0.0,
             decode_tokens_per_s=out.decode_tokens_per_s,

@@ -54,18 +54,22 @@ class RayPeerLink:
         cache_salt: str | None,
         chunks: Sequence[tuple[int, int]],
         deadline: float,
+        follow: bool = False,
     ) -> Generator[KVChunk, None, None]:
         """The peer's chunk of each `(start_block, end_block)`, in order; raises at the first
         that fails or is not in by `deadline` (`time.monotonic()`), after cancelling the rest.
         A chunk's payload may be a view of the peer's slot: its lease lasts as long as a view of
-        it does. Blocking."""
+        it does. `follow`: each chunk waits at the peer until it has computed its blocks.
+        Blocking."""
         import ray
 
         handle = self._handle(peer)
         # Once per pull, not pickled into every call (a 32K-token prompt is ~3 ms a call).
         ids = ray.put(np.asarray(token_ids, dtype=np.uint32))
+        more = (True,) if follow else ()  # a peer of an older build is asked as before
         asked = [
-            handle.export_chunk.remote(ids, cache_salt, lo, hi, self.puller) for lo, hi in chunks
+            handle.export_chunk.remote(ids, cache_salt, lo, hi, self.puller, *more)
+            for lo, hi in chunks
         ]
         done = 0
         try:

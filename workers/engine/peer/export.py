@@ -53,6 +53,9 @@ _HASHED_PROMPTS = 8  # prompts whose hashes an exporter keeps: the pulls it serv
 # device pool such holds may take.
 HOLD_TTL_S = 30.0
 HOLD_POOL_SHARE = 0.5
+# How long a chunk asked for while its prompt is still being computed (`follow`) may wait for
+# it here; the puller's deadline, which cancels the call, usually comes first.
+FOLLOW_WAIT_S = 120.0
 
 
 class ChunkExporter:
@@ -97,11 +100,17 @@ class ChunkExporter:
         start_block: int,
         end_block: int,
         puller: PullerProcess | None = None,
+        follow: bool = False,
     ) -> KVChunk:
         """The chunk of blocks `start_block .. end_block - 1` this worker holds (its leading
         run, maybe empty), through a slot leased to `puller` when it is on this node. Waits on
-        the engine's loop for one staging copy, no more."""
+        the engine's loop for one staging copy, no more. `follow`: the prompt is being computed
+        here for a hand-off: its blocks are held as they come, and the call waits until
+        `start_block` is (or the prompt is no longer being computed)."""
         prompt = await self._prompt(token_ids, cache_salt)
+        if follow:
+            self.holds.expect(prompt.ids, prompt.hashes, cache_salt)
+            await self.holds.wait_for(prompt.hashes, start_block, end_block, FOLLOW_WAIT_S)
         async with self._exporting:
             staging = self.stager.take(puller, end_block - start_block)
             shipping: asyncio.Future[KVChunk] | None = None

@@ -10,6 +10,11 @@ usually the one that sampled the first token), they are pinned there and then, a
 chunks are served from those pins without waiting for a boundary: a full cached block is never
 written again, so it may be copied beside a step.
 
+Blocks are pinned as they are computed, not only once all are: at each boundary a hold pins the
+leading blocks computed since the last (a prompt prefilled in chunks grows its run chunk by chunk),
+and a pull that asks for blocks not computed yet may wait for them (`wait_for`). So a decode
+worker can pull a handed-off prompt while its prefill still runs (`workers.engine.peer.prefetch`).
+
 The pins go back at a step boundary once every block has been sent, or `ttl_s` after they were
 taken (a decode worker that never asks), never while a copy of them is under way. A hold still
 waiting for its blocks (its request queued behind others) is dropped after `PENDING_TTL_S`.
@@ -19,6 +24,7 @@ pins at boundaries as any other).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,19 +44,32 @@ if TYPE_CHECKING:  # the engine imports this package (its pull side): a type, no
 
 @dataclass
 class _Hold:
-    """One request's prompt: pending (`run` None) until its full blocks are all in the pool."""
+    """One request's prompt: its leading blocks pinned so far, in runs taken at successive
+    boundaries (`complete` once all of its full blocks are)."""
 
     ids: list[int]
     hashes: list[BlockHash]
     cache_salt: str | None
-    since_s: float  # when it was asked for, then when its blocks were pinned
-    run: PinnedRun | None = None
+    since_s: float  # when it was asked for, then when its last blocks were pinned
+    runs: list[PinnedRun] = field(default_factory=list)
     leased: int = 0  # copies of its blocks under way
     sent: set[int] = field(default_factory=set)  # block indexes shipped at least once
 
     @property
+    def num_pinned(self) -> int:
+        return sum(r.num_blocks for r in self.runs)
+
+    @property
+    def complete(self) -> bool:
+        return self.num_pinned >= len(self.hashes)
+
+    @property
     def done(self) -> bool:
-        return self.run is not None and len(self.sent) >= self.run.num_blocks
+        return self.complete and len(self.sent) >= len(self.hashes)
+
+    def run_at(self, start: int) -> PinnedRun | None:
+        """The pinned run that holds block `start`."""
+        return next((r for r in self.runs if r.start_block <= start < r.end_block), None)
 
 
 class HandoffHolds:
@@ -62,51 +81,110 @@ class HandoffHolds:
         self.max_blocks = max_blocks
         self._holds: list[_Hold] = []
         self._leases: dict[int, _Hold] = {}  # id of a leased slice -> its hold
-        self.num_held = 0  # requests whose blocks were pinned by a hold
+        self.num_held = 0  # requests whose blocks were all pinned by a hold
         self.num_served_chunks = 0  # chunks sent from held pins, without a step boundary
+        self.num_early_chunks = 0  # of those, sent before the hold had all of its blocks
+        self._grew: asyncio.Event | None = None  # set (and replaced) when a hold pins more
 
     def expect(
         self, ids: Sequence[int], hashes: Sequence[BlockHash], cache_salt: str | None
     ) -> None:
         """Hold the full blocks of prompt `ids` (`hashes`: its full blocks' under
-        `cache_salt`) once computed, for a pull expected soon."""
+        `cache_salt`) as they are computed, for a pull expected soon (once: a prompt already
+        held is not held twice)."""
+        if hashes and self._find(hashes, len(hashes) - 1) is not None:
+            return
         if hashes and len(hashes) <= self.max_blocks:
-            pending = [h for h in self._holds if h.run is None]
+            pending = [h for h in self._holds if not h.complete]
             if len(pending) >= MAX_PENDING:
-                self._holds.remove(pending[0])
+                self._drop(pending[0])
             self._holds.append(_Hold(list(ids), list(hashes), cache_salt, time.monotonic()))
 
     def at_boundary(self, engine: Engine) -> None:
-        """Pin the pending holds whose blocks are all computed; give back the pins of the ones
-        sent in full or too old (none being copied)."""
+        """Pin the blocks the holds' prompts computed since the last boundary; give back the
+        pins of the holds sent in full or too old (none being copied)."""
         now = time.monotonic()
         kept: list[_Hold] = []
+        grew = False
         for hold in self._holds:
-            ttl = PENDING_TTL_S if hold.run is None else self.ttl_s
+            # Waiting for its prompt to be reached is long; between its chunks, or for its
+            # puller once some are pinned, it is not.
+            ttl = self.ttl_s if hold.runs else PENDING_TTL_S
             expired = now - hold.since_s > ttl
             if hold.leased == 0 and (hold.done or expired):
-                if hold.run is not None:
-                    unpin(engine, hold.run)
+                for run in hold.runs:
+                    unpin(engine, run)
                 continue
-            if hold.run is None and not expired:
-                self._try_pin(engine, hold)
+            if not hold.complete and not expired:
+                grew = self._pin_more(engine, hold) or grew
             kept.append(hold)
+        dropped = len(kept) < len(self._holds)
         self._holds = kept
+        if grew or dropped:  # a pull waiting for blocks looks again
+            self._wake()
 
-    def _try_pin(self, engine: Engine, hold: _Hold) -> None:
-        if self._pinned_blocks() + len(hold.hashes) > self.max_blocks:
-            return
-        want = len(hold.hashes)
+    def _pin_more(self, engine: Engine, hold: _Hold) -> bool:
+        """Pin the blocks of `hold` computed since its last pins (blocks are computed in
+        order); True when some were."""
+        have, want = hold.num_pinned, len(hold.hashes)
+        if not hold.runs and self._reserved() + want > self.max_blocks:
+            return False  # a hold starts only when all of its blocks fit beside the others'
         bs = engine.config.block_size
-        last = hold.ids[(want - 1) * bs : want * bs]
-        if engine.pool.lookup(hold.hashes[-1], last) is None:
-            return  # blocks are computed in order: the last one missing, not all are there yet
-        run = pin_run(engine, hold.ids, hold.cache_salt, 0, want, want, hold.hashes)
-        if run.num_blocks == want:
-            hold.run, hold.since_s = run, time.monotonic()
-            self.num_held += 1
-        else:  # not all computed yet (a chunked prefill) or some evicted: not this time
+        if engine.pool.lookup(hold.hashes[have], hold.ids[have * bs : (have + 1) * bs]) is None:
+            return False  # the next block is not computed yet: nothing to pin this time
+        run = pin_run(engine, hold.ids, hold.cache_salt, have, want, want - have, hold.hashes)
+        if run.num_blocks == 0:
             unpin(engine, run)
+            return False
+        last = hold.runs[-1] if hold.runs else None
+        if last is not None and not last.tier_rows:  # one run: a chunk may span two boundaries
+            hold.runs[-1] = _joined(last, run)
+        else:
+            hold.runs.append(run)
+        hold.since_s = time.monotonic()
+        self.num_held += int(hold.complete)
+        return True
+
+    async def wait_for(
+        self, hashes: Sequence[BlockHash], start: int, end: int, timeout_s: float
+    ) -> None:
+        """Wait until blocks `start .. end - 1` of the prompt whose full blocks are `hashes`
+        (those it has) are pinned by a hold, or no hold is computing them any more, or
+        `timeout_s` passed. On the actor's loop."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            hold = self._find(hashes, start)
+            if hold is None or hold.complete or hold.num_pinned >= min(end, len(hold.hashes)):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self._grew is None:
+                self._grew = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._grew.wait(), left)
+            except TimeoutError:
+                return
+
+    def _wake(self) -> None:
+        if self._grew is not None:
+            self._grew.set()
+            self._grew = None
+
+    def _find(self, hashes: Sequence[BlockHash], start: int) -> _Hold | None:
+        """The hold of a prompt that shares `hashes` up to block `start` (hashes chain: one
+        equal hash is an equal prefix up to it)."""
+        if start >= len(hashes):
+            return None
+        return next(
+            (h for h in self._holds if start < len(h.hashes) and h.hashes[start] == hashes[start]),
+            None,
+        )
+
+    def _drop(self, hold: _Hold) -> None:
+        """Forget a hold that pinned nothing yet."""
+        if not hold.runs:
+            self._holds.remove(hold)
 
     def lease(
         self, hashes: Sequence[BlockHash], start: int, end: int, max_blocks: int
@@ -117,13 +195,14 @@ class HandoffHolds:
         if start >= end or start >= len(hashes):
             return None
         for hold in self._holds:
-            run = hold.run
-            if run is None or start >= run.num_blocks or hold.hashes[start] != hashes[start]:
+            run = hold.run_at(start)
+            if run is None or hold.hashes[start] != hashes[start]:
                 continue  # block hashes chain: one equal hash is an equal prefix up to it
-            stop = min(end, start + max_blocks, run.num_blocks, len(hashes))
+            stop = min(end, start + max_blocks, run.end_block, len(hashes))
             stop = next((i for i in range(start, stop) if hold.hashes[i] != hashes[i]), stop)
             hold.leased += 1
             self.num_served_chunks += 1
+            self.num_early_chunks += int(not hold.complete)
             part = _slice(run, start, stop)
             self._leases[id(part)] = hold
             return part
@@ -144,16 +223,30 @@ class HandoffHolds:
         return {
             "peer_held_requests": float(self.num_held),
             "peer_held_chunks": float(self.num_served_chunks),
+            "peer_held_early_chunks": float(self.num_early_chunks),
             "peer_held_blocks": float(self._pinned_blocks()),
         }
 
+    def _reserved(self) -> int:
+        """Blocks of the holds that started pinning, pinned or still to come."""
+        return sum(len(h.hashes) for h in self._holds if h.runs)
+
     def _pinned_blocks(self) -> int:
-        return sum(len(h.run.device) for h in self._holds if h.run is not None)
+        return sum(len(r.device) for h in self._holds for r in h.runs)
+
+
+def _joined(first: PinnedRun, then: PinnedRun) -> PinnedRun:
+    """One run of `first` (device blocks only) and the run pinned right after it."""
+    device = first.device + then.device
+    hashes = first.hashes + then.hashes
+    lossy = first.lossy or then.lossy
+    return PinnedRun(first.start_block, first.dtype, device, then.tier_rows, hashes, lossy)
 
 
 def _slice(run: PinnedRun, start: int, stop: int) -> PinnedRun:
-    """Blocks `start .. stop - 1` of a run that starts at block 0."""
+    """Blocks `start .. stop - 1` of a run (indexes of the prompt's blocks)."""
     num_device = len(run.device)
-    device = run.device[start:stop]
-    rows = run.tier_rows[max(0, start - num_device) : max(0, stop - num_device)]
-    return PinnedRun(start, run.dtype, device, rows, run.hashes[start:stop], run.lossy)
+    lo, hi = start - run.start_block, stop - run.start_block
+    device = run.device[lo:hi]
+    rows = run.tier_rows[max(0, lo - num_device) : max(0, hi - num_device)]
+    return PinnedRun(start, run.dtype, device, rows, run.hashes[lo:hi], run.lossy)

@@ -60,11 +60,14 @@ class PeerLink(Protocol):
         cache_salt: str | None,
         chunks: Sequence[tuple[int, int]],
         deadline: float,
+        follow: bool = False,
     ) -> Generator[KVChunk, None, None]:
         """The peer's chunk of each `(start_block, end_block)` of the prompt (its leading blocks
         it holds), in order, all asked for at once; raises, at the chunk that did not come, on
         any failure (gone, refused, not in by `deadline`, a `time.monotonic()`), and cancels
-        what is outstanding when closed early. Blocking: called from a background thread."""
+        what is outstanding when closed early. `follow`: the peer is computing the prompt, and
+        each chunk waits there until its blocks are. Blocking: called from a background
+        thread."""
         ...
 
 
@@ -195,7 +198,7 @@ class PeerPuller:
         try:
             for (first, end), sent in zip(chunks, sent_chunks, strict=False):
                 expected = hashes[first - start_block : end - start_block]
-                verified = self._verify(sent, first, expected)
+                verified = self.verify(sent, first, expected)
                 out.blocks.extend(verified)
                 num_bytes += sum(b.array.nbytes for b in verified)
                 if len(verified) < len(expected):
@@ -208,9 +211,7 @@ class PeerPuller:
         out.transfer = Transfer(peer_tier(source.name), num_bytes, seconds, len(out.blocks))
         return out
 
-    def _verify(
-        self, sent: KVChunk, start_block: int, hashes: Sequence[BlockHash]
-    ) -> list[KVBlock]:
+    def verify(self, sent: KVChunk, start_block: int, hashes: Sequence[BlockHash]) -> list[KVBlock]:
         """The blocks of `sent` when its digest checks out against `hashes` (each hash names
         its whole chain, so a chunk in its place is the right one), else none. The blocks are
         views of the chunk's rows: landing them is the only copy on this side."""

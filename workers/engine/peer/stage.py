@@ -45,6 +45,10 @@ class PinnedRun:
     def num_blocks(self) -> int:
         return len(self.device) + len(self.tier_rows)
 
+    @property
+    def end_block(self) -> int:
+        return self.start_block + self.num_blocks
+
 
 @dataclass(frozen=True)
 class StagedRun:

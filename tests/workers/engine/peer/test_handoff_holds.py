@@ -5,6 +5,7 @@ served to another prompt or another tenant."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -128,3 +129,71 @@ def test_the_wait_for_the_prefill_is_not_counted_against_the_pins(engine: Engine
     engine.generate([prompt], ONE_TOKEN)
     holds.at_boundary(engine)
     assert holds.lease(hashes, 0, NUM_FULL, 8) is not None
+
+
+def test_blocks_are_held_as_a_chunked_prefill_computes_them(tiny_llama_dir: Path) -> None:
+    config = EngineConfig(
+        model=str(tiny_llama_dir), block_size=4, num_blocks=64, max_num_batched_tokens=8
+    )
+    engine = Engine(config)  # two blocks a step
+    holds = HandoffHolds(ttl_s=60.0, max_blocks=32)
+    prompt = _prompt(7)
+    hashes = prompt_hashes(engine, prompt, None)
+    holds.expect(prompt, hashes, None)
+    holds.expect(prompt, hashes, None)  # asked again (the puller came first): held once
+    engine.add_request(prompt, ONE_TOKEN)
+    engine.step()
+    holds.at_boundary(engine)
+    early = holds.lease(hashes, 0, NUM_FULL, 8)
+    assert early is not None and (early.start_block, early.num_blocks) == (0, 2)
+    assert holds.lease(hashes, 2, NUM_FULL, 8) is None  # not computed yet
+    assert holds.counters()["peer_held_early_chunks"] == 1
+    while engine.has_unfinished():
+        engine.step()
+        holds.at_boundary(engine)
+    rest = holds.lease(hashes, 1, NUM_FULL, 8)  # one run now, across the boundaries' pins
+    assert rest is not None and (rest.start_block, rest.num_blocks) == (1, NUM_FULL - 1)
+    assert holds.counters()["peer_held_early_chunks"] == 1
+
+    reference = pin_run(engine, prompt, None, 0, NUM_FULL, NUM_FULL)
+    expected = copy_run(engine.runner.kv_caches, reference, _room(engine, NUM_FULL)).payload
+    got = [copy_run(engine.runner.kv_caches, r, _room(engine, 8)).payload for r in (early, rest)]
+    assert np.array_equal(expected[:2], got[0]) and np.array_equal(expected[1:], got[1])
+    unpin(engine, reference)
+
+    assert not holds.give_back(early, delivered=True)
+    assert holds.give_back(rest, delivered=True)
+    holds.at_boundary(engine)
+    assert engine.pool.num_free == engine.pool.num_blocks
+    engine.pool.check_integrity()
+
+
+def test_a_pull_waits_for_blocks_still_being_computed(tiny_llama_dir: Path) -> None:
+    config = EngineConfig(
+        model=str(tiny_llama_dir), block_size=4, num_blocks=64, max_num_batched_tokens=8
+    )
+    engine = Engine(config)
+    holds = HandoffHolds(ttl_s=60.0, max_blocks=32)
+    prompt = _prompt(8)
+    hashes = prompt_hashes(engine, prompt, None)
+
+    async def scenario() -> list[int]:
+        await holds.wait_for(hashes, 0, 4, timeout_s=5.0)  # nobody computes it: no wait
+        holds.expect(prompt, hashes, None)
+        engine.add_request(prompt, ONE_TOKEN)
+        await holds.wait_for(hashes, 0, 4, timeout_s=0.05)  # nothing computed: times out
+        seen: list[int] = []
+
+        def step() -> None:  # a step and its boundary, as the actor's loop runs them
+            engine.step()
+            holds.at_boundary(engine)
+            seen.append(sum(r.num_blocks for h in holds._holds for r in h.runs))
+            if engine.has_unfinished():
+                asyncio.get_running_loop().call_later(0.01, step)
+
+        asyncio.get_running_loop().call_later(0.01, step)
+        await holds.wait_for(hashes, 0, 4, timeout_s=30.0)
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert seen[-1] >= 4 and all(n < 4 for n in seen[:-1])  # woken by the boundary that had them

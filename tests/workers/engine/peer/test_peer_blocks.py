@@ -63,6 +63,7 @@ class LocalLink:
         cache_salt: str | None,
         chunks: Sequence[tuple[int, int]],
         deadline: float,
+        follow: bool = False,
     ) -> Iterator[KVChunk]:
         for start_block, end_block in chunks:
             self.calls += 1

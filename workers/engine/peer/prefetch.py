@@ -1,0 +1,249 @@
+"""A decode worker pulling a handed-off prompt's KV while its prefill still runs.
+
+The router tells the decode worker which prefill worker computes a prompt as soon as it sends
+that worker the prompt (`WorkerActor.prefetch`). The decode worker then asks the holder for the
+prompt's blocks in chunks, all at once; each call waits at the holder until its blocks are
+computed (`ChunkExporter.export(follow=True)`: the holder pins them at the boundary of the step
+that computed them). Each chunk that arrives is checked as any pull's and landed in the pool
+between two steps as cached blocks, as if a request of this worker had computed them. When the
+request itself arrives (after its first token) its prefix is found in the pool, and only what
+did not land in time is pulled then, as before.
+
+So a prompt prefilled in chunks moves while the next chunk computes, and the copy into the pool
+is spread over the prefill in chunk-sized pieces instead of landing in one step when the request
+arrives. A prefetch never takes the last `RESERVE_SHARE` of the pool's free blocks from the
+requests decoding here: it stops, and the request pulls the rest itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from cachesvc.codec import KVBlock
+from cachesvc.types import BlockHash
+from workers.engine.kv_copy import write_blocks
+from workers.engine.peer.pull import PULL_CHUNK_BLOCKS, PeerPuller
+from workers.engine.peer.stage import prompt_hashes
+from workers.transfer.threads import transfer_executor
+
+if TYPE_CHECKING:  # the engine imports this package (its pull side): a type, not a cycle
+    from workers.engine.async_engine import AsyncEngine
+    from workers.engine.engine import Engine
+
+RESERVE_SHARE = 0.25  # of the pool: free blocks a prefetch leaves to the running requests
+_NO_ROOM = -1
+_KEPT_RESULTS = 64
+_Key = tuple[str | None, int, bytes]  # a prompt's: its salt, its length, a digest of its ids
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    """What one prefetch did: blocks landed in the pool, blocks that were there already, and
+    whether it stopped early (the holder failed or was too slow, or no room here)."""
+
+    landed_blocks: int
+    present_blocks: int
+    stopped: str | None = None
+
+    def as_dict(self) -> dict[str, int | str | None]:
+        return {
+            "landed_blocks": self.landed_blocks,
+            "present_blocks": self.present_blocks,
+            "stopped": self.stopped,
+        }
+
+
+class Prefetcher:
+    """The prefetches of one worker. Create and call it on the actor's event loop."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self._threads = transfer_executor(2, "kv-prefetch")
+        self._running: dict[_Key, asyncio.Future[PrefetchResult]] = {}
+        # The last prefetches' results, until the request that follows each asks (`settled`).
+        self._results: OrderedDict[_Key, PrefetchResult] = OrderedDict()
+        self.num_prefetches = 0
+        self.num_landed_blocks = 0
+        self.num_stopped = 0
+
+    async def prefetch(
+        self,
+        holder: str,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        num_blocks: int,
+        timeout_s: float,
+    ) -> PrefetchResult:
+        """Pull the first `num_blocks` full blocks of the prompt from `holder` as it computes
+        them (all by `timeout_s` from now: its prefill included) and land them in the pool.
+        Cancelled, it stops after the chunk in hand."""
+        peers = self._peers()
+        if peers is None or num_blocks <= 0:
+            return PrefetchResult(0, 0, "no peer pulls on this worker")
+        key = _key(token_ids, num_blocks, self.engine.engine.config.block_size, cache_salt)
+        stop = threading.Event()
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + timeout_s
+        ids, pull = list(token_ids), self._pull
+        future = loop.run_in_executor(
+            self._threads, pull, holder, ids, cache_salt, num_blocks, deadline, stop, loop
+        )
+        self._running[key] = future
+        self.num_prefetches += 1
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            stop.set()
+            raise
+        finally:
+            future.add_done_callback(lambda _: self._forget(key, future))
+
+    async def settled(
+        self, token_ids: Sequence[int], cache_salt: str | None, num_blocks: int, timeout_s: float
+    ) -> int:
+        """Wait (at most `timeout_s`) for a prefetch of this prompt still running: its blocks
+        are on their way, and a request pulling them itself would move them twice. Returns the
+        tokens it landed (once: the request that follows it counts them as pulled)."""
+        bs = self.engine.engine.config.block_size
+        key = _key(token_ids, num_blocks, bs, cache_salt)
+        future = self._running.get(key)
+        if future is None:
+            result = self._results.pop(key, None)
+            return 0 if result is None else result.landed_blocks * bs
+        await asyncio.wait([future], timeout=timeout_s)
+        if not future.done() or future.cancelled() or future.exception() is not None:
+            return 0  # what it lands from now on is not this request's pull
+        if self._running.get(key) is future:
+            del self._running[key]  # counted here: not kept for another request
+        self._results.pop(key, None)  # (or kept meanwhile, when it ended during the wait)
+        return future.result().landed_blocks * bs
+
+    def counters(self) -> dict[str, float]:
+        return {
+            "peer_prefetches": float(self.num_prefetches),
+            "peer_prefetched_blocks": float(self.num_landed_blocks),
+            "peer_prefetches_stopped": float(self.num_stopped),
+        }
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def _forget(self, key: _Key, future: asyncio.Future[PrefetchResult]) -> None:
+        if self._running.get(key) is not future:
+            return  # its request counted it already
+        del self._running[key]
+        if not future.cancelled() and future.exception() is None:
+            self._results[key] = future.result()
+            while len(self._results) > _KEPT_RESULTS:
+                self._results.popitem(last=False)
+
+    def _peers(self) -> PeerPuller | None:
+        tiering = self.engine.engine.tiering
+        return None if tiering is None else tiering.peers
+
+    def _pull(
+        self,
+        holder: str,
+        token_ids: list[int],
+        cache_salt: str | None,
+        num_blocks: int,
+        deadline: float,
+        stop: threading.Event,
+        loop: asyncio.AbstractEventLoop,
+    ) -> PrefetchResult:
+        """On a prefetch thread: ask for every chunk at once (each answered once computed), land
+        each as it comes, between steps. Blocking."""
+        peers = self._peers()
+        assert peers is not None
+        engine = self.engine.engine
+        hashes = prompt_hashes(engine, token_ids, cache_salt)[:num_blocks]
+        first = asyncio.run_coroutine_threadsafe(
+            self.engine.call(lambda e: _leading_present(e, token_ids, hashes)), loop
+        ).result()
+        chunks = [
+            (lo, min(lo + PULL_CHUNK_BLOCKS, len(hashes)))
+            for lo in range(first, len(hashes), PULL_CHUNK_BLOCKS)
+        ]
+        landed, present, stopped = 0, first, None
+        sent_chunks = peers.link.fetch(holder, token_ids, cache_salt, chunks, deadline, True)
+        try:
+            for (lo, hi), sent in zip(chunks, sent_chunks, strict=False):
+                blocks = peers.verify(sent, lo, hashes[lo:hi])
+                got = len(blocks)
+                land = partial(_land, token_ids=token_ids, hashes=hashes, blocks=blocks, first=lo)
+                n = asyncio.run_coroutine_threadsafe(self.engine.call(land), loop).result()
+                del sent, blocks, land  # a slot's view: its lease ends with the last reference
+                if n == _NO_ROOM:
+                    stopped = "no room in the pool"
+                    break
+                landed, present = landed + n, present + got - n
+                if got < hi - lo:
+                    stopped = "a chunk came short"
+                    break
+                if stop.is_set():
+                    stopped = "cancelled"
+                    break
+        except Exception as exc:  # the holder failed or was late: the request pulls or computes
+            stopped = f"the holder did not answer ({type(exc).__name__})"
+        finally:
+            sent_chunks.close()  # what is still outstanding is cancelled at the holder
+        self.num_landed_blocks += landed
+        self.num_stopped += int(stopped is not None)
+        return PrefetchResult(landed, present, stopped)
+
+
+def _key(
+    token_ids: Sequence[int], num_blocks: int, block_size: int, cache_salt: str | None
+) -> _Key:
+    ids = np.asarray(token_ids[: num_blocks * block_size], dtype=np.uint32)
+    return (cache_salt, len(ids), xxhash.xxh3_128_digest(ids.tobytes()))
+
+
+def _leading_present(engine: Engine, token_ids: Sequence[int], hashes: Sequence[BlockHash]) -> int:
+    """How many leading blocks of the prompt the pool holds already (nothing to pull)."""
+    bs = engine.config.block_size
+    for i, h in enumerate(hashes):
+        if engine.pool.lookup(h, token_ids[i * bs : (i + 1) * bs]) is None:
+            return i
+    return len(hashes)
+
+
+def _land(
+    engine: Engine,
+    token_ids: Sequence[int],
+    hashes: Sequence[BlockHash],
+    blocks: Sequence[KVBlock],
+    first: int,
+) -> int:
+    """Write `blocks` (blocks `first ..` of the prompt) into free blocks of the pool, register
+    them under their hashes and leave them cached (no request holds them); blocks the pool
+    holds already are skipped. Returns how many landed, or `_NO_ROOM`. Between steps."""
+    pool, bs, tiering = engine.pool, engine.config.block_size, engine.tiering
+    assert tiering is not None  # pulls come through it
+    todo = [
+        (first + i, b)
+        for i, b in enumerate(blocks)
+        if pool.lookup(b.block_hash, token_ids[(first + i) * bs : (first + i + 1) * bs]) is None
+    ]
+    if not todo:
+        return 0
+    if pool.num_free - len(todo) < RESERVE_SHARE * pool.num_blocks:
+        return _NO_ROOM
+    ids = pool.allocate(len(todo))
+    write_blocks(engine.runner.kv_caches, ids, [b.array for _, b in todo], tiering.dtype)
+    pool.mark_lossy(i for i, (_, b) in zip(ids, todo, strict=True) if b.lossy)
+    for block_id, (idx, block) in zip(ids, todo, strict=True):
+        parent = hashes[idx - 1] if idx > 0 else None
+        pool.register(block_id, block.block_hash, token_ids[idx * bs : (idx + 1) * bs], parent)
+    pool.free(ids[::-1])  # cached, tail first: the tail of a prefix is evicted before its head
+    return len(todo)
