@@ -27,7 +27,7 @@ from router.config import RouterConfig
 from router.domain import Exhausted, InvalidInput, Unimplemented
 from router.events_source import EventSource, make_event_source
 from router.index_sync import IndexSync
-from router.ray_failures import Failure, actor_state, classify, ray_error_types
+from router.ray_failures import Failure, actor_state, classify, off_loop, ray_error_types
 from router.worker_state import Health, WorkerState
 from workers.protocol import (
     Heartbeat,
@@ -243,7 +243,7 @@ class WorkerPool:
         if failure is Failure.TASK:
             _log.warning("worker %s failed a call: %s", worker, str(exc).splitlines()[:1])
             return
-        if failure is Failure.GONE and await asyncio.to_thread(actor_state, state.actor) == "DEAD":
+        if failure is Failure.GONE and await off_loop(actor_state, state.actor) == "DEAD":
             self.mark_dead(worker, exc)
             return
         self.mark_unhealthy(state, f"{failure.value}: {type(exc).__name__}")

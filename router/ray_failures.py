@@ -19,7 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class Failure(str, enum.Enum):
@@ -67,3 +71,31 @@ def kill(actor: Any) -> None:
 
     with contextlib.suppress(Exception):  # already dead, or its handle is stale
         ray.kill(actor, no_restart=True)
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a daemon thread of its own, awaited: for calls to Ray's control store,
+    which can block for as long as the cluster is unreachable. Unlike `asyncio.to_thread`, a
+    call still blocked when the event loop ends holds up neither `asyncio.run`'s exit (it joins
+    the default executor's threads) nor the interpreter's."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, exc: BaseException | None) -> None:
+        if future.done():  # the awaiting task was cancelled meanwhile
+            return
+        if exc is None:
+            future.set_result(result)  # type: ignore[arg-type]
+        else:
+            future.set_exception(exc)
+
+    def run() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as error:  # handed to the awaiting task
+            result, exc = None, error
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=run, name="ray-control", daemon=True).start()
+    return await future

@@ -22,7 +22,7 @@ from typing import Any
 from cachesvc.types import WorkerId
 from router.config import RouterConfig
 from router.pool import Health, WorkerPool, WorkerState
-from router.ray_failures import actor_state, kill, ray_error_types
+from router.ray_failures import actor_state, kill, off_loop, ray_error_types
 
 _log = logging.getLogger(__name__)
 _MAX_BACKOFF_S = 60.0
@@ -87,12 +87,12 @@ class Supervisor:
     async def _settle(self, state: WorkerState) -> None:
         """DEAD when Ray says the actor is dead, or when it has failed for `dead_after_s`
         (then it is killed, so that a late recovery cannot serve from a stale index)."""
-        if await asyncio.to_thread(actor_state, state.actor) == "DEAD":
+        if await off_loop(actor_state, state.actor) == "DEAD":
             self.pool.mark_dead(state.worker_id, "its actor is dead")
             return
         since = state.failing_since
         if since is not None and time.monotonic() - since > self.config.dead_after_s:
-            await asyncio.to_thread(kill, state.actor)
+            await off_loop(kill, state.actor)
             self.pool.mark_dead(
                 state.worker_id, f"unhealthy for more than {self.config.dead_after_s:.0f} s"
             )
@@ -105,7 +105,7 @@ class Supervisor:
         worker = state.worker_id
         _log.warning("replacing worker %s", worker)
         try:
-            actor = await asyncio.to_thread(self.replace, worker)
+            actor = await off_loop(self.replace, worker)
             await self.pool.adopt(worker, actor, self.config.start_timeout_s)
         except Exception as exc:
             _log.warning("replacing worker %s failed: %s", worker, exc)
