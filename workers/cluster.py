@@ -69,11 +69,18 @@ class WorkerGroup:
     placement: Placement = "spread"
     num_prefill: int = 0
     num_decode: int = 0
+    # A prefill worker's step budget (its chunked-prefill chunk), when not the engine's: a
+    # smaller chunk lets a decode worker pull a prompt's KV while the rest of it computes.
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ConfigError(
                 f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
+            )
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
+            raise ConfigError(
+                f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}"
             )
         if self.num_prefill < 0 or self.num_decode < 0:
             raise ConfigError(
@@ -106,16 +113,21 @@ class WorkerGroup:
         """`engine` (the group's, as `worker_resources` adapted it) for worker `index`: its
         role, and peer pulls on in a group with roles, for decode workers pull the KV that
         prefill workers computed (and any worker may be asked for a prefix it lacks). A decode
-        worker waits at least `DECODE_PULL_TIMEOUT_S` for a pull. Pure."""
+        worker waits at least `DECODE_PULL_TIMEOUT_S` for a pull; a prefill worker steps
+        `prefill_chunk_tokens` at most, when set. Pure."""
         role = self.role_of(index)
         timeout_s = engine.peer_pull_timeout_s
         if role == "decode":
             timeout_s = max(timeout_s, DECODE_PULL_TIMEOUT_S)
+        budget = engine.max_num_batched_tokens
+        if role == "prefill" and self.prefill_chunk_tokens is not None:
+            budget = self.prefill_chunk_tokens
         return dataclasses.replace(
             engine,
             role=role,
             peer_pull=engine.peer_pull or self.uses_roles,
             peer_pull_timeout_s=timeout_s,
+            max_num_batched_tokens=budget,
         )
 
 

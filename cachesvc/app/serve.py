@@ -63,6 +63,9 @@ class ServeConfig:
     # Prefill and decode workers, besides the mixed ones (`EngineConfig.role`).
     num_prefill_workers: int = 0
     num_decode_workers: int = 0
+    # A prefill worker's chunked-prefill chunk in tokens (None: the engine's step budget); a
+    # smaller one lets decode workers pull a prompt's KV while the rest computes.
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_worker_counts(self)
@@ -104,6 +107,7 @@ class ServeConfig:
             self.placement,
             num_prefill=self.num_prefill_workers,
             num_decode=self.num_decode_workers,
+            prefill_chunk_tokens=self.prefill_chunk_tokens,
         )
 
 

@@ -46,6 +46,10 @@ class PDBenchArgs:
     pd_mode: str = "auto"
     # The router's target for a stream's gap between two tokens (`pd_itl_slo_ms`; None: none).
     itl_slo_ms: float | None = None
+    # The prefill worker's chunk (None: the step budget), and whether decode workers pull while
+    # the prefill runs (`RouterConfig.pd_prefetch`).
+    prefill_chunk_tokens: int | None = 512
+    prefetch: bool = True
 
     @property
     def shape(self) -> PDShape:
@@ -190,7 +194,11 @@ async def _run_setup(
     from router.server import RouterServer
 
     config = RouterConfig(
-        port=0, response_cache_mb=0, pd_mode=args.pd_mode, pd_itl_slo_ms=args.itl_slo_ms
+        port=0,
+        response_cache_mb=0,
+        pd_mode=args.pd_mode,
+        pd_itl_slo_ms=args.itl_slo_ms,
+        pd_prefetch=args.prefetch,
     )
     router = await build_router(actors, config, model)
     server = RouterServer(router, config)
@@ -268,6 +276,7 @@ def measure_pd(args: PDBenchArgs) -> list[PhaseResult]:
                     device="cpu",
                     num_prefill=num_prefill,
                     num_decode=num_decode,
+                    prefill_chunk_tokens=args.prefill_chunk_tokens,
                 )
                 actors = spawn_workers(group)
                 try:

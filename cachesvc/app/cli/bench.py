@@ -80,6 +80,17 @@ def add_bench_parser(sub: Any) -> None:
         default=None,
         help="the router's pd_itl_slo_ms: a stream's gap between two tokens to keep within",
     )
+    pd.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=512,
+        help="the prefill worker's chunk (serve's --prefill-chunk-tokens; 0: the step budget)",
+    )
+    pd.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="the decode worker pulls only after the first token (the router's pd_prefetch off)",
+    )
     _add_routing_bench_parser(bench_sub)
     _add_agreement_parser(bench_sub)
     rb = bench_sub.add_parser("router", help="the router's own cost per decision, per stage")
@@ -169,7 +180,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
         return run_pd_bench(
             PDBenchArgs(
-                args.quick, args.model, args.tiny, args.json_path, args.pd_mode, args.itl_slo_ms
+                args.quick,
+                args.model,
+                args.tiny,
+                args.json_path,
+                args.pd_mode,
+                args.itl_slo_ms,
+                args.prefill_chunk_tokens or None,
+                not args.no_prefetch,
             )
         )
     if args.suite == "kv-transfer":

@@ -47,6 +47,14 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "router picks, per request, whether to disaggregate it",
     )
     serve.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a prefill worker computes a prompt N tokens a step (default: the step budget, "
+        "--max-batched-tokens): its decode worker pulls each chunk's KV while the next computes",
+    )
+    serve.add_argument(
         "--pd-mode",
         default="auto",
         choices=("auto", "always", "never"),
@@ -270,6 +278,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         num_workers=args.workers,
         num_prefill_workers=args.prefill_workers,
         num_decode_workers=args.decode_workers,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
         ray_address=args.ray_address,
         device=args.device,
         **_serve_options(args),

@@ -102,3 +102,24 @@ def test_pd_mode_flag_reaches_the_router() -> None:
     assert serve_config(build_parser().parse_args(["serve"])).router.pd_mode == "auto"
     slo = serve_config(build_parser().parse_args(["serve", "--pd-itl-slo-ms", "250"])).router
     assert (slo.pd_itl_slo_ms, slo.pd_ttft_slo_ms) == (250.0, None)
+
+
+def test_prefill_chunk_tokens_sets_the_prefill_workers_step_only() -> None:
+    args = ["serve", "--prefill-workers", "1", "--decode-workers", "1"]
+    config = serve_config(build_parser().parse_args([*args, "--prefill-chunk-tokens", "512"]))
+    group = config.worker_group()
+    engines = [group.engine_of(i, config.engine) for i in range(2)]
+    budgets = [e.max_num_batched_tokens for e in engines]
+    assert budgets == [512, config.engine.max_num_batched_tokens]
+    # Unset, every worker steps the engine's budget.
+    plain = serve_config(build_parser().parse_args(args))
+    group = plain.worker_group()
+    assert group.engine_of(0, plain.engine).max_num_batched_tokens == 2048
+
+
+def test_a_bad_prefill_chunk_names_it(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("num_prefill_workers: 1\nnum_decode_workers: 1\nprefill_chunk_tokens: 0\n")
+    config = load_config_file(str(path), ServeConfig)
+    with pytest.raises(ConfigError, match="prefill_chunk_tokens"):
+        config.worker_group()
