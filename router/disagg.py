@@ -237,8 +237,10 @@ class Disaggregation:
         p = self.pool.state(prefill.worker)
         uncached = max(0, num_tokens - prefill.matched_blocks * block_size)
         streams = 0 if role_of(p) == PREFILL else p.load.num_running  # a mixed worker's
+        # With the pull while the prefill runs, its chunk says how much moves before the token.
+        chunk = p.info.step_tokens if self.config.pd_prefetch and p.info is not None else None
         there = PrefillSide(
-            p.worker_id, uncached, p.num_queued_tokens, _token_s(p, block_size), streams
+            p.worker_id, uncached, p.num_queued_tokens, _token_s(p, block_size), streams, chunk
         )
         away = here
         if decode.worker_id != at.worker_id:

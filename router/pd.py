@@ -51,6 +51,9 @@ class PrefillSide:
     # Streams it is decoding: none on a prefill worker; a mixed worker's wait on the prefill
     # whichever worker decodes the request.
     num_running: int = 0
+    # With the decode worker pulling while the prefill runs (`router/prefetch.py`): the tokens
+    # it computes a step (its chunk). None: the pull starts at the first token.
+    chunk_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,8 @@ def decide(
     tail_s = tail * decode.token_s
     prefill_s = prefill.uncached_tokens * prefill.token_s
     ttft = prefill.queued_tokens * prefill.token_s + prefill_s
-    handoff = handoff_fixed_s + pull_s + decode.queued_tokens * decode.token_s + tail_s
+    waited_s = early_pull_s(prefill, pull_blocks, block_size, decode.pull_block_s, prefill_s)
+    handoff = handoff_fixed_s + waited_s + decode.queued_tokens * decode.token_s + tail_s
     decode_stall_s = tail_s + LANDING_SHARE * pull_s
     stall = prefill.num_running * prefill_s + decode.num_running * decode_stall_s
     stays = colocated_ttft + stall_weight * colocated_stall
@@ -229,6 +233,23 @@ def decide(
         pull_blocks,
         handoff_fixed_s,
     )
+
+
+def early_pull_s(
+    prefill: PrefillSide, pull_blocks: int, block_size: int, pull_block_s: float, prefill_s: float
+) -> float:
+    """The part of a pull of `pull_blocks` left after the first token. Pulled from the first
+    token on, all of it; pulled while the prefill runs, chunk by chunk as each is computed
+    (`chunk_tokens`), the blocks of every chunk but the last move while the next computes: what
+    is left is the last chunk's, or the backlog of a link slower than the prefill."""
+    pull_s = pull_blocks * pull_block_s
+    chunk = prefill.chunk_tokens
+    if chunk is None or prefill.uncached_tokens <= chunk:
+        return pull_s
+    num_chunks = -(-prefill.uncached_tokens // chunk)
+    last_s = min(pull_blocks, -(-chunk // block_size)) * pull_block_s
+    overlap_s = prefill_s * (num_chunks - 1) / num_chunks
+    return max(last_s, pull_s - overlap_s)
 
 
 @dataclass(frozen=True)

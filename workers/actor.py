@@ -130,6 +130,7 @@ class WorkerActor:
             actor_name=actor_name,
             **ray_node(),
             role=config.role,
+            step_tokens=config.max_num_batched_tokens,
         )
 
     async def info(self) -> WorkerInfo:

@@ -29,6 +29,7 @@ class WorkerInfo:
     node_id: str | None = None  # the Ray node it runs on (None outside Ray)
     node_ip: str | None = None  # that node's IP address
     role: str = "mixed"  # its engine config's role (`EngineConfig.role`): a routing preference
+    step_tokens: int | None = None  # the most prompt tokens it computes a step (its chunk)
 
 
 @dataclass(frozen=True)

@@ -209,3 +209,20 @@ def test_a_hand_off_from_the_policys_choice_never_beats_colocated(
     decode = DecodeSide(WorkerId("d"), *away, PULL_BLOCK_S)
     d = decide(num_tokens, BLOCK, colocated, prompt_side, decode, weight, fixed_s, slo)
     assert not d.disaggregate, d.reason
+
+
+def test_a_pull_while_the_prefill_runs_leaves_the_last_chunk_for_the_hand_off() -> None:
+    busy = _decode(8000, running=16)
+    after = decide(8000, BLOCK, busy, _prefill(8000))
+    chunked = PrefillSide(WorkerId("p"), 8000, 0, TOKEN_S, chunk_tokens=2000)
+    early = decide(8000, BLOCK, busy, chunked)
+    # 500 blocks pulled after the token: 0.1 s; chunk by chunk, the last chunk's 125: 0.025 s.
+    assert after.handoff_s == pytest.approx(0.1 + (8000 - 500 * BLOCK + 1) * TOKEN_S)
+    assert early.handoff_s == pytest.approx(after.handoff_s - 0.075)
+    assert early.pull_blocks == after.pull_blocks  # as much moves either way
+    # A link slower than the prefill leaves its backlog: 2.0 s of pull against 0.6 s overlapped.
+    slow = DecodeSide(WorkerId("d"), 8000, 0, 16, TOKEN_S, 4e-3)
+    assert decide(8000, BLOCK, slow, chunked).handoff_s == pytest.approx(2.0 - 0.6 + 1e-4)
+    # A prompt of one chunk moves after its token, as without.
+    one = PrefillSide(WorkerId("p"), 8000, 0, TOKEN_S, chunk_tokens=8192)
+    assert decide(8000, BLOCK, busy, one).handoff_s == pytest.approx(after.handoff_s)
