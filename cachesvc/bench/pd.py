@@ -72,6 +72,11 @@ class PhaseResult:
     decisions: list[str] = field(default_factory=list)  # the router's reason for each long prompt
     disaggregated: int = 0  # long prompts handed to a prefill worker
     kv_moved_tokens: int = 0
+    # Landed on decode workers by pulls made while the prefill ran, and the chunks prefill
+    # workers sent before a prompt was all computed (the workers' counters: every request of
+    # the phase handed off, a stream too when it is).
+    prefetched_tokens: int = 0
+    early_chunks: int = 0
 
     def row(self, baseline_p99: float | None) -> list[Any]:
         p50, p99 = percentile(self.gaps_s, 50), percentile(self.gaps_s, 99)
@@ -93,6 +98,7 @@ class PhaseResult:
             "-" if ttft is None else f"{ttft[1]:.0f}",
             f"{self.disaggregated}/{len(self.ttft_s)}" if self.ttft_s else "-",
             handoff,
+            f"{self.kv_moved_tokens} / {self.prefetched_tokens}" if self.disaggregated else "-",
         ]
 
 
@@ -215,15 +221,30 @@ async def _run_setup(
             stub = pb_grpc.InferenceStub(channel)
             warmup = warmup_request(vocab)
             await _stream(stub, warmup.prompt_ids, warmup.max_tokens)
-            return [
-                await _phase(stub, args.shape, setup, p, vocab, decisions)
-                for p in (ALONE, WITH_PROMPTS)
-            ]
+            results = []
+            for phase in (ALONE, WITH_PROMPTS):
+                before = await _transfer_counters(actors)
+                result = await _phase(stub, args.shape, setup, phase, vocab, decisions)
+                after = await _transfer_counters(actors)
+                result.prefetched_tokens = BLOCK_SIZE * int(
+                    after["peer_prefetched_blocks"] - before["peer_prefetched_blocks"]
+                )
+                early = after["peer_held_early_chunks"] - before["peer_held_early_chunks"]
+                result.early_chunks = int(early)
+                results.append(result)
+            return results
     finally:
         requests_log.removeHandler(decisions)
         requests_log.setLevel(level)
         await server.stop(grace_s=1.0)
         await router.close()
+
+
+async def _transfer_counters(actors: dict[Any, Any]) -> dict[str, float]:
+    """The workers' counters of early pulls, summed (`WorkerActor.stats`)."""
+    loads = await asyncio.gather(*(actor.stats.remote() for actor in actors.values()))
+    keys = ("peer_prefetched_blocks", "peer_held_early_chunks")
+    return {k: sum(load.tiering.get(k, 0.0) for load in loads) for k in keys}
 
 
 async def _warm_workers(actors: dict[Any, Any], request: PDRequest) -> None:
@@ -312,6 +333,7 @@ def format_results(results: list[PhaseResult]) -> str:
         "long TTFT p99 ms",
         "handed off",
         "hand-off p50 / p99 ms",
+        "KV moved / before 1st token",
     ]
     rows = []
     baseline: dict[str, float] = {}

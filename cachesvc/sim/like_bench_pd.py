@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cachesvc.bench.pd import PhaseResult, format_results
+from cachesvc.bench.pd import PDBenchArgs, PhaseResult, format_results
 from cachesvc.bench.pd_workload import (
     ALONE,
     BLOCK_SIZE,
@@ -115,7 +115,9 @@ def replay_bench_pd(
     results = []
     for setup, (num_prefill, _) in SETUPS.items():
         mode = PD_MODES[pd_mode] if num_prefill else COLOCATED
-        pd = PDSetup(mode, num_prefill, router.pd_stall_weight, targets)
+        # As the live bench runs its prefill worker (`PDBenchArgs`), and as the router pulls.
+        chunk = PDBenchArgs.prefill_chunk_tokens
+        pd = PDSetup(mode, num_prefill, router.pd_stall_weight, targets, router.pd_prefetch, chunk)
         requests = [_sim_request(0, 0.0, warmup_request(VOCAB), timed=False)]
         phases = {}
 

@@ -12,7 +12,8 @@ Landed blocks are registered in the pool, so the index learns that the puller ho
 
 A disaggregated request's decode (`plan_handoff`) pulls the prompt's full blocks from its
 prefill worker whatever the planner would say: the decode side of a pair does not compute
-prompts.
+prompts. With an early pull (the router's `pd_prefetch`) the blocks started moving when the
+prompt was routed, each step's once that step ended: the hand-off waits only for the rest.
 
 The holder pays for what it sends: its engine stages the run between two steps (a gather into
 a host buffer), so its next step takes `stage_s_per_byte` per byte sent longer (the profile's,
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 
 from cachesvc.block_pool import BlockPool
 from cachesvc.planner import CostModel, LoadPlan, plan_load
-from cachesvc.sim.seq import PendingLoad, Ranges, SimSeq
+from cachesvc.sim.seq import EarlyPull, PendingLoad, Ranges, SimSeq
 from cachesvc.tiers.results import FetchResult, TierHit
 from cachesvc.tiers.tier_manager import TierManager
 from cachesvc.types import BlockHash
@@ -114,8 +115,24 @@ class SimLoads:
         ranges: Ranges = [(PEER, list(seq.req.hashes[first:end]))]
         seq.block_ids.extend(self.pool.allocate(end - first))
         sent, pull_s = self._ask_holder(seq, ranges[0][1])
-        seq.load = PendingLoad(first * self.block_size, ranges, now + pull_s, sent)
+        ready = now + pull_s
+        if seq.early is not None:
+            ready = max(now, self._early_ready(seq.early, first, first + sent))
+        seq.load = PendingLoad(first * self.block_size, ranges, ready, sent)
         return 0.0
+
+    def _early_ready(self, early: EarlyPull, first: int, end: int) -> float:
+        """When a pull made while the prefill ran has blocks `first .. end - 1`: each chunk's
+        sent once computed, after the ones before it (one link, in order)."""
+        peer = self.cost.tiers[PEER]
+        block_s = peer.bytes_per_block * peer.seconds_per_byte
+        t, moved = early.start_s, first
+        for computed, when in early.chunks:
+            new = min(computed, end) - moved
+            if new > 0:
+                t = max(t, when) + new * block_s
+                moved += new
+        return t + peer.latency_s
 
     def arrived(self, seq: SimSeq, now: float) -> bool:
         """Whether `seq`'s load may land now that the front is computed: a split's always

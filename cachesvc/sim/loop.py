@@ -15,6 +15,7 @@ the longest match, when longer than its own), by the same function.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from collections import Counter
@@ -29,6 +30,7 @@ from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.trace import BLOCK_SIZE, SimRequest
 from cachesvc.sim.worker import Host, SimWorker
 from cachesvc.types import WorkerId
+from router.pd import PREFILL
 from router.pd import SLO as TargetsSLO
 from router.policy import Policy, make_policy
 
@@ -61,6 +63,11 @@ class PDSetup:
     num_prefill: int = 0
     stall_weight: float = 1.0  # `router.pd.decide`'s weight of the decode streams' loss
     slo: TargetsSLO | None = None  # the router's latency targets for `decide` (None: none)
+    # The decode worker pulls while the prefill runs, each step's blocks once computed (the
+    # router's `pd_prefetch`); off: from the first token on.
+    prefetch: bool = True
+    # The prefill workers' step budget, when not the profile's (`serve --prefill-chunk-tokens`).
+    prefill_chunk_tokens: int | None = None
 
 
 @dataclass
@@ -97,10 +104,13 @@ class _Cluster:
         setup = pd or PDSetup()
         roles = roles_for(setup.mode, spec.num_workers, setup.num_prefill)
         host = Host()  # the workers share one machine (the profile's contention)
+        chunked, chunk = profile, setup.prefill_chunk_tokens
+        if chunk is not None:  # the prefill workers' own step budget
+            chunked = dataclasses.replace(profile, max_num_batched_tokens=chunk)
         self.workers = [
             SimWorker(
                 WorkerId(f"w{i}"),
-                profile,
+                chunked if roles[i] == PREFILL else profile,
                 spec.device_blocks,
                 spec.dram_blocks,
                 spec.nvme_blocks,
@@ -205,6 +215,7 @@ def replay(
             pd.stall_weight,
             peer_pull,
             pd.slo,
+            pd.prefetch,
         )
     events = cluster.events
     i = 0

@@ -25,7 +25,8 @@ A disaggregated request runs twice: on its prefill worker up to its first token
 (`SimSeq.prefill_only`, its TTFT), then on its decode worker (`handoff`), which pulls the
 prompt's full blocks from the prefill worker (`SimLoads.plan_handoff`: the profile's pull cost,
 the holder's staging), computes the tail (the last partial block and the first token) and
-decodes the rest of the output.
+decodes the rest of the output. With `prefetch` (the router's `pd_prefetch`) that pull started
+when the request was routed, each prefill step's blocks once it ended (`EarlyPull`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 
 from cachesvc.events import TIER_HBM
 from cachesvc.index import MemoryPrefixIndex, PrefixMatch
-from cachesvc.sim.seq import SimPeer, SimSeq
+from cachesvc.sim.seq import EarlyPull, SimPeer, SimSeq
 from cachesvc.sim.trace import SimRequest
 from cachesvc.sim.worker import SimWorker
 from cachesvc.types import WorkerId
@@ -148,8 +149,10 @@ class PDRoutes:
         stall_weight: float = 1.0,
         peer_pull: bool = False,
         slo: SLO | None = None,
+        prefetch: bool = True,
     ) -> None:
         assert mode != COLOCATED, "colocated runs route as without roles"
+        self.prefetch = prefetch  # decode workers pull while the prefill runs
         self.mode = mode
         self.workers = workers
         self.index = index
@@ -189,7 +192,7 @@ class PDRoutes:
             req.prompt_len,
             req.block_size,
             _decode_side(req, colocated, here.decision.matched_blocks),
-            _prefill_side(req, prefill, there.decision.matched_blocks),
+            _prefill_side(req, prefill, there.decision.matched_blocks, self.prefetch),
             _decode_side(req, decode, 0 if held is None else held.num_blocks),
             weight,
             self.handoff_fixed_s,
@@ -215,6 +218,10 @@ class PDRoutes:
             return None
         decode = self._decode_on.pop(done.req.index)
         req = done.req
+        early = None
+        if self.prefetch:  # asked for a hop after the request was routed, at its arrival
+            start_s = req.arrival_s + decode.profile.hop_s
+            early = EarlyPull(start_s, tuple(done.chunk_times))
         seq = SimSeq(
             req,
             routed_blocks=req.num_full_blocks,  # what it pulls: its queued work is the tail
@@ -223,6 +230,7 @@ class PDRoutes:
             first_token_s=done.first_token_s,
             pulls_prompt=True,
             token_times=list(done.token_times),
+            early=early,
         )
         self._unmeasured.append(seq)
         return decode, seq
@@ -253,7 +261,9 @@ def _token_s(worker: SimWorker) -> float:
     return costs.compute_s / worker.block_size
 
 
-def _prefill_side(req: SimRequest, worker: SimWorker, held_blocks: int) -> PrefillSide:
+def _prefill_side(
+    req: SimRequest, worker: SimWorker, held_blocks: int, prefetch: bool
+) -> PrefillSide:
     # A prefill worker decodes nothing; a mixed one's runs decode unless they are handed off.
     streams = 0 if worker.role == PREFILL else sum(not s.prefill_only for s in worker.running)
     return PrefillSide(
@@ -262,6 +272,7 @@ def _prefill_side(req: SimRequest, worker: SimWorker, held_blocks: int) -> Prefi
         worker.num_queued_tokens,
         _token_s(worker),
         streams,
+        worker.profile.max_num_batched_tokens if prefetch else None,
     )
 
 

@@ -148,6 +148,7 @@ def sweep(
     loads: Sequence[float] = DEFAULT_LOADS,
     stall_weight: float | None = None,
     targets: TargetsSLO | None = None,
+    prefetch: bool = True,
 ) -> tuple[float, list[PDRow]]:
     """(capacity, every replay's row): at each load, colocated, always-disaggregated and
     per-request decisions at every prefill:decode ratio, each without and with the router
@@ -160,12 +161,13 @@ def sweep(
     for load in loads:
         scaled = at_rate(requests, load * capacity)
         setups = [(PDSetup(COLOCATED), pulls) for pulls in (False, True)] + [
-            (PDSetup(mode, n, weight, targets), pulls)
+            (PDSetup(mode, n, weight, targets, prefetch), pulls)
             for mode in (ALWAYS, DECIDE)
             for n in range(1, num_workers)
             for pulls in (False, True)
         ]
-        setups += [(PDSetup(DYNAMIC, 0, weight, targets), pulls) for pulls in (False, True)]
+        dynamic = PDSetup(DYNAMIC, 0, weight, targets, prefetch)
+        setups += [(dynamic, pulls) for pulls in (False, True)]
         for pd, pulls in setups:
             row = one_run(scaled, run, pd, slo, load, pulls)
             rows.append(row)
@@ -272,7 +274,14 @@ def run_pd(args: SimulateArgs) -> int:
     capacity: float | None = None
     if args.pd_sweep:
         capacity, rows = sweep(
-            requests, run, spec.num_workers, args.slo, args.loads, args.stall_weight, targets
+            requests,
+            run,
+            spec.num_workers,
+            args.slo,
+            args.loads,
+            args.stall_weight,
+            targets,
+            args.pd_prefetch,
         )
     else:
         mode = args.pd or COLOCATED
@@ -282,7 +291,7 @@ def run_pd(args: SimulateArgs) -> int:
         # Roles need pulls; colocated serving has them with --peer-pull.
         pulls = args.peer_pull or mode != COLOCATED
         num_prefill = 0 if mode in MIXED_MODES else args.prefill_workers
-        pd = PDSetup(mode, num_prefill, weight, targets)
+        pd = PDSetup(mode, num_prefill, weight, targets, args.pd_prefetch)
         rows = [one_run(requests, run, pd, args.slo, peer_pull=pulls)]
     print(report(capacity, rows, args.slo, args.json_path, args.plot_path))
     return 0

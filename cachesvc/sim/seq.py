@@ -38,6 +38,16 @@ class SimPeer:
     num_blocks: int
 
 
+@dataclass(frozen=True)
+class EarlyPull:
+    """A decode worker's pull while the prefill ran (the router's `pd_prefetch`): asked for at
+    `start_s`, each chunk's blocks sent once computed (`chunks`: full blocks computed by then,
+    and when), one after another over the link."""
+
+    start_s: float
+    chunks: tuple[tuple[int, float], ...]
+
+
 @dataclass
 class PendingLoad:
     """Blocks planned to land once the request is computed up to `split_token`: the back of a
@@ -76,6 +86,10 @@ class SimSeq:
     # pulls the prompt's full blocks from `peer` and computes the rest (`pulls_prompt`).
     prefill_only: bool = False
     pulls_prompt: bool = False
+    # A prefill's full blocks computed at the end of each of its steps, and when (what a pull
+    # made while it runs gets); a decode's pull made while its prefill ran, if any.
+    chunk_times: list[tuple[int, float]] = field(default_factory=list)
+    early: EarlyPull | None = None
     token_times: list[float] = field(default_factory=list)  # when each output token came
     num_computed: int = 0  # tokens this worker computed for it, recomputations included
 

@@ -138,6 +138,9 @@ class SimulateArgs:
     loads: tuple[float, ...] = (0.5, 0.8, 1.0, 1.2)  # fractions of the estimated capacity
     stall_weight: float | None = None  # decide's; None: the SLO's (`SLO.stall_weight`)
     pd_decide_slo: bool = False  # decide against the router's latency targets, set to `slo`'s
+    # Decode workers pull while the prefill runs (the router's `pd_prefetch`); off: from the
+    # first token on.
+    pd_prefetch: bool = True
 
 
 def parse_sweep(text: str) -> tuple[str, list[str]]:

@@ -203,6 +203,9 @@ class SimWorker:
         for seq, k in self._step:
             seq.computed += k
             seq.num_computed += k
+            if seq.prefill_only:
+                full = min(seq.computed, seq.req.prompt_len) // self.block_size
+                seq.chunk_times.append((full, now))
             if seq.awaits_load() and self.loads.arrived(seq, now):
                 self._carry_s += self.loads.land(seq, now)
             if seq.computed < seq.num_tokens:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cachesvc.bench.pd_workload import BLOCK_SIZE, WITH_PROMPTS, PDShape
+from cachesvc.bench.pd_workload import BLOCK_SIZE, DECODE_PROMPT_LEN, WITH_PROMPTS, PDShape
 
 pytestmark = pytest.mark.system
 
@@ -39,7 +39,14 @@ def test_bench_pd_reports_every_hand_off(tmp_path: Path) -> None:
     full = (shape.long_tokens + 1) // BLOCK_SIZE * BLOCK_SIZE
     assert 0 <= split["kv_moved_tokens"] <= shape.long_prompts * full
     assert split["kv_moved_tokens"] % BLOCK_SIZE == 0
+    # The decode worker pulled while the prefills ran (the long prompts', and with `always` the
+    # streams' too), and what landed so counts as moved (the tiny model's steps are too short
+    # to say whether a chunk left before its prompt was all computed).
+    streams = shape.streams * (DECODE_PROMPT_LEN // BLOCK_SIZE * BLOCK_SIZE)
+    assert 0 < split["prefetched_tokens"] <= split["kv_moved_tokens"] + streams
+    assert "early_chunks" in split
     mixed = phases[("2 mixed", WITH_PROMPTS)]
     assert mixed["disaggregated"] == 0 and mixed["kv_moved_tokens"] == 0
+    assert mixed["prefetched_tokens"] == 0
     assert len(mixed["ttft_s"]) == shape.long_prompts
     assert all(len(r["gaps_s"]) > 0 for r in phases.values())

@@ -249,6 +249,12 @@ def _add_pd_arguments(sim: Any) -> None:
         "answer)",
     )
     pd.add_argument(
+        "--no-pd-prefetch",
+        action="store_true",
+        help="a hand-off's decode worker pulls from the first token on, not while the prefill "
+        "runs (the router's pd_prefetch off)",
+    )
+    pd.add_argument(
         "--pd-decide-slo",
         action="store_true",
         help="decide also against the router's latency targets (pd_ttft_slo_ms, "
@@ -339,6 +345,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             loads=loads,
             stall_weight=args.pd_stall_weight,
             pd_decide_slo=args.pd_decide_slo,
+            pd_prefetch=not args.no_pd_prefetch,
         )
     )
 

@@ -4,6 +4,7 @@ roles kept, goodput counting only requests within both targets, and the command 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -219,3 +220,24 @@ def test_the_command_line_runs_one_mode_and_the_sweep(
     assert best == [(load, m) for load in (0.5, 1.0) for m in modes]
     assert main([*base, "--pd", "decide", "--prefill-workers", "2"]) == 2
     assert main([*base, "--pd-sweep", "--loads", "0"]) == 2
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["early", "after-token"])
+def test_a_pull_while_the_prefill_runs_leaves_the_hand_off_the_last_block(
+    write_trace: WriteTrace, prefetch: bool
+) -> None:
+    # One block a prefill step (0.512 s) and a slow link (0.512 s a block, 1 ms a pull): 8 full
+    # blocks and 10 tokens are computed by 4.106 s. Pulled from the first token on, the blocks
+    # take 4.097 s more; pulled as each step ends, each moves while the next computes, and the
+    # last is in at 8 x 0.512 + 0.512 + 1 ms. The tail (11 tokens) then takes 11 ms.
+    profile = dataclasses.replace(
+        UNIT, max_num_batched_tokens=BLOCK_SIZE, peer=TierReadCost(1e-3, 1e-3)
+    )
+    prompt = 8 * BLOCK_SIZE + 10
+    requests = load_trace(write_trace([(0, prompt, 3, list(range(1, 10)))]))
+    setup = PDSetup(ALWAYS, 1, prefetch=prefetch)
+    run = replay(requests, profile, SPEC, "least_loaded", pd=setup)
+    decode = _seq_of(run, 0)
+    in_s = 9 * 0.512 + 1e-3 if prefetch else 4.106 + 8 * 0.512 + 1e-3
+    assert decode.token_times[:2] == pytest.approx([4.106, in_s + 11e-3])
+    assert decode.cached["peer"] == 8 * BLOCK_SIZE
