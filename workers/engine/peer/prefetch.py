@@ -41,6 +41,10 @@ if TYPE_CHECKING:  # the engine imports this package (its pull side): a type, no
     from workers.engine.engine import Engine
 
 RESERVE_SHARE = 0.25  # of the pool: free blocks a prefetch leaves to the running requests
+# How long the request that follows a prefetch waits for it without a chunk landing: the
+# prompt is all computed by then (its first token is out), so a holder this slow is frozen or
+# gone, and the request's own pull (or recompute) takes over.
+STALL_S = 2.0
 _NO_ROOM = -1
 _KEPT_RESULTS = 64
 _Key = tuple[str | None, int, bytes]  # a prompt's: its salt, its length, a digest of its ids
@@ -68,8 +72,12 @@ class Prefetcher:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self._threads = transfer_executor(2, "kv-prefetch")
+        # A few at once: one stuck on a frozen holder holds its thread until its deadline.
+        self._threads = transfer_executor(4, "kv-prefetch")
         self._running: dict[_Key, asyncio.Future[PrefetchResult]] = {}
+        # Of each prefetch running: blocks landed so far, and when it last made progress
+        # (written by its thread, read on the loop).
+        self._progress: dict[_Key, tuple[int, float]] = {}
         # The last prefetches' results, until the request that follows each asks (`settled`).
         self._results: OrderedDict[_Key, PrefetchResult] = OrderedDict()
         self.num_prefetches = 0
@@ -94,11 +102,12 @@ class Prefetcher:
         stop = threading.Event()
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + timeout_s
-        ids, pull = list(token_ids), self._pull
+        ids, pull = list(token_ids), partial(self._pull, key=key)
         future = loop.run_in_executor(
             self._threads, pull, holder, ids, cache_salt, num_blocks, deadline, stop, loop
         )
         self._running[key] = future
+        self._progress[key] = (0, time.monotonic())
         self.num_prefetches += 1
         try:
             return await asyncio.shield(future)
@@ -111,18 +120,30 @@ class Prefetcher:
     async def settled(
         self, token_ids: Sequence[int], cache_salt: str | None, num_blocks: int, timeout_s: float
     ) -> int:
-        """Wait (at most `timeout_s`) for a prefetch of this prompt still running: its blocks
-        are on their way, and a request pulling them itself would move them twice. Returns the
-        tokens it landed (once: the request that follows it counts them as pulled)."""
+        """Wait for a prefetch of this prompt still running (at most `timeout_s`, and no more
+        than `STALL_S` of it without a chunk landing): its blocks are on their way, and a request
+        pulling them itself would move them twice. Returns the tokens it landed (once: the
+        request that follows it counts them as pulled)."""
         bs = self.engine.engine.config.block_size
         key = _key(token_ids, num_blocks, bs, cache_salt)
         future = self._running.get(key)
         if future is None:
             result = self._results.pop(key, None)
             return 0 if result is None else result.landed_blocks * bs
-        await asyncio.wait([future], timeout=timeout_s)
-        if not future.done() or future.cancelled() or future.exception() is not None:
-            return 0  # what it lands from now on is not this request's pull
+        began = time.monotonic()
+        end = began + timeout_s
+        while not future.done():
+            landed, at_s = self._progress.get(key, (0, 0.0))
+            now = time.monotonic()
+            # Quiet since this wait began or since its last chunk, whichever is later.
+            left = min(end - now, max(at_s, began) + STALL_S - now)
+            if left <= 0:  # what it lands from now on is not this request's pull
+                if self._running.get(key) is future:
+                    del self._running[key]
+                return landed * bs
+            await asyncio.wait([future], timeout=left)
+        if future.cancelled() or future.exception() is not None:
+            return 0
         if self._running.get(key) is future:
             del self._running[key]  # counted here: not kept for another request
         self._results.pop(key, None)  # (or kept meanwhile, when it ended during the wait)
@@ -139,6 +160,7 @@ class Prefetcher:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def _forget(self, key: _Key, future: asyncio.Future[PrefetchResult]) -> None:
+        self._progress.pop(key, None)
         if self._running.get(key) is not future:
             return  # its request counted it already
         del self._running[key]
@@ -160,6 +182,7 @@ class Prefetcher:
         deadline: float,
         stop: threading.Event,
         loop: asyncio.AbstractEventLoop,
+        key: _Key,
     ) -> PrefetchResult:
         """On a prefetch thread: ask for every chunk at once (each answered once computed), land
         each as it comes, between steps. Blocking."""
@@ -187,6 +210,7 @@ class Prefetcher:
                     stopped = "no room in the pool"
                     break
                 landed, present = landed + n, present + got - n
+                self._progress[key] = (landed, time.monotonic())
                 if got < hi - lo:
                     stopped = "a chunk came short"
                     break

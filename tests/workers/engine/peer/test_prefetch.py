@@ -2,11 +2,12 @@
 process: the blocks land in the pool as cached blocks, a request of that prompt then finds them
 there (the same greedy tokens, nothing computed but the tail) and counts them as pulled once; a
 pool without room left for its running requests takes none; a holder that fails leaves the
-request to pull or compute."""
+request to pull or compute, and one that stops answering is not waited for."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from test_peer_blocks import BS, HOLDER, NUM_FULL, PROMPT, _engine, _puller, _ru
 
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine
+from workers.engine.peer import prefetch as prefetch_module
 from workers.engine.peer.prefetch import Prefetcher, PrefetchResult
 from workers.model.loader import LoadedModel, load_model
 
@@ -83,3 +85,38 @@ def test_a_failing_holder_stops_the_prefetch(loaded: LoadedModel) -> None:
     assert result.landed_blocks == 0 and result.stopped is not None
     assert "holder did not answer" in result.stopped and counted == 0
     assert puller.pool.num_free == puller.pool.num_blocks
+
+
+def test_a_stalled_prefetch_is_not_waited_for(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prefetch_module, "STALL_S", 0.1)
+    holder = _engine(loaded)
+    _run(holder, PROMPT, "t1")
+    puller, link = _puller(loaded, holder)
+    link.gate = threading.Event()  # the holder answers nothing (frozen) until it is set
+
+    async def go() -> tuple[int, PrefetchResult, int]:
+        engine = AsyncEngine(puller)
+        prefetcher = Prefetcher(engine)
+        try:
+            running = asyncio.ensure_future(
+                prefetcher.prefetch(HOLDER.name, PROMPT, "t1", NUM_FULL, 30.0)
+            )
+            await asyncio.sleep(0.05)
+            # Given up after STALL_S without a chunk, long before the holder would answer (a
+            # wait until the 30 s timeout fails here).
+            waiting = prefetcher.settled(PROMPT + [5], "t1", NUM_FULL, 30.0)
+            counted = await asyncio.wait_for(waiting, timeout=10.0)
+            assert link.gate is not None
+            link.gate.set()  # it thaws: the prefetch ends, its blocks no request's pull
+            result = await running
+            later = await prefetcher.settled(PROMPT + [5], "t1", NUM_FULL, 1.0)
+            return counted, result, later
+        finally:
+            prefetcher.close()
+            await engine.shutdown()
+
+    counted, result, later = asyncio.run(go())
+    assert counted == 0 and later == 0
+    assert result.landed_blocks == NUM_FULL
