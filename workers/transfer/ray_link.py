@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Generator, Sequence
 from concurrent.futures import Future
@@ -32,6 +33,7 @@ from workers.transfer.slot_reader import SlotReader
 from workers.transfer.slots import PullerProcess, this_process
 
 _log = logging.getLogger(__name__)
+_STOP_POLL_S = 0.2  # how often a pull that may be stopped looks whether it is
 
 
 class RayPeerLink:
@@ -55,12 +57,13 @@ class RayPeerLink:
         chunks: Sequence[tuple[int, int]],
         deadline: float,
         follow: bool = False,
+        stop: threading.Event | None = None,
     ) -> Generator[KVChunk, None, None]:
         """The peer's chunk of each `(start_block, end_block)`, in order; raises at the first
-        that fails or is not in by `deadline` (`time.monotonic()`), after cancelling the rest.
-        A chunk's payload may be a view of the peer's slot: its lease lasts as long as a view of
-        it does. `follow`: each chunk waits at the peer until it has computed its blocks.
-        Blocking."""
+        that fails or is not in by `deadline` (`time.monotonic()`), or once `stop` is set,
+        after cancelling the rest. A chunk's payload may be a view of the peer's slot: its
+        lease lasts as long as a view of it does. `follow`: each chunk waits at the peer until
+        it has computed its blocks. Blocking."""
         import ray
 
         handle = self._handle(peer)
@@ -76,7 +79,7 @@ class RayPeerLink:
             for ref in asked:
                 # A future, not `ray.get`: this thread is not the actor's event loop (Ray warns
                 # about any `ray.get` inside an async actor), and the wait is the same.
-                sent = ref.future().result(timeout=_left(deadline))
+                sent = _result(ref.future(), deadline, stop)
                 done += 1
                 if not isinstance(sent, KVChunk):
                     raise TypeError(f"peer {peer} answered {type(sent).__name__}, not KVChunk")
@@ -141,3 +144,16 @@ def put_payload(chunk: KVChunk) -> KVChunk:
 
 def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.0)
+
+
+def _result(answer: Future[Any], deadline: float, stop: threading.Event | None) -> Any:
+    """The answer by `deadline`; with `stop`, looked at every `_STOP_POLL_S` and given up
+    (TimeoutError) once it is set: a pull nobody waits for stops holding its thread."""
+    if stop is None:
+        return answer.result(timeout=_left(deadline))
+    while True:
+        try:
+            return answer.result(timeout=min(_left(deadline), _STOP_POLL_S))
+        except TimeoutError:
+            if stop.is_set() or _left(deadline) <= 0:
+                raise

@@ -198,7 +198,7 @@ class Prefetcher:
             for lo in range(first, len(hashes), PULL_CHUNK_BLOCKS)
         ]
         landed, present, stopped = 0, first, None
-        sent_chunks = peers.link.fetch(holder, token_ids, cache_salt, chunks, deadline, True)
+        sent_chunks = peers.link.fetch(holder, token_ids, cache_salt, chunks, deadline, True, stop)
         try:
             for (lo, hi), sent in zip(chunks, sent_chunks, strict=False):
                 blocks = peers.verify(sent, lo, hashes[lo:hi])
@@ -218,7 +218,8 @@ class Prefetcher:
                     stopped = "cancelled"
                     break
         except Exception as exc:  # the holder failed or was late: the request pulls or computes
-            stopped = f"the holder did not answer ({type(exc).__name__})"
+            late = f"the holder did not answer ({type(exc).__name__})"
+            stopped = "cancelled" if stop.is_set() else late
         finally:
             sent_chunks.close()  # what is still outstanding is cancelled at the holder
         self.num_landed_blocks += landed

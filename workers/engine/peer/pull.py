@@ -61,13 +61,14 @@ class PeerLink(Protocol):
         chunks: Sequence[tuple[int, int]],
         deadline: float,
         follow: bool = False,
+        stop: threading.Event | None = None,
     ) -> Generator[KVChunk, None, None]:
         """The peer's chunk of each `(start_block, end_block)` of the prompt (its leading blocks
         it holds), in order, all asked for at once; raises, at the chunk that did not come, on
         any failure (gone, refused, not in by `deadline`, a `time.monotonic()`), and cancels
         what is outstanding when closed early. `follow`: the peer is computing the prompt, and
-        each chunk waits there until its blocks are. Blocking: called from a background
-        thread."""
+        each chunk waits there until its blocks are. `stop`: once set, the wait for a chunk
+        ends (raises). Blocking: called from a background thread."""
         ...
 
 

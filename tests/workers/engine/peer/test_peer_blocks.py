@@ -64,6 +64,7 @@ class LocalLink:
         chunks: Sequence[tuple[int, int]],
         deadline: float,
         follow: bool = False,
+        stop: threading.Event | None = None,
     ) -> Iterator[KVChunk]:
         for start_block, end_block in chunks:
             self.calls += 1
