@@ -65,7 +65,7 @@ def test_kv_moves_while_the_prefill_runs(start_router: Any, roles: dict[WorkerId
     pb_grpc.AdminStub(colocated.channel()).Flush(pb.FlushRequest(), timeout=60)
 
     before_prefill, before_decode = _tiering(roles[PREFILL]), _tiering(roles[DECODE])
-    slow_steps(roles[PREFILL], 0.3)  # four steps of a prompt, each long enough to pull beside
+    slow_steps(roles[PREFILL], 0.5)  # four steps of a prompt, each long enough to pull beside
     try:
         server = start_router(roles, pd_mode="always")
         tokens, usage = _generate(server, ids)
