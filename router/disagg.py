@@ -33,6 +33,7 @@ from typing import Any
 
 from cachesvc.types import BlockHash, WorkerId
 from router.config import RouterConfig
+from router.costs import PEER
 from router.domain import Exhausted, Unavailable
 from router.metrics import RequestOutcome, RouterMetrics
 from router.pd import (
@@ -55,7 +56,7 @@ from router.pool import WorkerDied, WorkerPool
 from router.prefetch import start_prefetch
 from router.resume import Part, RequestProgress
 from router.worker_state import WorkerState
-from workers.protocol import HolderHint, StreamDelta, Usage
+from workers.protocol import PEER_TOKENS, HolderHint, StreamDelta, Usage
 
 _log = logging.getLogger(__name__)
 
@@ -64,8 +65,6 @@ SERVING_ROLES = frozenset({MIXED, DECODE})
 # A hand-off's fixed cost before any is measured, and the weight of each measurement.
 HANDOFF_FIXED_PRIOR_S = 0.02
 _CALIBRATION_WEIGHT = 0.2
-# The tier a worker reports pulled tokens under (`Usage.cached_tokens`).
-_PEER = "peer"
 
 PartStream = Callable[..., AsyncGenerator[StreamDelta, None]]
 
@@ -117,7 +116,7 @@ class Handoff:
             ttft_ms=first.ttft_ms,
             lossy_kv=first.lossy_kv or last.lossy_kv,
             prefill_worker_id=first.worker_id,
-            kv_transfer_tokens=last.cached_tokens.get(_PEER, 0),
+            kv_transfer_tokens=last.cached_tokens.get(PEER_TOKENS, 0),
         )
         return dataclasses.replace(delta, usage=usage)
 
@@ -252,7 +251,7 @@ class Disaggregation:
     def _decode_side(self, state: WorkerState, num_tokens: int, matched_blocks: int) -> DecodeSide:
         block_size = self.pool.model.block_size
         costs = state.load.block_costs
-        pull_s = None if costs is None else costs.fetch_s.get(_PEER)
+        pull_s = None if costs is None else costs.fetch_s.get(PEER)
         return DecodeSide(
             state.worker_id,
             max(0, num_tokens - matched_blocks * block_size),

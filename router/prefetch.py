@@ -30,6 +30,8 @@ class Prefetch:
     def __init__(self, ref: Any, request_id: str) -> None:
         self._ref = ref
         self._request_id = request_id
+        # Nobody awaits it: its result is read here, or Ray would log a cancelled or failed
+        # prefetch as an error nobody handled.
         ref.future().add_done_callback(self._done)
 
     def cancel(self) -> None:

@@ -19,6 +19,7 @@ thread (collected every few milliseconds, so a router following the stream needs
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -236,7 +237,7 @@ class WorkerActor:
         result = await self._prefetcher.prefetch(
             holder.actor_name, prompt_ids, cache_salt, holder.num_blocks, timeout_s
         )
-        return result.as_dict()
+        return dataclasses.asdict(result)
 
     async def tokenize(self, text: str) -> list[int]:
         """Token ids of `text` with the worker's own tokenizer (as `generate` would see it)."""

@@ -6,13 +6,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from cachesvc.events import TIER_HBM
-from workers.protocol import StreamDelta, Usage
+from workers.protocol import PEER_TOKENS, StreamDelta, Usage
 
 if TYPE_CHECKING:
     from workers.engine.outputs import RequestOutput
-
-
-PEER_TIER = "peer"  # prompt tokens pulled from another worker (`Usage.cached_tokens`)
 
 
 def stream_delta(
@@ -36,7 +33,7 @@ def stream_delta(
         moved = min(prefetched, cached.get(TIER_HBM, 0))
         if moved:
             cached[TIER_HBM] -= moved
-            cached[PEER_TIER] = cached.get(PEER_TIER, 0) + moved
+            cached[PEER_TOKENS] = cached.get(PEER_TOKENS, 0) + moved
             if not cached[TIER_HBM]:
                 del cached[TIER_HBM]
         usage = Usage(

@@ -101,6 +101,11 @@ class HolderHint:
     num_blocks: int
 
 
+# The key of `Usage.cached_tokens` for prompt tokens whose KV was pulled from another worker
+# (the worker's own tiers are named by tier: "hbm", "dram", "nvme", "redis").
+PEER_TOKENS = "peer"
+
+
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int

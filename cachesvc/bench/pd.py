@@ -226,11 +226,8 @@ async def _run_setup(
                 before = await _transfer_counters(actors)
                 result = await _phase(stub, args.shape, setup, phase, vocab, decisions)
                 after = await _transfer_counters(actors)
-                result.prefetched_tokens = BLOCK_SIZE * int(
-                    after["peer_prefetched_blocks"] - before["peer_prefetched_blocks"]
-                )
-                early = after["peer_held_early_chunks"] - before["peer_held_early_chunks"]
-                result.early_chunks = int(early)
+                prefetched, early = (int(after[k] - before[k]) for k in _TRANSFER_COUNTERS)
+                result.prefetched_tokens, result.early_chunks = BLOCK_SIZE * prefetched, early
                 results.append(result)
             return results
     finally:
@@ -240,11 +237,15 @@ async def _run_setup(
         await router.close()
 
 
+# The workers' counters of early pulls: blocks landed by decode workers, chunks prefill workers
+# sent before their prompt was all computed.
+_TRANSFER_COUNTERS = ("peer_prefetched_blocks", "peer_held_early_chunks")
+
+
 async def _transfer_counters(actors: dict[Any, Any]) -> dict[str, float]:
-    """The workers' counters of early pulls, summed (`WorkerActor.stats`)."""
+    """The workers' `_TRANSFER_COUNTERS`, summed (`WorkerActor.stats`)."""
     loads = await asyncio.gather(*(actor.stats.remote() for actor in actors.values()))
-    keys = ("peer_prefetched_blocks", "peer_held_early_chunks")
-    return {k: sum(load.tiering.get(k, 0.0) for load in loads) for k in keys}
+    return {k: sum(load.tiering.get(k, 0.0) for load in loads) for k in _TRANSFER_COUNTERS}
 
 
 async def _warm_workers(actors: dict[Any, Any], request: PDRequest) -> None:

@@ -1,5 +1,6 @@
 """Block KV between the device caches (one `[num_blocks, ...]` tensor per layer) and the codec's
-numpy storage arrays (`[layers, ...]` per block): what a demotion reads and a fetch writes.
+numpy storage arrays (`[layers, ...]` per block): what a demotion reads and a fetch writes, and
+a fetch's blocks registered in the pool (`write_registered`).
 
 A layer's slice of a block is small (24 KB for SmolLM2 in float32), so the cost of a fetch is in
 how many copy calls land it. The engine allocates the layers as slices of one
@@ -10,12 +11,15 @@ consecutive blocks on a device. Separately allocated caches still work, a copy p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from cachesvc.types import BlockId
+from cachesvc.block_pool import BlockPool
+from cachesvc.codec import KVBlock
+from cachesvc.types import BlockHash, BlockId
 
 
 def kv_to_numpy(data: torch.Tensor) -> np.ndarray:
@@ -98,6 +102,33 @@ def write_blocks(
         write_host(kv_caches, block_ids, arrays)
     else:
         write_stacked(kv_caches, block_ids, arrays, dtype)
+
+
+def write_registered(
+    kv_caches: Sequence[torch.Tensor],
+    pool: BlockPool,
+    block_ids: Sequence[BlockId],
+    blocks: Sequence[KVBlock],
+    indexes: Sequence[int],
+    token_ids: Sequence[int],
+    hashes: Sequence[BlockHash],
+    block_size: int,
+    dtype: str,
+) -> float:
+    """Write fetched `blocks` (blocks `indexes` of a prompt of `token_ids`, whose full blocks
+    are `hashes`) into `block_ids`, mark the lossy ones (`BlockPool.mark_lossy`: a block whose
+    hash another holds stays the writer's own, marked all the same) and register each under its
+    hash. Returns the seconds the copy into the caches took (registering is not counted).
+    Between steps."""
+    start = time.perf_counter()
+    write_blocks(kv_caches, block_ids, [b.array for b in blocks], dtype)
+    copy_s = time.perf_counter() - start
+    pool.mark_lossy(i for i, b in zip(block_ids, blocks, strict=True) if b.lossy)
+    bs = block_size
+    for block_id, block, idx in zip(block_ids, blocks, indexes, strict=True):
+        parent = hashes[idx - 1] if idx > 0 else None
+        pool.register(block_id, block.block_hash, token_ids[idx * bs : (idx + 1) * bs], parent)
+    return copy_s
 
 
 def write_host(

@@ -95,9 +95,9 @@ class HandoffHolds:
         if hashes and self._find(hashes, len(hashes) - 1) is not None:
             return
         if hashes and len(hashes) <= self.max_blocks:
-            pending = [h for h in self._holds if not h.complete]
+            pending = [h for h in self._holds if not h.runs]  # none of its blocks computed
             if len(pending) >= MAX_PENDING:
-                self._drop(pending[0])
+                self._holds.remove(pending[0])
             self._holds.append(_Hold(list(ids), list(hashes), cache_salt, time.monotonic()))
 
     def at_boundary(self, engine: Engine) -> None:
@@ -180,11 +180,6 @@ class HandoffHolds:
             (h for h in self._holds if start < len(h.hashes) and h.hashes[start] == hashes[start]),
             None,
         )
-
-    def _drop(self, hold: _Hold) -> None:
-        """Forget a hold that pinned nothing yet."""
-        if not hold.runs:
-            self._holds.remove(hold)
 
     def lease(
         self, hashes: Sequence[BlockHash], start: int, end: int, max_blocks: int

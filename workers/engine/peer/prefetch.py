@@ -22,7 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,7 @@ import xxhash
 
 from cachesvc.codec import KVBlock
 from cachesvc.types import BlockHash
-from workers.engine.kv_copy import write_blocks
+from workers.engine.kv_copy import write_registered
 from workers.engine.peer.pull import PULL_CHUNK_BLOCKS, PeerPuller
 from workers.engine.peer.stage import prompt_hashes
 from workers.transfer.threads import transfer_executor
@@ -46,7 +46,7 @@ RESERVE_SHARE = 0.25  # of the pool: free blocks a prefetch leaves to the runnin
 # gone, and the request's own pull (or recompute) takes over.
 STALL_S = 2.0
 _NO_ROOM = -1
-_KEPT_RESULTS = 64
+_KEPT = 64  # prefetches done whose requests have not come, kept
 _Key = tuple[str | None, int, bytes]  # a prompt's: its salt, its length, a digest of its ids
 
 
@@ -59,12 +59,19 @@ class PrefetchResult:
     present_blocks: int
     stopped: str | None = None
 
-    def as_dict(self) -> dict[str, int | str | None]:
-        return {
-            "landed_blocks": self.landed_blocks,
-            "present_blocks": self.present_blocks,
-            "stopped": self.stopped,
-        }
+
+@dataclass
+class _Prefetch:
+    """A prefetch under way or done, until the request that follows it asks (`settled`)."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    landed: int = 0  # blocks landed so far (its thread writes, the loop reads)
+    at_s: float = field(default_factory=time.monotonic)  # when it last made progress
+    future: asyncio.Future[PrefetchResult] | None = None  # its thread's, once started
+
+    @property
+    def done(self) -> bool:
+        return self.future is not None and self.future.done()
 
 
 class Prefetcher:
@@ -74,12 +81,9 @@ class Prefetcher:
         self.engine = engine
         # A few at once: one stuck on a frozen holder holds its thread until its deadline.
         self._threads = transfer_executor(4, "kv-prefetch")
-        self._running: dict[_Key, asyncio.Future[PrefetchResult]] = {}
-        # Of each prefetch running: blocks landed so far, and when it last made progress
-        # (written by its thread, read on the loop).
-        self._progress: dict[_Key, tuple[int, float]] = {}
-        # The last prefetches' results, until the request that follows each asks (`settled`).
-        self._results: OrderedDict[_Key, PrefetchResult] = OrderedDict()
+        # Each prompt's last prefetch, until the request that follows it asks (`settled`);
+        # at most `_KEPT` of them done.
+        self._prefetches: OrderedDict[_Key, _Prefetch] = OrderedDict()
         self.num_prefetches = 0
         self.num_landed_blocks = 0
         self.num_stopped = 0
@@ -99,23 +103,21 @@ class Prefetcher:
         if peers is None or num_blocks <= 0:
             return PrefetchResult(0, 0, "no peer pulls on this worker")
         key = _key(token_ids, num_blocks, self.engine.engine.config.block_size, cache_salt)
-        stop = threading.Event()
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + timeout_s
-        ids, pull = list(token_ids), partial(self._pull, key=key)
-        future = loop.run_in_executor(
-            self._threads, pull, holder, ids, cache_salt, num_blocks, deadline, stop, loop
-        )
-        self._running[key] = future
-        self._progress[key] = (0, time.monotonic())
+        entry = _Prefetch()
+        ids = list(token_ids)
+        pull = partial(self._pull, entry, holder, ids, cache_salt, num_blocks, deadline, loop)
+        future = entry.future = loop.run_in_executor(self._threads, pull)
+        self._prefetches.pop(key, None)
+        self._prefetches[key] = entry
+        self._trim()
         self.num_prefetches += 1
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            stop.set()
+            entry.stop.set()
             raise
-        finally:
-            future.add_done_callback(lambda _: self._forget(key, future))
 
     async def settled(
         self, token_ids: Sequence[int], cache_salt: str | None, num_blocks: int, timeout_s: float
@@ -125,29 +127,21 @@ class Prefetcher:
         pulling them itself would move them twice. Returns the tokens it landed (once: the
         request that follows it counts them as pulled)."""
         bs = self.engine.engine.config.block_size
-        key = _key(token_ids, num_blocks, bs, cache_salt)
-        future = self._running.get(key)
-        if future is None:
-            result = self._results.pop(key, None)
-            return 0 if result is None else result.landed_blocks * bs
+        # Taken, not looked at: its blocks count for this request only.
+        entry = self._prefetches.pop(_key(token_ids, num_blocks, bs, cache_salt), None)
+        if entry is None:
+            return 0
         began = time.monotonic()
         end = began + timeout_s
-        while not future.done():
-            landed, at_s = self._progress.get(key, (0, 0.0))
+        while entry.future is not None and not entry.future.done():
             now = time.monotonic()
-            # Quiet since this wait began or since its last chunk, whichever is later.
-            left = min(end - now, max(at_s, began) + STALL_S - now)
-            if left <= 0:  # what it lands from now on is not this request's pull
-                if self._running.get(key) is future:
-                    del self._running[key]
-                return landed * bs
-            await asyncio.wait([future], timeout=left)
-        if future.cancelled() or future.exception() is not None:
-            return 0
-        if self._running.get(key) is future:
-            del self._running[key]  # counted here: not kept for another request
-        self._results.pop(key, None)  # (or kept meanwhile, when it ended during the wait)
-        return future.result().landed_blocks * bs
+            # Quiet since this wait began or since its last chunk, whichever is later; what
+            # it lands after this request gave up on it is not this request's pull.
+            left = min(end - now, max(entry.at_s, began) + STALL_S - now)
+            if left <= 0:
+                break
+            await asyncio.wait([entry.future], timeout=left)
+        return entry.landed * bs
 
     def counters(self) -> dict[str, float]:
         return {
@@ -159,15 +153,11 @@ class Prefetcher:
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
-    def _forget(self, key: _Key, future: asyncio.Future[PrefetchResult]) -> None:
-        self._progress.pop(key, None)
-        if self._running.get(key) is not future:
-            return  # its request counted it already
-        del self._running[key]
-        if not future.cancelled() and future.exception() is None:
-            self._results[key] = future.result()
-            while len(self._results) > _KEPT_RESULTS:
-                self._results.popitem(last=False)
+    def _trim(self) -> None:
+        """Forget the oldest prefetches done beyond `_KEPT` (their requests never came)."""
+        done = [k for k, p in self._prefetches.items() if p.done]
+        for key in done[: max(0, len(done) - _KEPT)]:
+            del self._prefetches[key]
 
     def _peers(self) -> PeerPuller | None:
         tiering = self.engine.engine.tiering
@@ -175,14 +165,13 @@ class Prefetcher:
 
     def _pull(
         self,
+        entry: _Prefetch,
         holder: str,
         token_ids: list[int],
         cache_salt: str | None,
         num_blocks: int,
         deadline: float,
-        stop: threading.Event,
         loop: asyncio.AbstractEventLoop,
-        key: _Key,
     ) -> PrefetchResult:
         """On a prefetch thread: ask for every chunk at once (each answered once computed), land
         each as it comes, between steps. Blocking."""
@@ -197,7 +186,7 @@ class Prefetcher:
             (lo, min(lo + PULL_CHUNK_BLOCKS, len(hashes)))
             for lo in range(first, len(hashes), PULL_CHUNK_BLOCKS)
         ]
-        landed, present, stopped = 0, first, None
+        landed, present, stopped, stop = 0, first, None, entry.stop
         sent_chunks = peers.link.fetch(holder, token_ids, cache_salt, chunks, deadline, True, stop)
         try:
             for (lo, hi), sent in zip(chunks, sent_chunks, strict=False):
@@ -210,7 +199,7 @@ class Prefetcher:
                     stopped = "no room in the pool"
                     break
                 landed, present = landed + n, present + got - n
-                self._progress[key] = (landed, time.monotonic())
+                entry.landed, entry.at_s = landed, time.monotonic()
                 if got < hi - lo:
                     stopped = "a chunk came short"
                     break
@@ -265,10 +254,8 @@ def _land(
     if pool.num_free - len(todo) < RESERVE_SHARE * pool.num_blocks:
         return _NO_ROOM
     ids = pool.allocate(len(todo))
-    write_blocks(engine.runner.kv_caches, ids, [b.array for _, b in todo], tiering.dtype)
-    pool.mark_lossy(i for i, (_, b) in zip(ids, todo, strict=True) if b.lossy)
-    for block_id, (idx, block) in zip(ids, todo, strict=True):
-        parent = hashes[idx - 1] if idx > 0 else None
-        pool.register(block_id, block.block_hash, token_ids[idx * bs : (idx + 1) * bs], parent)
+    indexes, landing = [i for i, _ in todo], [b for _, b in todo]
+    kv_caches = engine.runner.kv_caches
+    write_registered(kv_caches, pool, ids, landing, indexes, token_ids, hashes, bs, tiering.dtype)
     pool.free(ids[::-1])  # cached, tail first: the tail of a prefix is evicted before its head
     return len(todo)

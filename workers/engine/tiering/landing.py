@@ -8,7 +8,6 @@ the pool and the request's block table, on the engine's thread.
 
 from __future__ import annotations
 
-import time
 from contextlib import ExitStack
 
 import torch
@@ -16,7 +15,7 @@ import torch
 from cachesvc.block_pool import BlockPool
 from cachesvc.codec import KVBlock
 from cachesvc.tiers.tier_manager import TierManager
-from workers.engine.kv_copy import write_blocks
+from workers.engine.kv_copy import write_registered
 from workers.engine.request import Request
 from workers.engine.tiering.pending_loads import Ranges
 
@@ -37,17 +36,17 @@ def land_blocks(
     registering is not counted)."""
     n = len(blocks)
     ids = request.block_ids[first : first + n]
-    start = time.perf_counter()
-    write_blocks(kv_caches, ids, [b.array for b in blocks], dtype)
-    land_s = time.perf_counter() - start
-    pool.mark_lossy(i for i, b in zip(ids, blocks, strict=True) if b.lossy)
-    tokens = request.all_token_ids
-    for i, (block_id, block) in enumerate(zip(ids, blocks, strict=True)):
-        idx = first + i
-        parent = request.block_hashes[idx - 1] if idx > 0 else None
-        pool.register(
-            block_id, block.block_hash, tokens[idx * block_size : (idx + 1) * block_size], parent
-        )
+    land_s = write_registered(
+        kv_caches,
+        pool,
+        ids,
+        blocks,
+        range(first, first + n),
+        request.all_token_ids,
+        request.block_hashes,
+        block_size,
+        dtype,
+    )
     request.num_computed_tokens = (first + n) * block_size
     return land_s
 

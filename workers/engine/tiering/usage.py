@@ -9,6 +9,7 @@ from cachesvc.events import TIER_HBM
 from cachesvc.types import RequestId
 from workers.engine.peer.pull import is_peer
 from workers.engine.tiering.pending_loads import Ranges
+from workers.protocol import PEER_TOKENS
 
 _MAX_USAGE = 10_000  # per-request usage reports kept after the request ends
 
@@ -26,7 +27,7 @@ def _landed_by_tier(ranges: Ranges, num_landed: int, block_size: int) -> dict[st
 
 
 def _usage_name(tier: str) -> str:
-    return "peer" if is_peer(tier) else tier
+    return PEER_TOKENS if is_peer(tier) else tier
 
 
 class TierUsage:
