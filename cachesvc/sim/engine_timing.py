@@ -55,8 +55,9 @@ def at_worker_priority(fn: Callable[[], T]) -> T:
     return out[0]
 
 
-def tokens(n: int, seed: int, vocab: int) -> list[int]:
-    """`n` token ids drawn from `seed`, clear of the special ones."""
+def tokens(n: int, seed: int | str, vocab: int) -> list[int]:
+    """`n` token ids drawn from `seed`, clear of the special ones. The ids of a shorter draw
+    from the same seed are a prefix of a longer one's: a cache would hit them."""
     rng = random.Random(seed)
     return [rng.randrange(_VOCAB_LOW, vocab) for _ in range(n)]
 
@@ -97,8 +98,10 @@ def measure_prefill(
     """One sample per (k, ctx): the median of three timed steps prefilling k tokens after a
     cached prefix of ctx tokens (the median, not the best: live steps see the machine as it
     is, other work included). The k tokens are new to the engine unless a call with the same
-    `seed` asked for them before (then they are cached, and the step computes one token).
-    Timed at the live workers' priority."""
+    `seed` asked for the same shape at the same position before (then they are cached, and the
+    step computes one token); shapes of other sizes draw other tokens, so that a shorter one
+    asked for first is never a cached prefix of a longer one. Timed at the live workers'
+    priority."""
     return at_worker_priority(lambda: _measure_prefill(engine, shapes, seed))
 
 
@@ -113,7 +116,9 @@ def _measure_prefill(
             engine.generate([prefix + tokens(BLOCK_SIZE, 1, vocab)], greedy(1))
         seconds = []
         for repeat in range(PREFILL_REPEATS):
-            new = tokens(k, 2000 + 10 * i + repeat + 100_000 * seed, vocab)
+            # Seeded by the shape too: the ids of a draw are a prefix of a longer draw's from
+            # the same seed, and a 128-token step timed after a 64-token one would compute 64.
+            new = tokens(k, f"prefill {seed} {i} {k} {ctx} {repeat}", vocab)
             engine.add_request(prefix + new, greedy(1))
             seconds.append(timed_step(engine))
             while engine.has_unfinished():
