@@ -144,6 +144,7 @@ def with_live_terms(profile: CostProfile, terms: LiveTerms) -> CostProfile:
         token_overhead_s=terms.token_overhead_s / slowdown,
         prefill_overhead_s=terms.prefill_overhead_s / slowdown,
         contention=terms.contention,
+        step_jitter_s=tuple(q / slowdown for q in terms.step_jitter_s),
     )
 
 

@@ -14,10 +14,12 @@ router (`contention`). Measured with the workers idle but for what is sent:
   two sequences at that context, timed in this process between the streams (so both see the
   machine alike); what the second stream adds is the per-sequence part, the rest per step;
 * prefill overhead: one-token requests of 64 and 128 tokens: the worker's own TTFT, less the
-  overheads and the engine's prefill step of as many tokens timed here just before (a live
-  worker's prefill step takes longer than the engine's alone, more than its decode steps do);
+  overheads and the engine's prefill step of as many tokens timed here just before (what a
+  live worker's prefill step takes beyond the engine's alone);
 * contention: one stream on each worker at once: their median gap over the lone streams' of
-  the same round, less one (per other worker stepping); the median over the rounds.
+  the same round, less one (per other worker stepping); the median over the rounds;
+* step jitter: the lone streams' gaps less the median of their round, as quantiles (a step's
+  spread around its median, which the simulator draws from).
 
 Each is a median over several rounds, interleaved, so that work elsewhere on the machine weighs
 on all alike.
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachesvc.sim.engine_timing import measure_decode, measure_prefill, timing_engine
+from cachesvc.sim.jitter import quantiles
 
 NUM_WORKERS = 2
 HOP_REQUESTS = 12
@@ -45,6 +48,7 @@ STREAM_PROMPT_LEN = 48
 STREAM_TOKENS = 48
 STREAM_CONTEXT = STREAM_PROMPT_LEN + STREAM_TOKENS // 2  # a lone stream's mean context
 ROUNDS = 4
+JITTER_QUANTILES = 32  # the step jitter's quantiles: at probabilities 0, 1/32, ..., 1
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class LiveTerms:
     token_overhead_s: float
     prefill_overhead_s: float
     contention: float
+    step_jitter_s: tuple[float, ...]  # quantiles of a gap less its round's median
     client_ttft_ms: float  # the one-token requests'
     worker_ttft_ms: float
     gap_alone_ms: float
@@ -72,7 +77,8 @@ class LiveTerms:
             f"{self.gap_alone_ms:.1f} against the engine's {self.engine_step_ms:.1f}, two on one "
             f"worker {self.gap_pair_ms:.1f} against {self.engine_pair_ms:.1f}); contention "
             f"{self.contention:.2f} (gap with both workers stepping {self.gap_together_ms:.1f}); "
-            f"a prefill step {self.prefill_overhead_s * 1e3:.1f} ms more than the engine's alone"
+            f"a prefill step {self.prefill_overhead_s * 1e3:.1f} ms more than the engine's alone; "
+            f"gaps around their median {_spread(self.step_jitter_s)}"
         )
 
 
@@ -91,6 +97,8 @@ class LiveSamples:
     together_ratios: list[float] = field(default_factory=list)
     # (the worker's TTFT, the engine's prefill step here) of one-token requests, ms.
     prefills_ms: list[tuple[float, float]] = field(default_factory=list)
+    # The lone streams' gaps, each less the median of its round's (the step jitter).
+    alone_excess_ms: list[float] = field(default_factory=list)
 
 
 def terms_from(samples: LiveSamples) -> LiveTerms:
@@ -107,6 +115,7 @@ def terms_from(samples: LiveSamples) -> LiveTerms:
         token_overhead_s=token_ms / 1e3,
         prefill_overhead_s=max(0.0, median(extra or [0.0])) / 1e3,
         contention=max(0.0, median(ratios) - 1),
+        step_jitter_s=tuple(q / 1e3 for q in quantiles(samples.alone_excess_ms, JITTER_QUANTILES)),
         client_ttft_ms=median(c for c, _ in samples.hops_ms),
         worker_ttft_ms=median(w for _, w in samples.hops_ms),
         gap_alone_ms=alone,
@@ -115,6 +124,14 @@ def terms_from(samples: LiveSamples) -> LiveTerms:
         engine_step_ms=one,
         engine_pair_ms=two,
     )
+
+
+def _spread(jitter_s: tuple[float, ...]) -> str:
+    if not jitter_s:
+        return "not measured"
+    n = len(jitter_s) - 1
+    at = {"min": 0, "p50": n // 2, "p90": round(0.9 * n), "max": n}
+    return ", ".join(f"{k} {jitter_s[i] * 1e3:+.1f} ms" for k, i in at.items())
 
 
 def split_overhead(one_ms: float, two_ms: float) -> tuple[float, float]:
@@ -194,6 +211,7 @@ async def _measure(both: Any, one: Any, vocab: int, engine: Any) -> LiveSamples:
         for stamps, _ in await asyncio.gather(*(_stream(one, *stream()) for _ in range(2))):
             out.pair_ms += _gaps(stamps)
         out.alone_ms += alone
+        out.alone_excess_ms += [g - statistics.median(alone) for g in alone]
         out.together_ms += together
         out.together_ratios.append(statistics.median(together) / statistics.median(alone))
     return out

@@ -19,6 +19,11 @@ through a real router and Ray workers; a profile of the device alone leaves them
                     * (1 + contention * other workers stepping)
     client's TTFT = the engine's TTFT + hop                  (its tokens' gaps are unchanged)
 
+and one spread: a live step is rarely its median (the collector, the event loop, the host's
+other work), so a simulated worker adds to each step a draw from `step_jitter_s`, quantiles of
+how much longer than their median a lone stream's live gaps were (`jitter.StepJitter`; none in a
+profile of the device alone). Without it a replay's inter-token p99 is its p50.
+
 The prefill terms are the planner's own `ComputeCost`, and the tier terms its `TierCost`: the
 simulated workers plan fetches with the same cost model their time comes from. A pull from
 another worker moves raw blocks (`bytes_per_block` of the device's layout); its cost defaults to
@@ -123,6 +128,9 @@ class CostProfile:
     # A live worker's step with prompt tokens takes this much longer than the engine's alone.
     prefill_overhead_s: float = 0.0
     contention: float = 0.0
+    # Quantiles at evenly spaced probabilities (0, 1/n, ..., 1) of a live step's time less the
+    # median of its kind (s; the low ones below zero): what a step draws on top (`jitter`).
+    step_jitter_s: tuple[float, ...] = ()
     source: str = ""  # where the numbers come from: a measurement, or published figures
 
     def __post_init__(self) -> None:
@@ -135,6 +143,8 @@ class CostProfile:
         live = (self.hop_s, self.step_overhead_s, self.token_overhead_s, self.prefill_overhead_s)
         if min(*live, self.contention) < 0:
             raise ValueError(f"profile {self.name}: the live path's terms must be >= 0")
+        if list(self.step_jitter_s) != sorted(self.step_jitter_s):
+            raise ValueError(f"profile {self.name}: step_jitter_s must be ascending quantiles")
 
     def engine_step_s(
         self, chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int]
@@ -181,6 +191,7 @@ class CostProfile:
             step_overhead_s=self.step_overhead_s * factor,
             token_overhead_s=self.token_overhead_s * factor,
             prefill_overhead_s=self.prefill_overhead_s * factor,
+            step_jitter_s=tuple(q * factor for q in self.step_jitter_s),
         )
 
     def cost_model(self, block_size: int, peer_pull: bool = False) -> CostModel:
@@ -223,6 +234,7 @@ class CostProfile:
                 token_overhead_s=float(data.get("token_overhead_s", 0.0)),
                 prefill_overhead_s=float(data.get("prefill_overhead_s", 0.0)),
                 contention=float(data.get("contention", 0.0)),
+                step_jitter_s=tuple(float(q) for q in data.get("step_jitter_s", ())),
                 source=str(data.get("source", "")),
             )
         except (KeyError, TypeError) as exc:

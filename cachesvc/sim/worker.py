@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from cachesvc.block_pool import BlockPool
 from cachesvc.events import TIER_HBM, EventLog
 from cachesvc.sim.cost_profile import CostProfile
+from cachesvc.sim.jitter import StepJitter
 from cachesvc.sim.loads import SimLoads
 from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.tier import build_manager, stand_in_block
@@ -91,6 +92,7 @@ class SimWorker:
         self._step: list[tuple[SimSeq, int]] = []
         # Landing a load after a step (and waiting for a split's read) delays the next one.
         self._carry_s = 0.0
+        self._jitter = StepJitter(profile.step_jitter_s, f"step jitter {worker_id}")
 
     # ---- what the router sees ---------------------------------------------------------------
 
@@ -191,7 +193,7 @@ class SimWorker:
             return None
         self.num_steps += 1
         others = 0 if self.host is None else self.host.others_stepping(self.worker_id, now)
-        duration = self._step_s(others) + extra_s
+        duration = self._jitter.apply(self._step_s(others)) + extra_s
         if self.host is not None:
             self.host.stepping(self.worker_id, now + duration)
         self.busy_s += duration
