@@ -143,6 +143,7 @@ def with_live_terms(profile: CostProfile, terms: LiveTerms) -> CostProfile:
         step_overhead_s=terms.step_overhead_s / slowdown,
         token_overhead_s=terms.token_overhead_s / slowdown,
         prefill_overhead_s=terms.prefill_overhead_s / slowdown,
+        prefill_overhead_share=terms.prefill_overhead_share,  # a ratio: the same at any speed
         contention=terms.contention,
         step_jitter_s=tuple(q / slowdown for q in terms.step_jitter_s),
     )

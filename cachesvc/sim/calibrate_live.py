@@ -13,9 +13,10 @@ router (`contention`). Measured with the workers idle but for what is sent:
   between their tokens, as the client sees them, less the median `Engine.step` of one and of
   two sequences at that context, timed in this process between the streams (so both see the
   machine alike); what the second stream adds is the per-sequence part, the rest per step;
-* prefill overhead: one-token requests of 64 and 128 tokens: the worker's own TTFT, less the
-  overheads and the engine's prefill step of as many tokens timed here just before (what a
-  live worker's prefill step takes beyond the engine's alone);
+* prefill overhead: two-token requests of 16, 64 and 128 new tokens: the worker's own TTFT,
+  less the overheads, against the engine's prefill step of as many tokens timed here just
+  before; per size the medians, fitted as a constant and a share of the engine's step (the
+  extra grows with the step: ~15 ms at 16 tokens, ~40 at 128);
 * contention: one stream on each worker at once: their median gap over the lone streams' of
   the same round, less one (per other worker stepping); the median over the rounds;
 * step jitter: the lone streams' gaps less the median of their round, as quantiles (a step's
@@ -43,7 +44,7 @@ from cachesvc.sim.jitter import quantiles
 NUM_WORKERS = 2
 HOP_REQUESTS = 12
 HOP_PROMPT_LEN = 32
-PREFILL_LENS = (64, 128)  # one-token requests of these sizes, each round
+PREFILL_LENS = (16, 64, 128)  # requests of these many new tokens, each round
 STREAM_PROMPT_LEN = 48
 STREAM_TOKENS = 48
 STREAM_CONTEXT = STREAM_PROMPT_LEN + STREAM_TOKENS // 2  # a lone stream's mean context
@@ -59,6 +60,7 @@ class LiveTerms:
     step_overhead_s: float
     token_overhead_s: float
     prefill_overhead_s: float
+    prefill_overhead_share: float
     contention: float
     step_jitter_s: tuple[float, ...]  # quantiles of a gap less its round's median
     client_ttft_ms: float  # the one-token requests'
@@ -77,7 +79,8 @@ class LiveTerms:
             f"{self.gap_alone_ms:.1f} against the engine's {self.engine_step_ms:.1f}, two on one "
             f"worker {self.gap_pair_ms:.1f} against {self.engine_pair_ms:.1f}); contention "
             f"{self.contention:.2f} (gap with both workers stepping {self.gap_together_ms:.1f}); "
-            f"a prefill step {self.prefill_overhead_s * 1e3:.1f} ms more than the engine's alone; "
+            f"a prefill step {self.prefill_overhead_s * 1e3:.1f} ms and "
+            f"{self.prefill_overhead_share:.0%} more than the engine's alone; "
             f"gaps around their median {_spread(self.step_jitter_s)}"
         )
 
@@ -95,8 +98,8 @@ class LiveSamples:
     # Per round, together's median gap over alone's: contention from the rounds' median, so
     # that other work starting or stopping between two rounds moves one ratio, not the median.
     together_ratios: list[float] = field(default_factory=list)
-    # (the worker's TTFT, the engine's prefill step here) of one-token requests, ms.
-    prefills_ms: list[tuple[float, float]] = field(default_factory=list)
+    # (new tokens, the worker's TTFT, the engine's prefill step here) of short requests, ms.
+    prefills_ms: list[tuple[int, float, float]] = field(default_factory=list)
     # The lone streams' gaps, each less the median of its round's (the step jitter).
     alone_excess_ms: list[float] = field(default_factory=list)
 
@@ -108,12 +111,13 @@ def terms_from(samples: LiveSamples) -> LiveTerms:
     one, two = median(samples.engine_one_ms), median(samples.engine_pair_ms)
     step_ms, token_ms = split_overhead(alone - one, pair - two)
     ratios = samples.together_ratios or [median(samples.together_ms) / alone]
-    extra = [w - e - step_ms - token_ms for w, e in samples.prefills_ms]
+    prefill_ms, prefill_share = prefill_overhead(samples.prefills_ms, step_ms + token_ms)
     return LiveTerms(
         hop_s=max(0.0, median(c - w for c, w in samples.hops_ms)) / 1e3,
         step_overhead_s=step_ms / 1e3,
         token_overhead_s=token_ms / 1e3,
-        prefill_overhead_s=max(0.0, median(extra or [0.0])) / 1e3,
+        prefill_overhead_s=prefill_ms / 1e3,
+        prefill_overhead_share=prefill_share,
         contention=max(0.0, median(ratios) - 1),
         step_jitter_s=tuple(q / 1e3 for q in quantiles(samples.alone_excess_ms, JITTER_QUANTILES)),
         client_ttft_ms=median(c for c, _ in samples.hops_ms),
@@ -132,6 +136,36 @@ def _spread(jitter_s: tuple[float, ...]) -> str:
     n = len(jitter_s) - 1
     at = {"min": 0, "p50": n // 2, "p90": round(0.9 * n), "max": n}
     return ", ".join(f"{k} {jitter_s[i] * 1e3:+.1f} ms" for k, i in at.items())
+
+
+def prefill_overhead(
+    prefills_ms: Sequence[tuple[int, float, float]], overheads_ms: float
+) -> tuple[float, float]:
+    """(constant ms, share) >= 0 of a live prefill step beyond the engine's: per size, the
+    median engine step e and the median worker TTFT less `overheads_ms`, w; then the least
+    squares of w = e * (1 + share) + constant (one size: all constant). None measured: none."""
+    sizes = sorted({n for n, _, _ in prefills_ms})
+    points = [
+        (
+            statistics.median(e for m, _, e in prefills_ms if m == n),
+            statistics.median(w - overheads_ms for m, w, _ in prefills_ms if m == n),
+        )
+        for n in sizes
+    ]
+    extra = [(e, w - e) for e, w in points]
+    if len(extra) < 2:
+        return max(0.0, extra[0][1] if extra else 0.0), 0.0
+    mean_e = statistics.fmean(e for e, _ in extra)
+    mean_x = statistics.fmean(x for _, x in extra)
+    var_e = sum((e - mean_e) ** 2 for e, _ in extra)
+    share = sum((e - mean_e) * (x - mean_x) for e, x in extra) / var_e if var_e else 0.0
+    constant = mean_x - share * mean_e
+    if share < 0:  # the extra does not grow with the step: a constant
+        return max(0.0, mean_x), 0.0
+    if constant < 0:  # all of it a share: through the origin
+        share = sum(e * x for e, x in extra) / sum(e * e for e, _ in extra)
+        return 0.0, max(0.0, share)
+    return constant, share
 
 
 def split_overhead(one_ms: float, two_ms: float) -> tuple[float, float]:
@@ -199,8 +233,8 @@ async def _measure(both: Any, one: Any, vocab: int, engine: Any) -> LiveSamples:
         for n in PREFILL_LENS:
             [sample] = measure_prefill(engine, [(n, 0)], seed=1 + round_)  # new tokens
             ids = [rng.randrange(3, vocab - 1) for _ in range(n)]
-            _, usage = await _stream(both, ids, 1)
-            out.prefills_ms.append((usage.ttft_ms, sample.seconds * 1e3))
+            _, usage = await _stream(both, ids, 2)  # not finished by its first token's step
+            out.prefills_ms.append((n, usage.ttft_ms, sample.seconds * 1e3))
         alone: list[float] = []
         together: list[float] = []
         for _ in range(NUM_WORKERS):  # round robin: one stream on each worker in turn

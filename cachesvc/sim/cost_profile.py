@@ -11,11 +11,12 @@ from a lower tier takes from what it reads:
     pull(n)       = peer.latency + n * bytes_per_block * peer.seconds_per_byte     (from a holder)
     land(n)       = n * bytes_per_block * land_s_per_byte                          (into the device)
 
-A live deployment adds five terms to the engine's own times (`calibrate_live` measures them
+A live deployment adds six terms to the engine's own times (`calibrate_live` measures them
 through a real router and Ray workers; a profile of the device alone leaves them at zero):
 
-    live step     = (step_s + step_overhead + prefill_overhead (a step with prompt tokens)
-                     + token_overhead * sequences in the step)
+    live step     = (step_s * (1 + prefill_overhead_share) + prefill_overhead
+                        (these two in a step with prompt tokens)
+                     + step_overhead + token_overhead * sequences in the step)
                     * (1 + contention * other workers stepping)
     client's TTFT = the engine's TTFT + hop                  (its tokens' gaps are unchanged)
 
@@ -125,8 +126,11 @@ class CostProfile:
     hop_s: float = 0.0
     step_overhead_s: float = 0.0
     token_overhead_s: float = 0.0  # per sequence in the step: its output streamed
-    # A live worker's step with prompt tokens takes this much longer than the engine's alone.
+    # A live worker's step with prompt tokens takes this much longer than the engine's alone,
+    # and this share of the engine's step more (measured at 16 to 128 new tokens, the extra
+    # grows with the step: a share, not only a constant).
     prefill_overhead_s: float = 0.0
+    prefill_overhead_share: float = 0.0
     contention: float = 0.0
     # Quantiles at evenly spaced probabilities (0, 1/n, ..., 1) of a live step's time less the
     # median of its kind (s; the low ones below zero): what a step draws on top (`jitter`).
@@ -140,7 +144,13 @@ class CostProfile:
             raise ValueError(f"profile {self.name}: prefill.beta_s must be positive")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError(f"profile {self.name}: step limits must be positive")
-        live = (self.hop_s, self.step_overhead_s, self.token_overhead_s, self.prefill_overhead_s)
+        live = (
+            self.hop_s,
+            self.step_overhead_s,
+            self.token_overhead_s,
+            self.prefill_overhead_s,
+            self.prefill_overhead_share,
+        )
         if min(*live, self.contention) < 0:
             raise ValueError(f"profile {self.name}: the live path's terms must be >= 0")
         if list(self.step_jitter_s) != sorted(self.step_jitter_s):
@@ -174,7 +184,7 @@ class CostProfile:
         `others_stepping` other workers of its host step too."""
         engine_s = self.engine_step_s(chunks, decode_contexts)
         if chunks:
-            engine_s += self.prefill_overhead_s
+            engine_s = engine_s * (1 + self.prefill_overhead_share) + self.prefill_overhead_s
         streamed = self.token_overhead_s * (len(chunks) + len(decode_contexts))
         live_s = engine_s + self.step_overhead_s + streamed
         return live_s * (1 + self.contention * others_stepping)
@@ -233,6 +243,7 @@ class CostProfile:
                 step_overhead_s=float(data.get("step_overhead_s", 0.0)),
                 token_overhead_s=float(data.get("token_overhead_s", 0.0)),
                 prefill_overhead_s=float(data.get("prefill_overhead_s", 0.0)),
+                prefill_overhead_share=float(data.get("prefill_overhead_share", 0.0)),
                 contention=float(data.get("contention", 0.0)),
                 step_jitter_s=tuple(float(q) for q in data.get("step_jitter_s", ())),
                 source=str(data.get("source", "")),

@@ -149,13 +149,14 @@ def test_the_committed_cpu_profile_carries_the_live_path() -> None:
     # Without the live path the simulator was 1.4-1.6x below the live workers' own TTFT: a
     # profile of the engine alone must not replace it.
     cpu = load_profile("cpu-calibrated")
-    assert cpu.hop_s > 0 and cpu.prefill_overhead_s > 0 and cpu.contention > 0
+    assert cpu.hop_s > 0 and cpu.contention > 0
+    assert cpu.prefill_overhead_s + cpu.prefill_overhead_share > 0
     assert cpu.step_overhead_s + cpu.token_overhead_s > 0
     assert len(cpu.decode.by_batch_s) == 8, "small batches measured, not extrapolated"
     # A client sees a one-token request of a 64-token prompt after the engine's prefill step,
     # the live worker's extra, and a hop: more than the engine alone takes.
     engine_s = cpu.engine_step_s([(64, 0)], [])
-    assert cpu.step_s([(64, 0)], []) + cpu.hop_s > engine_s + cpu.prefill_overhead_s
+    assert cpu.step_s([(64, 0)], []) + cpu.hop_s > engine_s
 
 
 def test_the_bench_pd_replay_spreads_the_decode_streams_as_the_live_router_does() -> None:

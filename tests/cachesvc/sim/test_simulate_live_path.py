@@ -13,7 +13,12 @@ from pathlib import Path
 import pytest
 
 from cachesvc.planner import ComputeCost
-from cachesvc.sim.calibrate_live import LiveSamples, split_overhead, terms_from
+from cachesvc.sim.calibrate_live import (
+    LiveSamples,
+    prefill_overhead,
+    split_overhead,
+    terms_from,
+)
 from cachesvc.sim.cost_profile import CostProfile, DecodeCost
 from cachesvc.sim.loop import ClusterSpec, SimRun, replay
 from cachesvc.sim.seq import SimSeq
@@ -128,11 +133,40 @@ def test_the_terms_come_from_the_live_medians() -> None:
     # Rounds' own ratios, where measured: one round disturbed by other work moves none.
     rounds = dataclasses.replace(samples, together_ratios=[1.2, 1.9, 1.3])
     assert terms_from(rounds).contention == pytest.approx(0.3)
-    # A one-token request's 70 ms on the worker is 15 ms more than the engine's 50 ms and the
-    # 3 + 2 ms of overheads.
+    # A short request's 70 ms on the worker is 15 ms more than the engine's 50 ms and the
+    # 3 + 2 ms of overheads; at one size the extra is all constant.
     assert terms_from(samples).prefill_overhead_s == 0.0, "none measured: none assumed"
-    prefills = dataclasses.replace(samples, prefills_ms=[(70.0, 50.0), (80.0, 60.0)])
+    prefills = dataclasses.replace(samples, prefills_ms=[(64, 70.0, 50.0), (64, 80.0, 60.0)])
     assert terms_from(prefills).prefill_overhead_s == pytest.approx(0.015)
+    assert terms_from(prefills).prefill_overhead_share == 0.0
+
+
+def test_a_live_prefill_extra_that_grows_with_the_step_is_a_share_of_it() -> None:
+    # The worker takes 10 ms and 20% more than the engine's step at each size (after the
+    # 5 ms of overheads), with one noisy sample a size that the medians leave out.
+    steps = {16: 100.0, 64: 250.0, 128: 450.0}
+    samples = [(n, 5.0 + 10.0 + 1.2 * e, e) for n, e in steps.items() for _ in range(2)]
+    samples += [(n, 5.0 * e, e) for n, e in steps.items()]
+    assert prefill_overhead(samples, 5.0) == pytest.approx((10.0, 0.2))
+    # An extra that does not grow: a constant; one that would need a negative constant: a
+    # share through the origin.
+    flat = [(n, 5.0 + 30.0 + e, e) for n, e in steps.items()]
+    assert prefill_overhead(flat, 5.0) == pytest.approx((30.0, 0.0))
+    shrinking = [(n, 5.0 + 40.0 - 0.05 * e + e, e) for n, e in steps.items()]
+    assert prefill_overhead(shrinking, 5.0)[1] == 0.0
+    proportional = [(n, 5.0 + 1.3 * e - 8.0, e) for n, e in steps.items()]
+    constant, share = prefill_overhead(proportional, 5.0)
+    assert constant == 0.0 and 0.2 < share < 0.3
+    assert prefill_overhead([], 5.0) == (0.0, 0.0)
+
+
+def test_the_share_lengthens_a_prefill_step_and_no_decode_step(write_trace: WriteTrace) -> None:
+    profile = dataclasses.replace(UNIT, prefill_overhead_share=0.5, prefill_overhead_s=0.01)
+    seq = _one_request(write_trace, profile)
+    assert seq.first_token_s == pytest.approx(0.1 * 1.5 + 0.01)
+    assert _gaps(seq) == pytest.approx([0.01] * 3)
+    assert profile.slowed(2.0).prefill_overhead_share == 0.5, "a ratio: the same at any speed"
+    assert CostProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
 
 
 def test_live_terms_measured_on_a_busy_machine_are_brought_to_the_profiles_speed() -> None:
