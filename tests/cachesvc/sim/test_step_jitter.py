@@ -15,20 +15,18 @@ import pytest
 from cachesvc.planner import ComputeCost
 from cachesvc.sim.calibrate import with_live_terms
 from cachesvc.sim.calibrate_live import LiveSamples, terms_from
-from cachesvc.sim.cost_profile import CostProfile, DecodeCost
+from cachesvc.sim.cost_profile import CostProfile, DecodeCost, load_profile
 from cachesvc.sim.jitter import StepJitter, quantiles
 from cachesvc.sim.loop import ClusterSpec, replay
 from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.trace import load_trace
 
-UNIT = CostProfile(
-    name="unit",
-    description="test clock: 1 ms a prompt token, 10 ms a decode step",
-    kv_bytes_per_token=1.0,
-    prefill=ComputeCost(alpha_s=0.0, beta_s=1e-3, gamma_s=0.0),
-    decode=DecodeCost(base_s=0.01, per_seq_s=0.0, per_context_token_s=0.0),
+# 1 ms a prompt token (whole prompts in one step), 10 ms a decode step.
+UNIT = dataclasses.replace(
+    load_profile("h100-llama3-8b"),
+    prefill=ComputeCost(0.0, 1e-3, 0.0),
+    decode=DecodeCost(0.01, 0.0, 0.0),
     max_num_batched_tokens=10**7,
-    max_num_seqs=10**4,
 )
 # Most steps within a millisecond of the median, one in eight 20 ms late.
 SPREAD = (-0.001, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.001, 0.02)
