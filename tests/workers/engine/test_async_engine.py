@@ -228,14 +228,26 @@ def test_the_load_s_cached_prefix_walk_never_runs_on_the_event_loop(
         loop_thread = threading.get_ident()
         streams = [_collect(aengine, p, GREEDY) for p in _prompts()]
         await asyncio.gather(*streams)
-        # An abort while idle leaves the load stale: it is measured off the loop too.
-        stream = aengine.generate(_prompts()[3], LONG, request_id="gone")
-        await stream.__anext__()
+        # An abort leaves the load stale: it is measured off the loop too. A second request
+        # stays, so that every measurement after the abort walks a request (with none left
+        # the walk has nothing to call, whichever thread measures).
+        stays = aengine.generate(_prompts()[2], LONG, request_id="stays")
+        gone = aengine.generate(_prompts()[3], LONG, request_id="gone")
+        await stays.__anext__()
+        await gone.__anext__()
         threads.clear()
         await aengine.abort("gone")
-        async for _ in stream:
+        async for _ in gone:
             pass
-        for _ in range(500):  # the aborted request's tokens leave the load, measured later
+        for _ in range(500):  # the aborted request leaves the load, measured later
+            if aengine.load.num_running + aengine.load.num_waiting == 1 and threads:
+                break
+            await asyncio.sleep(0.01)
+        assert aengine.load.num_running + aengine.load.num_waiting == 1
+        await aengine.abort("stays")
+        async for _ in stays:
+            pass
+        for _ in range(500):
             if aengine.load.num_queued_tokens == 0:
                 break
             await asyncio.sleep(0.01)
