@@ -45,7 +45,8 @@ class DemoRequest:
 
 
 # Two rounds: first one user per assistant (each system prompt computed once), then the rest,
-# which the router sends to the worker that already holds their assistant's prompt.
+# which the router sends to the worker that already holds their assistant's prompt, or, when
+# that one is the busier, to the other, which pulls the prompt from it.
 DEMO_ROUNDS: tuple[tuple[DemoRequest, ...], ...] = (
     (
         DemoRequest("travel", "alice", "What should I see in Paris in one day?"),
@@ -70,10 +71,12 @@ class DemoAnswer:
     computed_tokens: int
     completion_tokens: int
     ttft_ms: float
+    pulled_tokens: int = 0  # of the cached ones, pulled from another worker
 
 
 async def _ask(stub: Any, req: DemoRequest, max_tokens: int) -> DemoAnswer:
     from proto.cachesvc.v1 import cachesvc_pb2 as pb
+    from workers.protocol import PEER_TOKENS
 
     messages = [
         pb.ChatMessage(role="system", content=SYSTEM_PROMPTS[req.assistant]),
@@ -99,6 +102,7 @@ async def _ask(stub: Any, req: DemoRequest, max_tokens: int) -> DemoAnswer:
         usage.computed_tokens,
         usage.completion_tokens,
         usage.ttft_ms,
+        usage.cached_tokens.get(PEER_TOKENS, 0),
     )
 
 
@@ -106,8 +110,9 @@ def _print_answer(a: DemoAnswer) -> None:
     r = a.request
     print(f"\n[{r.assistant}] {r.user}: {r.question}")
     print(f"  {a.text}")
+    pulled = f" ({a.pulled_tokens} pulled from another worker)" if a.pulled_tokens else ""
     print(
-        f"  -> {a.worker} | prompt {a.prompt_tokens} tokens: {a.cached_tokens} cached, "
+        f"  -> {a.worker} | prompt {a.prompt_tokens} tokens: {a.cached_tokens} cached{pulled}, "
         f"{a.computed_tokens} computed | {a.completion_tokens} generated | "
         f"TTFT {a.ttft_ms:.0f} ms",
         flush=True,
@@ -206,7 +211,9 @@ def run_demo_serve(engine: EngineConfig, num_workers: int = 2, max_tokens: int =
     from workers.cluster import WorkerGroup, spawn_workers, stop_workers
 
     started = time.perf_counter()
-    engine = _threads_per_worker(engine, num_workers)
+    # Workers pull a prefix another one holds when that is cheaper than computing it: a user the
+    # router sends away from its assistant's worker (both busy at once) still reuses the prompt.
+    engine = dataclasses.replace(_threads_per_worker(engine, num_workers), peer_pull=True)
     ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     actors: dict[Any, Any] = {}
     try:
