@@ -15,6 +15,7 @@ tier that is not probed.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections import deque
@@ -214,27 +215,43 @@ def fit_compute(
     Tries each subset of coefficients (the others zero) and keeps the best fit whose
     coefficients are all non-negative: noise never yields a negative cost.
     """
+    rows = [(1.0, s.num_tokens, s.attention) for s in samples]
+    scale = [math.sqrt(w) for w in weights] if weights is not None else None
+    coef = nonneg_lstsq(rows, [s.seconds for s in samples], _SUBSETS, scale)
+    if coef is None or coef[1] <= 0:
+        per_token = max(s.seconds / max(s.num_tokens, 1.0) for s in samples)
+        return ComputeCost(0.0, per_token, 0.0)
+    alpha, beta, gamma = coef
+    return ComputeCost(alpha, beta, gamma)
+
+
+def nonneg_lstsq(
+    rows: Sequence[Sequence[float]],
+    values: Sequence[float],
+    subsets: Sequence[Sequence[int]],
+    scale: Sequence[float] | None = None,
+) -> list[float] | None:
+    """Least squares of `values` on `rows`, every coefficient >= 0: of the fits on each of
+    `subsets` of the columns (the others zero), the one with the smallest residual whose
+    coefficients are all >= 0 (None when no subset's are). `scale` multiplies each row's
+    residual (1 / value: errors relative to it)."""
     import numpy as np  # only when fitting
 
-    x = np.array([[1.0, s.num_tokens, s.attention] for s in samples])
-    y = np.array([s.seconds for s in samples])
-    w = np.sqrt(np.array(weights if weights is not None else [1.0] * len(samples)))
+    x = np.array(rows, dtype=float)
+    y = np.array(values, dtype=float)
+    w = np.ones(len(y)) if scale is None else np.array(scale, dtype=float)
     best: tuple[float, np.ndarray] | None = None
-    for subset in _SUBSETS:
+    for subset in subsets:
         cols = list(subset)
         coef, *_ = np.linalg.lstsq(x[:, cols] * w[:, None], y * w, rcond=None)
         if (coef < 0).any():
             continue
-        full = np.zeros(3)
+        full = np.zeros(x.shape[1])
         full[cols] = coef
         residual = float((((x @ full) - y) * w) @ (((x @ full) - y) * w))
         if best is None or residual < best[0]:
             best = (residual, full)
-    if best is None or best[1][1] <= 0:
-        per_token = max(s.seconds / max(s.num_tokens, 1.0) for s in samples)
-        return ComputeCost(0.0, per_token, 0.0)
-    alpha, beta, gamma = (float(v) for v in best[1])
-    return ComputeCost(alpha, beta, gamma)
+    return None if best is None else [float(v) for v in best[1]]
 
 
 def default_tier_cost(name: str, bytes_per_block: float) -> TierCost:

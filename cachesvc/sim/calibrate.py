@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from cachesvc.calibration import ComputeSample, fit_compute
+from cachesvc.calibration import ComputeSample, fit_compute, nonneg_lstsq
 from cachesvc.planner import ComputeCost
 from cachesvc.sim.calibrate_live import STREAM_CONTEXT, LiveTerms, measure_live_terms
 from cachesvc.sim.cost_profile import CostProfile, DecodeCost, TierReadCost
@@ -76,23 +76,12 @@ def fit_decode(samples: Sequence[tuple[int, int, float]]) -> DecodeCost:
     """Non-negative least squares of decode steps on (1, sequences, context tokens), errors
     relative to each step's time: the best fit among the subsets of coefficients whose values
     are all >= 0."""
-    import numpy as np
-
-    x = np.array([[1.0, float(b), float(c)] for b, c, _ in samples])
-    y = np.array([s for _, _, s in samples])
-    w = 1 / y  # relative errors
-    best: tuple[float, np.ndarray] | None = None
-    for cols in ([0, 1, 2], [0, 1], [0, 2], [1, 2], [0], [1]):
-        coef, *_ = np.linalg.lstsq(x[:, cols] * w[:, None], y * w, rcond=None)
-        if (coef < 0).any():
-            continue
-        full = np.zeros(3)
-        full[cols] = coef
-        residual = float((((x @ full - y) * w) ** 2).sum())
-        if best is None or residual < best[0]:
-            best = (residual, full)
-    assert best is not None, "one coefficient alone always fits non-negative times"
-    base, per_seq, per_context = (float(v) for v in best[1])
+    subsets = ([0, 1, 2], [0, 1], [0, 2], [1, 2], [0], [1])
+    rows = [(1.0, float(b), float(c)) for b, c, _ in samples]
+    seconds = [s for _, _, s in samples]
+    coef = nonneg_lstsq(rows, seconds, subsets, [1 / s for s in seconds])
+    assert coef is not None, "one coefficient alone always fits non-negative times"
+    base, per_seq, per_context = coef
     return DecodeCost(base, per_seq, per_context)
 
 

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cachesvc.calibration import nonneg_lstsq
 from cachesvc.sim.engine_timing import measure_decode, measure_prefill, timing_engine
 from cachesvc.sim.jitter import quantiles
 
@@ -49,6 +50,8 @@ STREAM_PROMPT_LEN = 48
 STREAM_TOKENS = 48
 STREAM_CONTEXT = STREAM_PROMPT_LEN + STREAM_TOKENS // 2  # a lone stream's mean context
 ROUNDS = 4
+# The prefill extra's fit: a constant and a share of the step, or either alone.
+_CONSTANT_AND_SHARE = ((0, 1), (0,), (1,))
 JITTER_QUANTILES = 32  # the step jitter's quantiles: at probabilities 0, 1/32, ..., 1
 
 
@@ -152,20 +155,13 @@ def prefill_overhead(
         )
         for n in sizes
     ]
-    extra = [(e, w - e) for e, w in points]
-    if len(extra) < 2:
-        return max(0.0, extra[0][1] if extra else 0.0), 0.0
-    mean_e = statistics.fmean(e for e, _ in extra)
-    mean_x = statistics.fmean(x for _, x in extra)
-    var_e = sum((e - mean_e) ** 2 for e, _ in extra)
-    share = sum((e - mean_e) * (x - mean_x) for e, x in extra) / var_e if var_e else 0.0
-    constant = mean_x - share * mean_e
-    if share < 0:  # the extra does not grow with the step: a constant
-        return max(0.0, mean_x), 0.0
-    if constant < 0:  # all of it a share: through the origin
-        share = sum(e * x for e, x in extra) / sum(e * e for e, _ in extra)
-        return 0.0, max(0.0, share)
-    return constant, share
+    if len(points) < 2:
+        return max(0.0, points[0][1] - points[0][0] if points else 0.0), 0.0
+    # extra = constant + share * e, both >= 0 (a constant alone, a share alone, or both).
+    coef = nonneg_lstsq(
+        [(1.0, e) for e, _ in points], [w - e for e, w in points], _CONSTANT_AND_SHARE
+    )
+    return (0.0, 0.0) if coef is None else (coef[0], coef[1])
 
 
 def split_overhead(one_ms: float, two_ms: float) -> tuple[float, float]:

@@ -10,6 +10,7 @@ generator seeded by its name, so a replay stays the same from run to run.
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Sequence
 
 # How much of its predicted time a step keeps at least, whatever a low quantile says: a draw
@@ -23,9 +24,6 @@ class StepJitter:
     def __init__(self, quantiles_s: Sequence[float], seed: str) -> None:
         self._quantiles = tuple(quantiles_s)
         self._rng = random.Random(seed)
-
-    def __bool__(self) -> bool:
-        return bool(self._quantiles)
 
     def draw(self) -> float:
         """One extra (s; 0 without quantiles)."""
@@ -45,14 +43,7 @@ class StepJitter:
 
 def quantiles(values: Sequence[float], n: int) -> tuple[float, ...]:
     """`values`' quantiles at probabilities 0, 1/n, ..., 1 (linear between order statistics)."""
-    if not values:
-        return ()
-    ordered = sorted(values)
-    last = len(ordered) - 1
-    out = []
-    for j in range(n + 1):
-        x = j * last / n
-        i = int(x)
-        nxt = ordered[min(i + 1, last)]
-        out.append(ordered[i] + (nxt - ordered[i]) * (x - i))
-    return tuple(out)
+    if len(values) < 2:
+        return tuple(values) * (n + 1)
+    inner = statistics.quantiles(values, n=n, method="inclusive")
+    return (min(values), *inner, max(values))
