@@ -112,18 +112,24 @@ class BlockPool:
         self._lossy.difference_update(out)  # handed out for new KV
         return out
 
-    def free(self, block_ids: Sequence[BlockId]) -> None:
+    def free(self, block_ids: Sequence[BlockId], evict_first: bool = False) -> None:
         """Drop one reference from each block; a block reaching zero joins the free queue.
 
         Blocks are freed in the given order, so pass a request's blocks tail first: the tail of
-        a prefix is then evicted before its head.
+        a prefix is then evicted before its head. `evict_first`: they join at the queue's
+        front instead, evicted before any block freed earlier (a copy another worker keeps).
         """
+        front: list[BlockId] = []
         for block_id in block_ids:
             block = self._blocks[block_id]
             assert block.ref_cnt > 0, f"double free of block {block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block_id] = None
+                front.append(block_id)
+        if evict_first:
+            for block_id in reversed(front):  # the first freed ends at the very front
+                self._free.move_to_end(block_id, last=False)
 
     def touch(self, block_ids: Sequence[BlockId]) -> None:
         """Add a reference to each block, taking free ones out of the free queue."""

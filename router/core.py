@@ -20,7 +20,7 @@ from dataclasses import asdict, fields
 from cachesvc.types import WorkerId
 from router.admin import flush_workers, purge, worker_statuses
 from router.config import RouterConfig
-from router.disagg import Disaggregation, Handoff
+from router.disagg import Disaggregation
 from router.domain import (
     Exhausted,
     GenerateInput,
@@ -33,6 +33,7 @@ from router.domain import (
     Unavailable,
     WorkerStatus,
 )
+from router.handoff import Handoff
 from router.metrics import RequestOutcome, RouterMetrics
 from router.placement import Placement
 from router.policy import Policy, RouteDecision
@@ -317,7 +318,7 @@ class Router:
         self._stats.cached_tokens += sum(usage.cached_tokens.values())
         decisions = self._stats.decisions
         decisions[usage.worker_id] = decisions.get(usage.worker_id, 0) + 1
-        self.pd.answered(usage.completion_tokens)
+        self.pd.answered(usage)
         self.metrics.record_usage(usage)
         outcome.usage(usage)
 

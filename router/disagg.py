@@ -10,8 +10,11 @@ the KV data plane (`workers/transfer/`) instead of computing them. Greedy and se
 token for token those of colocated serving.
 
 Between mixed workers (`pd_mixed`, no prefill workers): the prompt runs on the worker the policy
-chose, as colocated, and the decode may go to another (`pick_decode`'s among the rest); the
-prefill then stalls the prompt worker's own streams either way, which `decide` counts.
+chose, or on one that holds as much of it with no more queued where it stalls fewer streams
+(`pick_prefill`), and the decode may go to another (`pick_decode`'s among the rest, which counts
+how much of its time each spends on prompts); `decide` counts the prefill's stall on the prompt
+worker's own streams, and the request's own stream's wait on the prompts its decode worker will
+compute (`PrefillShare`: each worker's recent prompt work, kept here).
 
 Faults: a prefill worker that fails before its token is a request served colocated (the decode
 side computes the prompt); one that fails after it is a pull that fails or times out on the
@@ -28,35 +31,34 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from cachesvc.types import BlockHash, WorkerId
+from router.answers import Answer, MeanAnswer
 from router.config import RouterConfig
 from router.costs import PEER
 from router.domain import Exhausted, Unavailable
+from router.handoff import Handoff
 from router.metrics import RequestOutcome, RouterMetrics
 from router.pd import (
     DECODE,
     MIXED,
     PREFILL,
     SLO,
-    DecodeLoad,
     DecodeSide,
-    MeanAnswer,
     PDDecision,
     PrefillSide,
     decide,
-    pick_decode,
     with_answers,
 )
+from router.pd_pick import DecodeLoad, PrefillShare, pick_decode, pick_prefill
 from router.placement import Placed, Placement, role_of
 from router.policy import RouteDecision
 from router.pool import WorkerDied, WorkerPool
 from router.prefetch import start_prefetch
 from router.resume import Part, RequestProgress
 from router.worker_state import WorkerState
-from workers.protocol import PEER_TOKENS, HolderHint, StreamDelta, Usage
+from workers.protocol import HolderHint, StreamDelta, Usage
 
 _log = logging.getLogger(__name__)
 
@@ -67,58 +69,6 @@ HANDOFF_FIXED_PRIOR_S = 0.02
 _CALIBRATION_WEIGHT = 0.2
 
 PartStream = Callable[..., AsyncGenerator[StreamDelta, None]]
-
-
-@dataclass
-class Handoff:
-    """One request's plan, and what its prefill phase brought back; mutated by the router."""
-
-    decision: PDDecision
-    colocated: Placed
-    prefill: RouteDecision | None = None
-    decode: WorkerId | None = None
-    prefill_usage: Usage | None = None
-    handed_off: bool = False
-    first_token_s: float | None = None  # when the prefill worker's token reached the client
-    # Told each measured hand-off (seconds) with the part of the prediction that scales with
-    # the request (seconds), to learn the fixed part.
-    calibrate: Callable[[float, float], None] | None = None
-    _placed: list[Placed] = field(default_factory=list)
-
-    def take(self) -> Placed | None:
-        """The placement of the first attempt after planning (None afterwards: route anew)."""
-        return self._placed.pop() if self._placed else None
-
-    def observe(self, delta: StreamDelta, metrics: RouterMetrics, outcome: RequestOutcome) -> None:
-        """Time the hand-off at the decode worker's first delta (once): measured against
-        predicted, in the metrics and the request's log line."""
-        if not self.handed_off or self.first_token_s is None or outcome.pd_handoff_ms is not None:
-            return
-        measured_s = time.perf_counter() - self.first_token_s
-        outcome.pd_handoff_ms = round(measured_s * 1e3, 2)
-        predicted_s = self.decision.handoff_s
-        if predicted_s > 0:
-            metrics.pd_error.labels("handoff").observe(measured_s / predicted_s)
-        if self.calibrate is not None:
-            self.calibrate(measured_s, predicted_s - self.decision.handoff_fixed_s)
-
-    def merged(self, delta: StreamDelta) -> StreamDelta:
-        """The decode worker's last delta with the whole request's usage: the prompt's cached
-        and computed tokens as the prefill worker counted them (the decode worker's tail
-        added), and the KV it pulled."""
-        if not self.handed_off or delta.usage is None or self.prefill_usage is None:
-            return delta
-        first, last = self.prefill_usage, delta.usage
-        usage = dataclasses.replace(
-            last,
-            cached_tokens=dict(first.cached_tokens),
-            computed_tokens=first.computed_tokens + last.computed_tokens,
-            ttft_ms=first.ttft_ms,
-            lossy_kv=first.lossy_kv or last.lossy_kv,
-            prefill_worker_id=first.worker_id,
-            kv_transfer_tokens=last.cached_tokens.get(PEER_TOKENS, 0),
-        )
-        return dataclasses.replace(delta, usage=usage)
 
 
 class Disaggregation:
@@ -138,10 +88,15 @@ class Disaggregation:
         self._slo = SLO(None if ttft is None else ttft / 1e3, None if itl is None else itl / 1e3)
         # The answers' mean length, over which the targets spread a stream's stall.
         self.mean_answer = MeanAnswer()
+        # Each worker's recent prompt work: what a stream decoding there waits on.
+        self.shares = PrefillShare()
 
-    def answered(self, num_tokens: int) -> None:
-        """A request finished with `num_tokens` output tokens (its mean answer's share)."""
-        self.mean_answer.observe(num_tokens)
+    def answered(self, usage: Usage) -> None:
+        """A request finished: its answer's length and decode time join their means."""
+        decode_s = None
+        if usage.decode_tokens_per_s and usage.completion_tokens > 1:
+            decode_s = (usage.completion_tokens - 1) / usage.decode_tokens_per_s
+        self.mean_answer.observe(usage.completion_tokens, decode_s)
 
     def _calibrate(self, measured_s: float, variable_s: float) -> None:
         residual = max(0.0, measured_s - variable_s)
@@ -175,20 +130,25 @@ class Disaggregation:
             return None
         num_tokens = len(progress.prompt_ids)
         colocated = self.placement.route(num_tokens, hashes, excluded, SERVING_ROLES)
-        if mixed:  # the prompt runs where the policy chose; the decode may go to another
-            prefill: RouteDecision | None = colocated.decision
-            decode = self._decode_choice(excluded | {colocated.decision.worker})
+        max_tokens = progress.params.get("max_tokens")
+        answer = Answer.of(None if max_tokens is None else int(max_tokens), self.mean_answer)
+        prefill: RouteDecision | None
+        if mixed:  # the prompt runs where it stalls least; the decode may go to another
+            prefill = self._mixed_prefill(num_tokens, hashes, colocated.decision, excluded)
+            decode = self._decode_choice(excluded | {prefill.worker})
         else:
             prefill = self._prefill_choice(num_tokens, hashes, excluded)
             decode = self._decode_choice(excluded)
-        decision = self._decide(num_tokens, hashes, colocated, prefill, decode)
+        decision = self._decide(num_tokens, hashes, colocated, prefill, decode, answer)
         if self.config.pd_mode == "always" and prefill is not None and decode is not None:
             decision = dataclasses.replace(decision, disaggregate=True, reason="always")
         self.metrics.pd_decisions.labels(decision.mode).inc()
         handoff = Handoff(decision, colocated, calibrate=self._calibrate)
         if not decision.disaggregate or prefill is None or decode is None:
+            self.shares.add(colocated.decision.worker, decision.prefill_s, time.monotonic())
             handoff._placed.append(colocated)
             return handoff
+        self.shares.add(prefill.worker, decision.prefill_s, time.monotonic())
         handoff.prefill, handoff.decode = prefill, decode.worker_id
         return handoff
 
@@ -202,12 +162,50 @@ class Disaggregation:
         chosen = self.pool.state(placed.decision.worker)
         return placed.decision if role_of(chosen) == PREFILL else None
 
+    def _mixed_prefill(
+        self,
+        num_tokens: int,
+        hashes: list[BlockHash],
+        chosen: RouteDecision,
+        excluded: set[WorkerId],
+    ) -> RouteDecision:
+        """Between mixed workers, where the prompt runs if it is handed off: the policy's
+        `chosen` worker, or one holding as much of it with no more queued where its prefill
+        stalls fewer streams (`pick_prefill`)."""
+        block_size = self.pool.model.block_size
+        matches = self.pool.index.longest_prefix(hashes)
+
+        def side(state: WorkerState) -> PrefillSide:
+            held = matches.get(state.worker_id)
+            uncached = max(0, num_tokens - (0 if held is None else held.num_blocks) * block_size)
+            return PrefillSide(
+                state.worker_id,
+                uncached,
+                state.num_queued_tokens,
+                _token_s(state, block_size),
+                state.load.num_running,
+            )
+
+        states = [s for s in self.pool.healthy() if s.worker_id not in excluded]
+        sides = [side(s) for s in states]
+        own = next((c for c in sides if c.worker == chosen.worker), None)
+        if own is None:
+            return chosen
+        _, weight = with_answers(self._slo, self.mean_answer.tokens, self.config.pd_stall_weight)
+        picked = pick_prefill(sides, own, weight)
+        if picked.worker == chosen.worker:
+            return chosen
+        held_blocks = (num_tokens - picked.uncached_tokens) // block_size
+        reason = "prefill where it stalls fewer streams than on the policy's choice"
+        return RouteDecision(picked.worker, "pd", held_blocks, None, reason)
+
     def _decode_choice(self, excluded: set[WorkerId]) -> WorkerState | None:
         states = [
             s for s in self.pool.healthy() if s.worker_id not in excluded and role_of(s) != PREFILL
         ]
         if not states:
             return None
+        now_s = time.monotonic()
         loads = [
             DecodeLoad(
                 s.worker_id,
@@ -215,6 +213,7 @@ class Disaggregation:
                 s.num_requests - s.load.num_running,
                 _free_blocks(s),
                 s.num_queued_tokens,
+                self.shares.share(s.worker_id, now_s),
             )
             for s in states
         ]
@@ -227,6 +226,7 @@ class Disaggregation:
         colocated: Placed,
         prefill: RouteDecision | None,
         decode: WorkerState | None,
+        answer: Answer,
     ) -> PDDecision:
         block_size = self.pool.model.block_size
         at = self.pool.state(colocated.decision.worker)
@@ -246,7 +246,8 @@ class Disaggregation:
             held = self.pool.index.longest_prefix(hashes).get(decode.worker_id)
             away = self._decode_side(decode, num_tokens, 0 if held is None else held.num_blocks)
         slo, weight = with_answers(self._slo, self.mean_answer.tokens, self.config.pd_stall_weight)
-        return decide(num_tokens, block_size, here, there, away, weight, self.handoff_fixed_s, slo)
+        fixed_s = self.handoff_fixed_s
+        return decide(num_tokens, block_size, here, there, away, weight, fixed_s, slo, answer)
 
     def _decode_side(self, state: WorkerState, num_tokens: int, matched_blocks: int) -> DecodeSide:
         block_size = self.pool.model.block_size
@@ -259,6 +260,7 @@ class Disaggregation:
             state.load.num_running,
             _token_s(state, block_size),
             pull_s,
+            self.shares.share(state.worker_id, time.monotonic()),
         )
 
     async def prefill(
@@ -370,7 +372,7 @@ class Disaggregation:
         state = self.pool.state(handoff.prefill.worker)
         actor = state.info.actor_name if state.info is not None else None
         full_blocks = len(progress.prompt_ids) // self.pool.model.block_size
-        holder = HolderHint(actor, full_blocks) if actor else None
+        holder = HolderHint(actor, full_blocks, handoff=True) if actor else None
         decision = RouteDecision(
             handoff.decode, "pd", 0, None, handoff.decision.reason, handoff.decision.pull_blocks
         )

@@ -15,8 +15,14 @@ request itself waits and what it makes the streams already decoding wait:
   blocks (`LANDING_SHARE` of the pull), and the streams the prefill worker decodes (none on a
   prefill worker; a mixed worker's own, between mixed workers) lose the prefill.
 
+Where the request decodes, its own stream waits on the prompts that worker will compute: the
+share of its time the worker has lately spent on prompts (`router.pd_pick.PrefillShare`) of the
+answer's expected decode (`router.answers.Answer`).
+
 Disaggregated wins when its total (the request's wait plus `stall_weight` times the others'
-loss) is lower. No fixed prompt-length threshold: a long prompt arriving at an idle decode
+loss, and its own stream's delays, the hand-off's gap and that wait, weighted as a stream's over
+its own answer: a short answer's few gaps feel a hand-off most) is lower. No fixed prompt-length
+threshold: a long prompt arriving at an idle decode
 worker stays colocated (nobody to disturb, no transfer to pay); a short one lands on a prefill
 worker when the decode batch is large enough that even it hurts. Pure: the router
 (`router.disagg`) and the simulator (`cachesvc.sim`) both call `decide`.
@@ -29,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cachesvc.types import WorkerId
+from router.answers import MEAN_ANSWER_PRIOR, Answer
 
 MIXED, PREFILL, DECODE = "mixed", "prefill", "decode"
 ROLES = (MIXED, PREFILL, DECODE)
@@ -66,13 +73,9 @@ class DecodeSide:
     num_running: int  # streams it is decoding (their tokens wait on any prefill it runs)
     token_s: float  # its seconds of prefill per token (calibrated)
     pull_block_s: float | None  # its calibrated seconds per pulled block; None: it never pulls
-
-
-# The mean answer (tokens) before any request has finished, and how many answers it counts as:
-# a chat turn's order of magnitude (the sample trace's is 149, MLPerf's Llama-3.1-8B server
-# ~190), soon outweighed by what the router sees.
-MEAN_ANSWER_PRIOR = 200.0
-MEAN_ANSWER_PRIOR_WEIGHT = 20
+    # The share of its time it has lately spent on prompts (`PrefillShare`): a stream decoding
+    # there waits about that share of its life on the prompts still to come.
+    prefill_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -95,18 +98,25 @@ class SLO:
         return self.ttft_s / (max(1.0, self.mean_answer - 1) * self.itl_s)
 
     def misses(
-        self, ttft_s: float, own_gaps_s: Sequence[float], num_streams: int, stall_s: float
+        self,
+        ttft_s: float,
+        own_gaps_s: Sequence[float],
+        num_streams: int,
+        stall_s: float,
+        own_answer: float | None = None,
     ) -> int:
         """Targets a mode is predicted to break: the request's TTFT, its mean ITL (its own
-        gaps, a hand-off's, spread over the mean answer), and the mean ITL of each of
-        `num_streams` running streams that lose `stall_s` (spread over the mean answer too: the
-        router knows neither how far a stream is nor its other gaps, taken as nothing)."""
+        gaps, a hand-off's, spread over its answer of `own_answer` tokens, default the mean),
+        and the mean ITL of each of `num_streams` running streams that lose `stall_s` (spread
+        over the mean answer: the router knows neither how far a stream is nor its other gaps,
+        taken as nothing)."""
         misses = 0
         if self.ttft_s is not None and ttft_s > self.ttft_s:
             misses += 1
         if self.itl_s is not None:
             budget_s = self.itl_s * max(1.0, self.mean_answer - 1)
-            misses += sum(own_gaps_s) > budget_s
+            own = self.mean_answer if own_answer is None else own_answer
+            misses += sum(own_gaps_s) > self.itl_s * max(1.0, own - 1)
             if stall_s > budget_s:
                 misses += num_streams
         return misses
@@ -124,23 +134,6 @@ def with_answers(
     return slo, stall_weight if weight is None else weight
 
 
-class MeanAnswer:
-    """The mean answer length (tokens) of finished requests, from `MEAN_ANSWER_PRIOR`; mutated
-    by `observe`."""
-
-    def __init__(self) -> None:
-        self._total = MEAN_ANSWER_PRIOR * MEAN_ANSWER_PRIOR_WEIGHT
-        self._count = MEAN_ANSWER_PRIOR_WEIGHT
-
-    def observe(self, num_tokens: int) -> None:
-        self._total += num_tokens
-        self._count += 1
-
-    @property
-    def tokens(self) -> float:
-        return self._total / self._count
-
-
 @dataclass(frozen=True)
 class PDDecision:
     """Colocated or disaggregated, why, and what each mode was predicted to cost (seconds)."""
@@ -155,6 +148,14 @@ class PDDecision:
     disaggregated_stall_s: float = 0.0
     pull_blocks: int = 0  # disaggregated: blocks the decode worker pulls
     handoff_fixed_s: float = 0.0  # the part of `handoff_s` that does not scale with the request
+    # The prompt's own compute where it would run (seconds), colocated and disaggregated.
+    colocated_prefill_s: float = 0.0
+    disaggregated_prefill_s: float = 0.0
+
+    @property
+    def prefill_s(self) -> float:
+        """The prompt's compute where it runs."""
+        return self.disaggregated_prefill_s if self.disaggregate else self.colocated_prefill_s
 
     @property
     def predicted_ttft_s(self) -> float:
@@ -174,18 +175,30 @@ def decide(
     stall_weight: float = 1.0,
     handoff_fixed_s: float = 0.0,
     slo: SLO | None = None,
+    answer: Answer | None = None,
 ) -> PDDecision:
     """Colocated on `colocated.worker`, or prefill on `prefill.worker` and decode on
     `decode.worker` (default: the colocated one). `None` for `prefill` (no prefill worker) or a
     decode worker that cannot pull is colocated. `handoff_fixed_s` is what a hand-off costs
     whatever its size (a second call, a step on each side: the router measures it). With an
     `slo`, the mode that breaks fewer targets wins (`SLO.misses`), and the delays decide only
-    between modes that break as many."""
+    between modes that break as many.
+
+    With the request's `answer` known, its own stream's delays count as a decoding stream's
+    (`stall_weight`, scaled by `Answer.gap_weight`): the hand-off's gap, and the share of its
+    decode it waits on the prompts its worker will compute (`prefill_share`); without, the
+    hand-off counts as TTFT and nothing is waited."""
     decode = colocated if decode is None else decode
     local_s = colocated.uncached_tokens * colocated.token_s
     colocated_ttft = colocated.queued_tokens * colocated.token_s + local_s
     colocated_stall = colocated.num_running * local_s
-    stay = PDDecision(False, "", colocated_ttft, colocated_stall_s=colocated_stall)
+    stream_s = 0.0 if answer is None else answer.decode_s
+    own_weight = 1.0 if answer is None else stall_weight * answer.gap_weight
+    own_answer = None if answer is None else answer.tokens
+    kept_wait_s = colocated.prefill_share * stream_s  # its own stream's, on prompts to come
+    stay = PDDecision(
+        False, "", colocated_ttft, colocated_stall_s=colocated_stall, colocated_prefill_s=local_s
+    )
     if prefill is None:
         return dataclasses.replace(stay, reason="colocated: no prefill worker")
     if decode.pull_block_s is None:
@@ -205,22 +218,28 @@ def decide(
     handoff = handoff_fixed_s + waited_s + decode.queued_tokens * decode.token_s + tail_s
     decode_stall_s = tail_s + LANDING_SHARE * pull_s
     stall = prefill.num_running * prefill_s + decode.num_running * decode_stall_s
-    stays = colocated_ttft + stall_weight * colocated_stall
-    moves = ttft + handoff + stall_weight * stall
+    moved_wait_s = decode.prefill_share * stream_s
+    stays = colocated_ttft + own_weight * kept_wait_s + stall_weight * colocated_stall
+    moves = ttft + own_weight * (handoff + moved_wait_s) + stall_weight * stall
     disaggregate = moves < stays
     missed = ""
     if slo is not None:
-        kept = slo.misses(colocated_ttft, (), colocated.num_running, local_s)
-        moved = slo.misses(ttft, (handoff,), decode.num_running, decode_stall_s)
+        kept = slo.misses(
+            colocated_ttft, (kept_wait_s,), colocated.num_running, local_s, own_answer
+        )
+        moved = slo.misses(
+            ttft, (handoff, moved_wait_s), decode.num_running, decode_stall_s, own_answer
+        )
         moved += slo.misses(0.0, (), prefill.num_running, prefill_s)
         if kept != moved:
             disaggregate = moved < kept
         missed = f"; SLO misses {moved} moved vs {kept} kept"
     reason = (
         f"{'disaggregated' if disaggregate else 'colocated'}: moved {moves * 1e3:.0f} ms "
-        f"(prefill {ttft * 1e3:.0f} + handoff {handoff * 1e3:.0f} + stall {stall * 1e3:.0f}) "
-        f"vs kept {stays * 1e3:.0f} ms (prefill {colocated_ttft * 1e3:.0f} + stall "
-        f"{colocated_stall * 1e3:.0f} over {colocated.num_running} streams){missed}"
+        f"(prefill {ttft * 1e3:.0f} + handoff {handoff * 1e3:.0f} + stall {stall * 1e3:.0f} "
+        f"+ wait {moved_wait_s * 1e3:.0f}) vs kept {stays * 1e3:.0f} ms (prefill "
+        f"{colocated_ttft * 1e3:.0f} + stall {colocated_stall * 1e3:.0f} over "
+        f"{colocated.num_running} streams + wait {kept_wait_s * 1e3:.0f}){missed}"
     )
     return PDDecision(
         disaggregate,
@@ -232,6 +251,8 @@ def decide(
         stall,
         pull_blocks,
         handoff_fixed_s,
+        local_s,
+        prefill_s,
     )
 
 
@@ -250,24 +271,3 @@ def early_pull_s(
     last_s = min(pull_blocks, -(-chunk // block_size)) * pull_block_s
     overlap_s = prefill_s * (num_chunks - 1) / num_chunks
     return max(last_s, pull_s - overlap_s)
-
-
-@dataclass(frozen=True)
-class DecodeLoad:
-    """What `pick_decode` sees of a decode-side worker."""
-
-    worker: WorkerId
-    num_running: int
-    num_waiting: int
-    free_blocks: int
-    num_queued_tokens: int
-
-
-def pick_decode(loads: Sequence[DecodeLoad]) -> WorkerId:
-    """The decode worker for a disaggregated request, by decode load: the fewest streams
-    (running and waiting), then the least queued prefill work, then the most free KV blocks
-    (never empty). Ties go to the first."""
-    best = min(
-        loads, key=lambda w: (w.num_running + w.num_waiting, w.num_queued_tokens, -w.free_blocks)
-    )
-    return best.worker

@@ -183,7 +183,7 @@ class WorkerActor:
         if holder is not None and self._engine.engine.config.peer_pull:
             from workers.engine.request import PeerSource
 
-            peer = PeerSource(holder.actor_name, holder.num_blocks)
+            peer = PeerSource(holder.actor_name, holder.num_blocks, holder.handoff)
             # A prefetch of this prompt still under way brings its blocks: wait, not pull twice.
             timeout_s = self._engine.engine.config.peer_pull_timeout_s
             prefetched = await self._prefetcher.settled(

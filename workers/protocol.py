@@ -95,10 +95,13 @@ class PollResult:
 class HolderHint:
     """A worker that holds a longer prefix of a request than the one chosen to run it: the
     name of its Ray actor (in the chosen worker's namespace) and how many leading blocks of the
-    prompt it holds. The chosen worker may pull the blocks it lacks from it."""
+    prompt it holds. The chosen worker may pull the blocks it lacks from it. `handoff`: the
+    holder computed the prompt for this very request (prefill/decode disaggregation) and keeps
+    it, so the chosen worker's copy is the first to be evicted once the request ends."""
 
     actor_name: str
     num_blocks: int
+    handoff: bool = False
 
 
 # The key of `Usage.cached_tokens` for prompt tokens whose KV was pulled from another worker

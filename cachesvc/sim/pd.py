@@ -11,9 +11,9 @@ Four modes over one cluster:
   choice among the decode workers against computing its prompt on the policy's choice among
   the prefill workers and decoding on `pick_decode`'s.
 - `dynamic`: every worker is mixed; per request, `decide` weighs running it colocated on the
-  policy's choice against computing its prompt there and decoding on `pick_decode`'s choice
-  among the other workers (the prefill then stalls the streams decoding on the policy's
-  choice either way).
+  policy's choice against computing its prompt where it stalls the fewest streams among the
+  workers holding as much of it with no more queued (`pick_prefill`; the policy's choice when
+  none is better) and decoding on `pick_decode`'s choice among the other workers.
 
 As `router.disagg` sees them: a worker's uncached prompt tokens (the policy's match on the
 colocated and prefill sides, the prefix index's on the decode side), its queued tokens, its
@@ -26,7 +26,11 @@ A disaggregated request runs twice: on its prefill worker up to its first token
 prompt's full blocks from the prefill worker (`SimLoads.plan_handoff`: the profile's pull cost,
 the holder's staging), computes the tail (the last partial block and the first token) and
 decodes the rest of the output. With `prefetch` (the router's `pd_prefetch`) that pull started
-when the request was routed, each prefill step's blocks once it ended (`EarlyPull`).
+when the request was routed, each prefill step's blocks once it ended (`EarlyPull`). As the
+router does, each request's answer is bounded by its `max_tokens` (a replay's client sets it to
+the recorded answer, as benchmark clients replaying a trace do), and each worker's recent prompt
+work is kept (`PrefillShare`); the decode worker evicts its copy of the prompt first once the
+request ends (`BlockPool.free(evict_first=)`).
 """
 
 from __future__ import annotations
@@ -41,21 +45,20 @@ from cachesvc.sim.seq import EarlyPull, SimPeer, SimSeq
 from cachesvc.sim.trace import SimRequest
 from cachesvc.sim.worker import SimWorker
 from cachesvc.types import WorkerId
+from router.answers import Answer, MeanAnswer
 from router.disagg import HANDOFF_FIXED_PRIOR_S, SERVING_ROLES
 from router.pd import (
     DECODE,
     MIXED,
     PREFILL,
     SLO,
-    DecodeLoad,
     DecodeSide,
-    MeanAnswer,
     PDDecision,
     PrefillSide,
     decide,
-    pick_decode,
     with_answers,
 )
+from router.pd_pick import DecodeLoad, PrefillShare, pick_decode, pick_prefill
 from router.placement import Choice, LiveWorker, choose
 from router.policy import PEER, Policy, RouteRequest
 
@@ -166,6 +169,7 @@ class PDRoutes:
         self.handoff_fixed_s = HANDOFF_FIXED_PRIOR_S
         self.slo = slo  # the router's latency targets (`pd_ttft_slo_ms`, `pd_itl_slo_ms`)
         self.mean_answer = MeanAnswer()  # learnt from finished requests, as the router does
+        self.shares = PrefillShare()  # each worker's recent prompt work, as the router's
         self.decisions: dict[int, PDDecision] = {}  # request index -> the decision
         self._decode_on: dict[int, SimWorker] = {}  # a prefill under way -> its decode worker
         self._unmeasured: list[SimSeq] = []  # handed off, second token not seen yet
@@ -179,31 +183,50 @@ class PDRoutes:
             return None
         matches = self.index.longest_prefix(req.hashes[: req.num_full_blocks])
         colocated, here = choose_among(self.policy, req, decode_side, matches, self.holders)
-        if self.dynamic:  # the prompt runs where the policy chose; the decode may go elsewhere
-            prefill, there = colocated, here
+        now_s = req.arrival_s
+        slo, weight = with_answers(self.slo, self.mean_answer.tokens, self.stall_weight)
+        there: Choice | None = here
+        if self.dynamic:  # the prompt runs where it stalls least; the decode may go elsewhere
+            sides = {
+                w.worker_id: _prefill_side(req, w, _held(matches, w), False) for w in prefill_side
+            }
+            chosen = pick_prefill(list(sides.values()), sides[colocated.worker_id], weight)
+            prefill = next(w for w in prefill_side if w.worker_id == chosen.worker)
+            if prefill is colocated:
+                there_blocks = here.decision.matched_blocks
+            else:  # the policy is asked only if the prompt goes there (it remembers choices)
+                there, there_blocks = None, _held(matches, prefill)
             decode_side = [w for w in decode_side if w is not prefill] or [prefill]
         else:
             prefill, there = choose_among(self.policy, req, prefill_side, matches, self.holders)
-        loads = [_decode_load(w) for w in decode_side]
+            there_blocks = there.decision.matched_blocks
+        shares = {w.worker_id: self.shares.share(w.worker_id, now_s) for w in self.workers}
+        loads = [_decode_load(w, shares[w.worker_id]) for w in decode_side]
         decode = next(w for w in decode_side if w.worker_id == pick_decode(loads))
-        held = matches.get(decode.worker_id)
-        slo, weight = with_answers(self.slo, self.mean_answer.tokens, self.stall_weight)
+        kept = _decode_side(req, colocated, here.decision.matched_blocks, shares)
+        away = _decode_side(req, decode, _held(matches, decode), shares)
+        there_side = _prefill_side(req, prefill, there_blocks, self.prefetch)
         decision = decide(
             req.prompt_len,
             req.block_size,
-            _decode_side(req, colocated, here.decision.matched_blocks),
-            _prefill_side(req, prefill, there.decision.matched_blocks, self.prefetch),
-            _decode_side(req, decode, 0 if held is None else held.num_blocks),
+            kept,
+            there_side,
+            away,
             weight,
             self.handoff_fixed_s,
             slo,
+            Answer.of(req.output_len, self.mean_answer),
         )
         if self.mode == ALWAYS:
             decision = dataclasses.replace(decision, disaggregate=True, reason="always")
         self.decisions[req.index] = decision
         if not decision.disaggregate:
+            self.shares.add(kept.worker, decision.prefill_s, now_s)
             seq = joining(req, colocated, here, matches, self.workers)
             return Routed(colocated, seq, decision.reason)
+        self.shares.add(prefill.worker_id, decision.prefill_s, now_s)
+        if there is None:
+            _, there = choose_among(self.policy, req, [prefill], matches, self.holders)
         # A one-token answer is done when its prefill is: nothing to hand over.
         seq = joining(req, prefill, there, matches, self.workers, req.output_len > 1)
         if seq.prefill_only:
@@ -214,7 +237,9 @@ class PDRoutes:
         """A request's prefill finished on `prefill` with its first token: its decode, joining
         its decode worker (None for anything else that finished: its answer is learnt)."""
         if not done.prefill_only:
-            self.mean_answer.observe(done.req.output_len)
+            times = done.token_times
+            decode_s = times[-1] - times[0] if times else None
+            self.mean_answer.observe(done.req.output_len, decode_s)
             return None
         decode = self._decode_on.pop(done.req.index)
         req = done.req
@@ -249,6 +274,11 @@ class PDRoutes:
         self._unmeasured = waiting
 
 
+def _held(matches: Mapping[WorkerId, PrefixMatch], worker: SimWorker) -> int:
+    match = matches.get(worker.worker_id)
+    return 0 if match is None else match.num_blocks
+
+
 def _uncached(req: SimRequest, held_blocks: int) -> int:
     """Prompt tokens a worker holding `held_blocks` of the prompt computes."""
     return max(0, req.prompt_len - held_blocks * req.block_size)
@@ -276,7 +306,9 @@ def _prefill_side(
     )
 
 
-def _decode_side(req: SimRequest, worker: SimWorker, held_blocks: int) -> DecodeSide:
+def _decode_side(
+    req: SimRequest, worker: SimWorker, held_blocks: int, shares: Mapping[WorkerId, float]
+) -> DecodeSide:
     costs = worker.block_costs()
     return DecodeSide(
         worker.worker_id,
@@ -285,14 +317,16 @@ def _decode_side(req: SimRequest, worker: SimWorker, held_blocks: int) -> Decode
         len(worker.running),
         _token_s(worker),
         None if costs is None else costs.fetch_s.get(PEER),
+        shares[worker.worker_id],
     )
 
 
-def _decode_load(worker: SimWorker) -> DecodeLoad:
+def _decode_load(worker: SimWorker, prefill_share: float) -> DecodeLoad:
     return DecodeLoad(
         worker.worker_id,
         len(worker.running),
         len(worker.waiting),
         worker.pool.num_free,
         worker.num_queued_tokens,
+        prefill_share,
     )

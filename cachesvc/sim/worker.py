@@ -306,7 +306,8 @@ class SimWorker:
     def _free(self, seq: SimSeq) -> None:
         """Give back every block of `seq`, tail first (a prefix's head is evicted last)."""
         self.loads.drop(seq)
-        self.pool.free(list(reversed(seq.block_ids)))
+        # A hand-off's decode holds a copy of a prompt its prefill worker keeps: evicted first.
+        self.pool.free(list(reversed(seq.block_ids)), evict_first=seq.pulls_prompt)
         seq.block_ids = []
         seq.computed = 0
 

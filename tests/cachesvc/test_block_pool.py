@@ -40,6 +40,24 @@ def test_cached_free_blocks_are_evicted_least_recently_freed_first() -> None:
     pool.check_integrity()
 
 
+def test_a_copy_freed_to_the_front_is_evicted_before_older_blocks() -> None:
+    """`evict_first` (a hand-off's copy, kept by the worker that computed it): its blocks are
+    evicted before blocks freed earlier, tail first; a block still shared stays in use."""
+    pool = BlockPool(5)
+    old, head, tail, shared, spare = pool.allocate(5)
+    for blk in (old, head, tail, shared):
+        pool.register(blk, BlockHash(bytes([int(blk)])), [int(blk)])
+    pool.touch([shared])  # another request holds it too
+    pool.free([old])
+    pool.free([tail, head, shared], evict_first=True)
+    assert pool.ref_count(shared) == 1 and pool.num_free == 3
+    assert pool.allocate(2) == [tail, head]
+    assert pool.lookup(BlockHash(bytes([int(old)])), [int(old)]) == old
+    pool.free([spare])  # freed the usual way: behind the cached old block
+    assert pool.allocate(1) == [old]
+    pool.check_integrity()
+
+
 def test_lookup_checks_token_ids() -> None:
     pool = BlockPool(2)
     [blk] = pool.allocate(1)

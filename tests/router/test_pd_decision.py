@@ -8,17 +8,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cachesvc.types import WorkerId
+from router.answers import MEAN_ANSWER_PRIOR, Answer, MeanAnswer
 from router.pd import (
-    MEAN_ANSWER_PRIOR,
     SLO,
-    DecodeLoad,
     DecodeSide,
-    MeanAnswer,
     PrefillSide,
     decide,
-    pick_decode,
     with_answers,
 )
+from router.pd_pick import DecodeLoad, pick_decode
 
 BLOCK = 16
 TOKEN_S = 1e-4  # 10 000 prompt tokens a second
@@ -191,6 +189,10 @@ _sides = st.tuples(
     weight=st.floats(0.0, 10.0),
     fixed_s=st.floats(0.0, 0.1),
     slo=st.sampled_from([None, SLO(2.0, 0.1), SLO(itl_s=0.05), SLO(ttft_s=1.0)]),
+    shares=st.tuples(st.floats(0.0, 0.9), st.floats(0.0, 0.9)),
+    answer=st.one_of(
+        st.none(), st.builds(Answer, st.floats(1, 2000), st.floats(1, 2000), st.floats(0, 60))
+    ),
 )
 def test_a_hand_off_from_the_policys_choice_never_beats_colocated(
     num_tokens: int,
@@ -199,15 +201,21 @@ def test_a_hand_off_from_the_policys_choice_never_beats_colocated(
     weight: float,
     fixed_s: float,
     slo: SLO | None,
+    shares: tuple[float, float],
+    answer: Answer | None,
 ) -> None:
-    """Over mixed workers the prompt runs where it would colocated: the request's TTFT and its
-    worker's streams' loss are the same, the hand-off and the decode side's loss come on top,
-    so `decide` keeps it (colocated is one of its options)."""
+    """Over mixed workers, with the prompt where it would run colocated: the request's TTFT
+    and its worker's streams' loss are the same, the hand-off and the decode side's loss come
+    on top, so `decide` keeps it (colocated is one of its options) unless the decode side
+    computes prompts less of its time (its stream would wait less on them)."""
     uncached, queued, running, token_s = here
+    kept_share, moved_share = max(shares), min(shares)
     prompt_side = PrefillSide(WorkerId("w"), uncached, queued, token_s, running)
-    colocated = DecodeSide(WorkerId("w"), uncached, queued, running, token_s, PULL_BLOCK_S)
-    decode = DecodeSide(WorkerId("d"), *away, PULL_BLOCK_S)
-    d = decide(num_tokens, BLOCK, colocated, prompt_side, decode, weight, fixed_s, slo)
+    colocated = DecodeSide(
+        WorkerId("w"), uncached, queued, running, token_s, PULL_BLOCK_S, moved_share
+    )
+    decode = DecodeSide(WorkerId("d"), *away, PULL_BLOCK_S, kept_share)
+    d = decide(num_tokens, BLOCK, colocated, prompt_side, decode, weight, fixed_s, slo, answer)
     assert not d.disaggregate, d.reason
 
 
@@ -226,3 +234,50 @@ def test_a_pull_while_the_prefill_runs_leaves_the_last_chunk_for_the_hand_off() 
     # A prompt of one chunk moves after its token, as without.
     one = PrefillSide(WorkerId("p"), 8000, 0, TOKEN_S, chunk_tokens=8192)
     assert decide(8000, BLOCK, busy, one).handoff_s == pytest.approx(after.handoff_s)
+
+
+def test_an_answer_is_bounded_by_its_max_tokens() -> None:
+    mean = MeanAnswer()
+    assert mean.decode_s == 0.0, "nothing decoded yet"
+    mean.observe(201, decode_s=4.0)
+    mean.observe(199, decode_s=2.0)
+    mean.observe(1)  # a one-token answer has no decode time to tell
+    assert mean.decode_s == pytest.approx(3.0)
+    short = Answer.of(11, mean)
+    assert short.tokens == 11 and short.mean_tokens == mean.tokens
+    assert short.gap_weight == pytest.approx((mean.tokens - 1) / 10)
+    assert short.decode_s == pytest.approx(3.0 * 11 / mean.tokens)
+    unbounded = Answer.of(None, mean)
+    assert unbounded.tokens == mean.tokens and unbounded.gap_weight == 1.0
+    assert Answer.of(10**6, mean) == unbounded, "max_tokens bounds it, never lengthens it"
+
+
+def test_a_short_answer_keeps_its_stream_whole() -> None:
+    """16 streams would lose a 0.8 s prefill, so a mean answer moves. A 3-token answer's only
+    gaps are the hand-off's: spread over 2 gaps rather than 199, the same 0.1 s weighs ~100x
+    and it stays (the ITL goodput counts is its mean gap)."""
+    mean = MeanAnswer()
+    mean.observe(200, decode_s=2.0)
+    busy, prefill = _decode(8000, running=16), _prefill(8000)
+    weight = 0.05
+    moved = decide(8000, BLOCK, busy, prefill, None, weight, 0.1, answer=Answer.of(None, mean))
+    kept = decide(8000, BLOCK, busy, prefill, None, weight, 0.1, answer=Answer.of(3, mean))
+    assert moved.disaggregate and not kept.disaggregate
+    assert "handoff" in kept.reason
+
+
+def test_a_stream_avoids_a_worker_that_keeps_computing_prompts() -> None:
+    """Its worker spends 0.6 of its time on prompts: over its 10 s decode the stream would
+    wait 6 s on them, against 0.6 s on a decode worker at 0.06; nobody decodes on either now,
+    so only that wait tells them apart."""
+    mean = MeanAnswer()
+    mean.observe(int(mean.tokens), decode_s=10.0)
+    answer = Answer.of(None, mean)
+    here = DecodeSide(WorkerId("w"), 8000, 0, 0, TOKEN_S, PULL_BLOCK_S, prefill_share=0.6)
+    quiet = DecodeSide(WorkerId("d"), 8000, 0, 0, TOKEN_S, PULL_BLOCK_S, prefill_share=0.06)
+    d = decide(8000, BLOCK, here, _prefill(8000), quiet, 1.0, 0.02, answer=answer)
+    assert d.disaggregate and "wait 600" in d.reason
+    assert not decide(8000, BLOCK, here, _prefill(8000), quiet, 1.0, 0.02).disaggregate
+    targets = SLO(2.0, 0.02, mean_answer=mean.tokens)  # 6 s over 199 gaps breaks 20 ms
+    d = decide(8000, BLOCK, here, _prefill(8000), quiet, 1.0, 0.02, targets, answer)
+    assert d.disaggregate and "SLO misses 0 moved vs 1 kept" in d.reason

@@ -256,10 +256,12 @@ class KVCacheManager:
         return [(parent.block_ids[num_full], copy)]
 
     def free(self, request: Request) -> None:
-        """Release all of a request's blocks, tail first so the prefix head is evicted last."""
+        """Release all of a request's blocks, tail first so the prefix head is evicted last; a
+        hand-off's (its prompt computed and kept by the prefill worker), before any other."""
         if self.tiering is not None:
             self.tiering.release(request)
-        self.pool.free(list(reversed(request.block_ids)))
+        copy = request.peer is not None and request.peer.handoff
+        self.pool.free(list(reversed(request.block_ids)), evict_first=copy)
         request.block_ids = []
 
     def _register(self, request: Request, first: int, end: int) -> None:

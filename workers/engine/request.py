@@ -32,6 +32,9 @@ class PeerSource:
 
     name: str
     num_blocks: int
+    # It computed the prompt for this request, handed off to decode here: it keeps the
+    # blocks, so the copy here is evicted first once the request ends.
+    handoff: bool = False
 
 
 @dataclass(eq=False)
