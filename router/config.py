@@ -116,9 +116,10 @@ class RouterConfig:
     pd_ttft_slo_ms: float | None = None
     pd_itl_slo_ms: float | None = None
     # With no prefill workers and two or more mixed ones, per request ("auto") or for every
-    # request ("always") compute the prompt where the policy chose and hand the decode to
-    # another mixed worker. Off: simulated, "auto" predicts a hand-off never pays there (the
-    # prefill stalls the policy's choice's streams either way), so it would only add planning.
+    # request ("always") compute the prompt where the policy chose (or where it stalls fewer
+    # streams, `pick_prefill`) and hand the decode to another mixed worker. Off by default:
+    # simulated on long prompts it serves up to 1.4x colocated's goodput, on the sample trace
+    # it ties colocated (docs/benchmarks.md); every worker must pull from its peers.
     pd_mixed: bool = False
     # A handed-off request's decode worker pulls the prompt's KV while its prefill runs, chunk
     # by chunk as the prefill worker computes it (`router/prefetch.py`), rather than after the

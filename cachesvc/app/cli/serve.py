@@ -65,8 +65,8 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "--pd-mixed",
         action="store_true",
         help="with no prefill workers and two or more mixed ones: a prompt computed where the "
-        "policy chose may be decoded on another worker (--pd-mode auto: when predicted to pay, "
-        "which the simulator finds it never is; always: every request)",
+        "policy chose (or where it stalls fewer streams) may be decoded on another worker "
+        "(--pd-mode auto: when predicted to pay; always: every request)",
     )
     for name, what in (("ttft", "time to first token"), ("itl", "gap between two tokens")):
         serve.add_argument(

@@ -210,7 +210,8 @@ def _add_pd_arguments(sim: Any) -> None:
         default=None,
         help="colocated (all mixed), always (disaggregated), decide (per request, "
         "router.pd.decide, with --prefill-workers) or dynamic (per request over mixed workers: "
-        "the prompt where the policy chose, the decode there or on another); prints goodput "
+        "the prompt where the policy chose or where it stalls fewer streams, the decode there "
+        "or on another); prints goodput "
         "and latencies",
     )
     pd.add_argument(
