@@ -187,11 +187,7 @@ class PDRoutes:
         slo, weight = with_answers(self.slo, self.mean_answer.tokens, self.stall_weight)
         there: Choice | None = here
         if self.dynamic:  # the prompt runs where it stalls least; the decode may go elsewhere
-            sides = {
-                w.worker_id: _prefill_side(req, w, _held(matches, w), False) for w in prefill_side
-            }
-            chosen = pick_prefill(list(sides.values()), sides[colocated.worker_id], weight)
-            prefill = next(w for w in prefill_side if w.worker_id == chosen.worker)
+            prefill = _mixed_prefill(req, colocated, prefill_side, matches, weight)
             if prefill is colocated:
                 there_blocks = here.decision.matched_blocks
             else:  # the policy is asked only if the prompt goes there (it remembers choices)
@@ -272,6 +268,19 @@ class PDRoutes:
             residual = max(0.0, measured - (decision.handoff_s - decision.handoff_fixed_s))
             self.handoff_fixed_s += HANDOFF_WEIGHT * (residual - self.handoff_fixed_s)
         self._unmeasured = waiting
+
+
+def _mixed_prefill(
+    req: SimRequest,
+    colocated: SimWorker,
+    workers: Sequence[SimWorker],
+    matches: Mapping[WorkerId, PrefixMatch],
+    stall_weight: float,
+) -> SimWorker:
+    """Between mixed workers, where the prompt runs if it is handed off (`pick_prefill`)."""
+    sides = {w.worker_id: _prefill_side(req, w, _held(matches, w), False) for w in workers}
+    chosen = pick_prefill(list(sides.values()), sides[colocated.worker_id], stall_weight)
+    return next(w for w in workers if w.worker_id == chosen.worker)
 
 
 def _held(matches: Mapping[WorkerId, PrefixMatch], worker: SimWorker) -> int:
