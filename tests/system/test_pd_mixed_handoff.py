@@ -1,6 +1,7 @@
 """Prefill/decode hand-off between two MIXED workers (`pd_mixed`): no worker has a role; the
-prompt runs on the worker the policy chose and the decode on the other, which pulls the
-prompt's KV from it. The client's tokens and text are colocated serving's."""
+prompt runs on the worker the policy chose (or on the other, when it holds as much and its
+prefill stalls fewer streams there) and the decode on the other, which pulls the prompt's KV
+from it. The client's tokens and text are colocated serving's."""
 
 from __future__ import annotations
 
@@ -121,3 +122,62 @@ def test_a_frozen_prompt_worker_falls_back_on_the_other(
     assert tokens == expected
     assert usage.worker_id == other and not usage.prefill_worker_id
     _flush(server)
+
+
+def test_the_prompt_moves_off_a_worker_whose_streams_it_would_stall(
+    start_router: Any, mixed: dict[WorkerId, Any]
+) -> None:
+    """Round robin sends the request to mixed-0, which is decoding four streams; mixed-1
+    holds as much of the prompt (nothing) with no more queued and decodes nothing, so the
+    prompt is computed there (`pick_prefill`) and the decode goes to mixed-0. Tokens as
+    colocated. An attempt counts only if the stream was still decoding when the request
+    ended (on a fast machine it may end first)."""
+    import threading
+    import uuid
+
+    import ray
+
+    busy, idle = WORKERS
+    sampling = pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for attempt in range(3):
+        # A prompt no worker has seen: neither holds any of it.
+        ids = [(13 * j + 7 * attempt) % 250 + 3 for j in range(PROMPT_TOKENS)]
+        # The stall weighs 50x: the prompt's move must not hang on how fast each worker's
+        # calibration says it computes (on a busy host they differ up to 20x).
+        server = start_router(
+            mixed, pd_mode="always", pd_mixed=True, policy="round_robin", pd_stall_weight=50.0
+        )
+        params = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True, "n": 4}
+        stream = (
+            mixed[busy]
+            .generate.options(num_returns="streaming")
+            .remote([5, 6, 7, 8, 9], params, uuid.uuid4().hex, None)
+        )
+        done = threading.Event()
+
+        def drain(refs: Any = stream, ended: threading.Event = done) -> None:
+            for ref in refs:
+                ray.get(ref)
+            ended.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        state = server.router.pool.state(busy)
+        seen = False
+        for _ in range(200):  # the router sees the stream at its next poll
+            seen = state.load.num_running > 0
+            if seen or done.is_set():
+                break
+            done.wait(0.01)
+        tokens, _, usage, _ = _answer(server, ids, sampling)
+        raced = done.is_set() or not seen
+        done.wait(60)
+        _flush(server)
+        if raced:
+            continue
+        reference = start_router(mixed, pd_mode="never")
+        expected, _, _, _ = _answer(reference, ids, sampling)
+        _flush(reference)
+        assert tokens == expected
+        assert (usage.prefill_worker_id, usage.worker_id) == (idle, busy)
+        return
+    pytest.fail("the long stream ended before the request three times: lengthen it")
