@@ -97,8 +97,11 @@ class ServeConfig:
         stream = None
         if self.router.redis_url is not None:
             stream = EventStreamConfig(self.router.redis_url, self.router.redis_namespace)
+        engine = self.engine
+        if self.router.pd_mixed:  # a hand-off between mixed workers is a pull between them
+            engine = dataclasses.replace(engine, peer_pull=True)
         return WorkerGroup(
-            self.engine,
+            engine,
             self.num_all_workers,
             self.ray_namespace,
             self.device,
@@ -126,6 +129,11 @@ def _check_worker_counts(config: ServeConfig) -> None:
         raise ConfigError(
             "router.peer_pull must be true with prefill or decode workers: decode workers pull "
             "the KV of the prompts prefill workers computed"
+        )
+    if config.router.pd_mixed and not config.router.peer_pull:
+        raise ConfigError(
+            "router.peer_pull must be true with --pd-mixed: a mixed worker that decodes a "
+            "handed-off request pulls the prompt's KV from the one that computed it"
         )
 
 
