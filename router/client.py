@@ -222,3 +222,6 @@ def _apply_usage(sample: dict[str, Any], usage: pb.Usage) -> None:
     sample["cached_tokens_by_tier"] = {k: v for k, v in usage.cached_tokens.items() if v}
     sample["computed_tokens"] = usage.computed_tokens
     sample["worker_id"] = usage.worker_id
+    if usage.prefill_worker_id:  # handed off: where the prompt was computed, the KV moved
+        sample["prefill_worker_id"] = usage.prefill_worker_id
+        sample["kv_transfer_tokens"] = usage.kv_transfer_tokens
