@@ -9,12 +9,10 @@ the prefill worker named as the holder of the prompt's blocks, which its load pl
 the KV data plane (`workers/transfer/`) instead of computing them. Greedy and seeded streams are
 token for token those of colocated serving.
 
-Between mixed workers (`pd_mixed`, no prefill workers): the prompt runs on the worker the policy
-chose, or on one that holds as much of it with no more queued where it stalls fewer streams
-(`pick_prefill`), and the decode may go to another (`pick_decode`'s among the rest, which counts
-how much of its time each spends on prompts); `decide` counts the prefill's stall on the prompt
-worker's own streams, and the request's own stream's wait on the prompts its decode worker will
-compute (`PrefillShare`: each worker's recent prompt work, kept here).
+Between mixed workers (`pd_mixed`, no prefill workers): the prompt runs on the policy's choice or
+where it stalls fewer streams (`pick_prefill`), the decode may go to another (`pick_decode`), and
+`decide` counts the prefill's stall on the prompt worker's own streams. Each worker's recent
+prompt work (`PrefillShare`) is kept here.
 
 Faults: a prefill worker that fails before its token is a request served colocated (the decode
 side computes the prompt); one that fails after it is a pull that fails or times out on the
@@ -30,9 +28,11 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from cachesvc.index import PrefixMatch
 from cachesvc.types import BlockHash, WorkerId
 from router.answers import Answer, MeanAnswer
 from router.config import RouterConfig
@@ -69,6 +69,19 @@ HANDOFF_FIXED_PRIOR_S = 0.02
 _CALIBRATION_WEIGHT = 0.2
 
 PartStream = Callable[..., AsyncGenerator[StreamDelta, None]]
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """What one plan reads of the cluster, once: each worker's cached match of the prompt and
+    the share of its time it lately spent on prompts (healthy workers only)."""
+
+    matches: Mapping[WorkerId, PrefixMatch]
+    shares: Mapping[WorkerId, float]
+
+    def held(self, worker: WorkerId) -> int:
+        match = self.matches.get(worker)
+        return 0 if match is None else match.num_blocks
 
 
 class Disaggregation:
@@ -132,23 +145,26 @@ class Disaggregation:
         colocated = self.placement.route(num_tokens, hashes, excluded, SERVING_ROLES)
         max_tokens = progress.params.get("max_tokens")
         answer = Answer.of(None if max_tokens is None else int(max_tokens), self.mean_answer)
+        now_s = time.monotonic()
+        healthy = [s.worker_id for s in self.pool.healthy()]
+        seen = _Seen(self.pool.index.longest_prefix(hashes), self.shares.shares(now_s, healthy))
         prefill: RouteDecision | None
         if mixed:  # the prompt runs where it stalls least; the decode may go to another
-            prefill = self._mixed_prefill(num_tokens, hashes, colocated.decision, excluded)
-            decode = self._decode_choice(excluded | {prefill.worker})
+            prefill = self._mixed_prefill(num_tokens, seen, colocated.decision, excluded)
+            decode = self._decode_choice(excluded | {prefill.worker}, seen)
         else:
             prefill = self._prefill_choice(num_tokens, hashes, excluded)
-            decode = self._decode_choice(excluded)
-        decision = self._decide(num_tokens, hashes, colocated, prefill, decode, answer)
+            decode = self._decode_choice(excluded, seen)
+        decision = self._decide(num_tokens, seen, colocated, prefill, decode, answer)
         if self.config.pd_mode == "always" and prefill is not None and decode is not None:
             decision = dataclasses.replace(decision, disaggregate=True, reason="always")
         self.metrics.pd_decisions.labels(decision.mode).inc()
         handoff = Handoff(decision, colocated, calibrate=self._calibrate)
         if not decision.disaggregate or prefill is None or decode is None:
-            self.shares.add(colocated.decision.worker, decision.prefill_s, time.monotonic())
+            self.shares.add(colocated.decision.worker, decision.prefill_s, now_s)
             handoff._placed.append(colocated)
             return handoff
-        self.shares.add(prefill.worker, decision.prefill_s, time.monotonic())
+        self.shares.add(prefill.worker, decision.prefill_s, now_s)
         handoff.prefill, handoff.decode = prefill, decode.worker_id
         return handoff
 
@@ -163,31 +179,16 @@ class Disaggregation:
         return placed.decision if role_of(chosen) == PREFILL else None
 
     def _mixed_prefill(
-        self,
-        num_tokens: int,
-        hashes: list[BlockHash],
-        chosen: RouteDecision,
-        excluded: set[WorkerId],
+        self, num_tokens: int, seen: _Seen, chosen: RouteDecision, excluded: set[WorkerId]
     ) -> RouteDecision:
         """Between mixed workers, where the prompt runs if it is handed off: the policy's
         `chosen` worker, or one holding as much of it with no more queued where its prefill
         stalls fewer streams (`pick_prefill`)."""
-        block_size = self.pool.model.block_size
-        matches = self.pool.index.longest_prefix(hashes)
-
-        def side(state: WorkerState) -> PrefillSide:
-            held = matches.get(state.worker_id)
-            uncached = max(0, num_tokens - (0 if held is None else held.num_blocks) * block_size)
-            return PrefillSide(
-                state.worker_id,
-                uncached,
-                state.num_queued_tokens,
-                _token_s(state, block_size),
-                state.load.num_running,
-            )
-
-        states = [s for s in self.pool.healthy() if s.worker_id not in excluded]
-        sides = [side(s) for s in states]
+        sides = [
+            self._prefill_side(s, num_tokens, seen.held(s.worker_id))
+            for s in self.pool.healthy()
+            if s.worker_id not in excluded
+        ]
         own = next((c for c in sides if c.worker == chosen.worker), None)
         if own is None:
             return chosen
@@ -195,17 +196,15 @@ class Disaggregation:
         picked = pick_prefill(sides, own, weight)
         if picked.worker == chosen.worker:
             return chosen
-        held_blocks = (num_tokens - picked.uncached_tokens) // block_size
         reason = "prefill where it stalls fewer streams than on the policy's choice"
-        return RouteDecision(picked.worker, "pd", held_blocks, None, reason)
+        return RouteDecision(picked.worker, "pd", seen.held(picked.worker), None, reason)
 
-    def _decode_choice(self, excluded: set[WorkerId]) -> WorkerState | None:
+    def _decode_choice(self, excluded: set[WorkerId], seen: _Seen) -> WorkerState | None:
         states = [
             s for s in self.pool.healthy() if s.worker_id not in excluded and role_of(s) != PREFILL
         ]
         if not states:
             return None
-        now_s = time.monotonic()
         loads = [
             DecodeLoad(
                 s.worker_id,
@@ -213,7 +212,7 @@ class Disaggregation:
                 s.num_requests - s.load.num_running,
                 _free_blocks(s),
                 s.num_queued_tokens,
-                self.shares.share(s.worker_id, now_s),
+                seen.shares.get(s.worker_id, 0.0),
             )
             for s in states
         ]
@@ -222,7 +221,7 @@ class Disaggregation:
     def _decide(
         self,
         num_tokens: int,
-        hashes: list[BlockHash],
+        seen: _Seen,
         colocated: Placed,
         prefill: RouteDecision | None,
         decode: WorkerState | None,
@@ -230,26 +229,30 @@ class Disaggregation:
     ) -> PDDecision:
         block_size = self.pool.model.block_size
         at = self.pool.state(colocated.decision.worker)
-        here = self._decode_side(at, num_tokens, colocated.decision.matched_blocks)
+        here = self._decode_side(at, num_tokens, colocated.decision.matched_blocks, seen)
         if prefill is None or decode is None:
             return decide(num_tokens, block_size, here, None)
         p = self.pool.state(prefill.worker)
-        uncached = max(0, num_tokens - prefill.matched_blocks * block_size)
-        streams = 0 if role_of(p) == PREFILL else p.load.num_running  # a mixed worker's
-        # With the pull while the prefill runs, its chunk says how much moves before the token.
-        chunk = p.info.step_tokens if self.config.pd_prefetch and p.info is not None else None
-        there = PrefillSide(
-            p.worker_id, uncached, p.num_queued_tokens, _token_s(p, block_size), streams, chunk
-        )
+        there = self._prefill_side(p, num_tokens, prefill.matched_blocks)
         away = here
         if decode.worker_id != at.worker_id:
-            held = self.pool.index.longest_prefix(hashes).get(decode.worker_id)
-            away = self._decode_side(decode, num_tokens, 0 if held is None else held.num_blocks)
+            away = self._decode_side(decode, num_tokens, seen.held(decode.worker_id), seen)
         slo, weight = with_answers(self._slo, self.mean_answer.tokens, self.config.pd_stall_weight)
         fixed_s = self.handoff_fixed_s
         return decide(num_tokens, block_size, here, there, away, weight, fixed_s, slo, answer)
 
-    def _decode_side(self, state: WorkerState, num_tokens: int, matched_blocks: int) -> DecodeSide:
+    def _prefill_side(self, state: WorkerState, num_tokens: int, held_blocks: int) -> PrefillSide:
+        block_size = self.pool.model.block_size
+        streams = 0 if role_of(state) == PREFILL else state.load.num_running  # a mixed worker's
+        info = state.info  # its chunk: what an early pull moves before the token
+        chunk = info.step_tokens if self.config.pd_prefetch and info is not None else None
+        uncached = max(0, num_tokens - held_blocks * block_size)
+        queued, token_s = state.num_queued_tokens, _token_s(state, block_size)
+        return PrefillSide(state.worker_id, uncached, queued, token_s, streams, chunk)
+
+    def _decode_side(
+        self, state: WorkerState, num_tokens: int, matched_blocks: int, seen: _Seen
+    ) -> DecodeSide:
         block_size = self.pool.model.block_size
         costs = state.load.block_costs
         pull_s = None if costs is None else costs.fetch_s.get(PEER)
@@ -260,7 +263,7 @@ class Disaggregation:
             state.load.num_running,
             _token_s(state, block_size),
             pull_s,
-            self.shares.share(state.worker_id, time.monotonic()),
+            seen.shares.get(state.worker_id, 0.0),
         )
 
     async def prefill(

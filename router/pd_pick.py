@@ -6,11 +6,12 @@ streams each decodes and the share of its time it spends on prompts (`PrefillSha
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cachesvc.types import WorkerId
 from router.pd import PrefillSide
+from router.recent import RecentAmounts
 
 # How far back `PrefillShare` looks (seconds, the decay's time constant): a few answers' life
 # (an H100 decodes 300 tokens in ~5 s; a CPU worker here 100 in ~8 s).
@@ -21,25 +22,25 @@ MAX_PREFILL_SHARE = 0.9
 
 class PrefillShare:
     """Each worker's recent prompt work as a share of its time: the predicted seconds of the
-    prompts sent to it, decayed exponentially over `window_s`; a steady stream of r seconds of
-    prefill per second reads r. Mutated by `add`."""
+    prompts sent to it, decayed exponentially over `window_s` (`RecentAmounts`, with the
+    half-life that gives); a steady stream of r seconds of prefill per second reads r. Mutated
+    by `add` and `shares`."""
 
     def __init__(self, window_s: float = PREFILL_SHARE_WINDOW_S) -> None:
         self.window_s = window_s
-        self._work: dict[WorkerId, tuple[float, float]] = {}  # worker -> (seconds, as of)
-
-    def _decayed(self, worker: WorkerId, now_s: float) -> float:
-        seconds, at_s = self._work.get(worker, (0.0, now_s))
-        return seconds * math.exp(-max(0.0, now_s - at_s) / self.window_s)
+        self._work = RecentAmounts(window_s * math.log(2))
 
     def add(self, worker: WorkerId, seconds: float, now_s: float) -> None:
         """`worker` was sent `seconds` of prompt work at `now_s`."""
-        self._work[worker] = (self._decayed(worker, now_s) + max(0.0, seconds), now_s)
+        self._work.advance(now_s, (worker,))
+        self._work.add(worker, max(0.0, seconds))
 
-    def share(self, worker: WorkerId, now_s: float) -> float:
-        """The share of its time `worker` has lately spent on prompts, at most
-        `MAX_PREFILL_SHARE`."""
-        return min(MAX_PREFILL_SHARE, self._decayed(worker, now_s) / self.window_s)
+    def shares(self, now_s: float, workers: Iterable[WorkerId]) -> dict[WorkerId, float]:
+        """The share of its time each of `workers` has lately spent on prompts, at most
+        `MAX_PREFILL_SHARE` (workers not among them for a half-life are forgotten)."""
+        present = list(workers)
+        self._work.advance(now_s, present)
+        return {w: min(MAX_PREFILL_SHARE, self._work.get(w) / self.window_s) for w in present}
 
 
 def pick_prefill(

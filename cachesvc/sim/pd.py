@@ -196,7 +196,7 @@ class PDRoutes:
         else:
             prefill, there = choose_among(self.policy, req, prefill_side, matches, self.holders)
             there_blocks = there.decision.matched_blocks
-        shares = {w.worker_id: self.shares.share(w.worker_id, now_s) for w in self.workers}
+        shares = self.shares.shares(now_s, [w.worker_id for w in self.workers])
         loads = [_decode_load(w, shares[w.worker_id]) for w in decode_side]
         decode = next(w for w in decode_side if w.worker_id == pick_decode(loads))
         kept = _decode_side(req, colocated, here.decision.matched_blocks, shares)

@@ -20,26 +20,31 @@ TOKEN_S = 1e-4
 W, P, Q = WorkerId("w"), WorkerId("p"), WorkerId("q")
 
 
+def _share(shares: PrefillShare, worker: WorkerId, now_s: float) -> float:
+    return shares.shares(now_s, [worker])[worker]
+
+
 def test_a_steady_stream_of_prompt_work_reads_as_its_rate() -> None:
     """0.3 s of prefill sent every second: after a few windows the share reads 0.3 (it
     decays between sends, so it swings just around it); another worker reads nothing."""
     shares = PrefillShare(window_s=10.0)
     for t in range(100):
         shares.add(W, 0.3, float(t))
-    assert shares.share(W, 99.0) == pytest.approx(0.3, rel=0.06)
-    assert shares.share(W, 99.5) < shares.share(W, 99.0)
-    assert shares.share(P, 99.0) == 0.0
+    at_99 = shares.shares(99.0, [W, P])
+    assert at_99[W] == pytest.approx(0.3, rel=0.06)
+    assert at_99[P] == 0.0
+    assert _share(shares, W, 99.5) < at_99[W]
 
 
 def test_the_share_fades_when_prompts_stop_and_is_capped() -> None:
     shares = PrefillShare(window_s=10.0)
     shares.add(W, 100.0, 0.0)  # a burst far past the window: capped
-    assert shares.share(W, 0.0) == MAX_PREFILL_SHARE
+    assert _share(shares, W, 0.0) == MAX_PREFILL_SHARE
     shares.add(P, 5.0, 0.0)
-    assert shares.share(P, 0.0) == pytest.approx(0.5)
-    assert shares.share(P, 10.0) == pytest.approx(0.5 / 2.718281828, rel=1e-6)  # one window
+    assert _share(shares, P, 0.0) == pytest.approx(0.5)
+    assert _share(shares, P, 10.0) == pytest.approx(0.5 / 2.718281828, rel=1e-6)  # one window
     shares.add(P, -1.0, 10.0)  # nothing negative is ever added
-    assert shares.share(P, 10.0) == pytest.approx(0.5 / 2.718281828, rel=1e-6)
+    assert _share(shares, P, 10.0) == pytest.approx(0.5 / 2.718281828, rel=1e-6)
 
 
 def test_a_worker_busy_with_prompts_decodes_as_if_it_had_more_streams() -> None:
