@@ -128,6 +128,12 @@ class RouterConfig:
     # A worker with this many requests (running, waiting or in flight from this router) gets no
     # more: when every worker is that full, a call fails with RESOURCE_EXHAUSTED. None: no limit.
     max_queued_per_worker: int | None = None
+    # Refuse (RESOURCE_EXHAUSTED, HTTP 429) a request predicted to wait longer than this for
+    # its first token where it would run (`router/admission.py`): past capacity the requests
+    # admitted then meet their target instead of none. None: admit every request. The
+    # prediction leaves out the decode steps between prefill chunks: set it below the TTFT
+    # target (simulated, 0.75 of it served the most within it, docs/benchmarks.md).
+    admit_ttft_ms: float | None = None
     # Share the prefix index through Redis (several routers, restarts); None keeps it in memory.
     redis_url: str | None = None
     redis_namespace: str = "cachesvc"
@@ -221,7 +227,7 @@ class RouterConfig:
             raise ConfigError(f"pd_mode must be auto, always or never, got {self.pd_mode!r}")
         if self.pd_stall_weight < 0:
             raise ConfigError(f"pd_stall_weight must be >= 0, got {self.pd_stall_weight}")
-        for name in ("pd_ttft_slo_ms", "pd_itl_slo_ms"):
+        for name in ("pd_ttft_slo_ms", "pd_itl_slo_ms", "admit_ttft_ms"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value}")

@@ -19,6 +19,7 @@ from dataclasses import asdict, fields
 
 from cachesvc.types import WorkerId
 from router.admin import flush_workers, purge, worker_statuses
+from router.admission import Gate
 from router.config import RouterConfig
 from router.disagg import Disaggregation
 from router.domain import (
@@ -83,6 +84,7 @@ class Router:
         self.supervisor = Supervisor(pool, config, replace)
         self.placement = Placement(pool, policy, config)
         self.pd = Disaggregation(pool, self.placement, config, self.metrics)
+        self.admission = Gate(pool, config.admit_ttft_ms, self.metrics.refused)
 
     async def start(self) -> None:
         """Wait for the workers, index what they hold and start supervising them."""
@@ -188,6 +190,7 @@ class Router:
             prompt = parts[0].prompt_ids
             hashes = self.prompts.block_hashes(prompt, req.cache_salt)
             if attempt == 0 and (handoff := self.pd.plan(progress, hashes, excluded)):
+                self.admission.check(handoff.decision.predicted_ttft_s, outcome)
                 record = functools.partial(self._record, outcome=outcome)
                 first = self.pd.prefill(
                     handoff, progress, call_id, outcome, self._part, record, req
@@ -202,6 +205,8 @@ class Router:
                 len(prompt), hashes, excluded, self.pd.serving_roles()
             )
             decision, holder = placed.decision, placed.holder
+            if attempt == 0 and handoff is None:
+                self.admission.check_placed(decision, len(prompt), outcome)
             self.metrics.decisions.labels(decision.policy, decision.worker).inc()
             outcome.route_reason = decision.reason
             if holder is not None:

@@ -34,6 +34,7 @@ from typing import Any
 
 from cachesvc.index import PrefixMatch
 from cachesvc.types import BlockHash, WorkerId
+from router.admission import token_s
 from router.answers import Answer, MeanAnswer
 from router.config import RouterConfig
 from router.costs import PEER
@@ -247,8 +248,8 @@ class Disaggregation:
         info = state.info  # its chunk: what an early pull moves before the token
         chunk = info.step_tokens if self.config.pd_prefetch and info is not None else None
         uncached = max(0, num_tokens - held_blocks * block_size)
-        queued, token_s = state.num_queued_tokens, _token_s(state, block_size)
-        return PrefillSide(state.worker_id, uncached, queued, token_s, streams, chunk)
+        queued, per_token = state.num_queued_tokens, token_s(state, block_size)
+        return PrefillSide(state.worker_id, uncached, queued, per_token, streams, chunk)
 
     def _decode_side(
         self, state: WorkerState, num_tokens: int, matched_blocks: int, seen: _Seen
@@ -261,7 +262,7 @@ class Disaggregation:
             max(0, num_tokens - matched_blocks * block_size),
             state.num_queued_tokens,
             state.load.num_running,
-            _token_s(state, block_size),
+            token_s(state, block_size),
             pull_s,
             seen.shares.get(state.worker_id, 0.0),
         )
@@ -380,17 +381,6 @@ class Disaggregation:
             handoff.decode, "pd", 0, None, handoff.decision.reason, handoff.decision.pull_blocks
         )
         handoff._placed.append(Placed(decision, holder))
-
-
-def _token_s(state: WorkerState, block_size: int) -> float:
-    """A worker's seconds of prefill per token, from its calibrated costs (an H100's for an 8B
-    model when it reports none: `router.costs.UNREPORTED_S_PER_TOKEN`)."""
-    from router.costs import UNREPORTED_S_PER_TOKEN
-
-    costs = state.load.block_costs
-    if costs is None or costs.compute_s <= 0:
-        return UNREPORTED_S_PER_TOKEN
-    return costs.compute_s / block_size
 
 
 def _free_blocks(state: WorkerState) -> int:

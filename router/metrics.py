@@ -84,6 +84,11 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+        self.refused = Counter(
+            "cachesvc_refused",
+            "Requests refused by admission: predicted to start later than admit_ttft_ms",
+            registry=r,
+        )
         self.pd_decisions = Counter(
             "cachesvc_pd_decisions",
             "Requests planned with prefill workers present: colocated or disaggregated",

@@ -96,6 +96,7 @@ class Goodput:
     itl_p99_ms: float
     num_disaggregated: int
     makespan_s: float  # from the first arrival to the last token
+    num_refused: int = 0  # refused by admission: counted in `num_requests`, never good
 
     @property
     def attainment(self) -> float:
@@ -105,12 +106,14 @@ class Goodput:
 def goodput(run: SimRun, slo: SLO) -> Goodput:
     """`run`'s requests against `slo` (pure)."""
     done = outcomes(run)
-    return measure(done, slo, _makespan(run.seqs))
+    return measure(done, slo, _makespan(run.seqs), len(run.refused))
 
 
-def measure(done: Sequence[Outcome], slo: SLO, makespan_s: float) -> Goodput:
-    """Goodput and latencies of `done` requests served over `makespan_s` seconds."""
-    n = len(done)
+def measure(done: Sequence[Outcome], slo: SLO, makespan_s: float, num_refused: int = 0) -> Goodput:
+    """Goodput and latencies of `done` requests served over `makespan_s` seconds, and
+    `num_refused` more that admission refused (they meet no target; the latencies are the
+    served requests')."""
+    n = len(done) + num_refused
     good = sum(o.meets(slo) for o in done)
     ttfts = [o.ttft_s * 1e3 for o in done]
     gaps = [g * 1e3 for o in done for g in o.gaps_s]
@@ -126,10 +129,13 @@ def measure(done: Sequence[Outcome], slo: SLO, makespan_s: float) -> Goodput:
         itl_p99_ms=_percentile(gaps, 0.99),
         num_disaggregated=sum(o.disaggregated for o in done),
         makespan_s=makespan_s,
+        num_refused=num_refused,
     )
 
 
 def _makespan(seqs: Sequence[SimSeq]) -> float:
+    # A refused request never widens it: it was refused for work queued then, which ends
+    # later, and the first request of all finds the cluster empty.
     if not seqs:
         return 0.0
     first = min(s.req.arrival_s for s in seqs)

@@ -25,11 +25,20 @@ from typing import Any
 
 from cachesvc.index import IndexSnapshot, MemoryPrefixIndex
 from cachesvc.sim.cost_profile import CostProfile
-from cachesvc.sim.pd import COLOCATED, PDRoutes, choose_among, joining, roles_for
+from cachesvc.sim.pd import (
+    COLOCATED,
+    PDRoutes,
+    Refused,
+    choose_among,
+    colocated_ttft_s,
+    joining,
+    roles_for,
+)
 from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.trace import BLOCK_SIZE, SimRequest
 from cachesvc.sim.worker import Host, SimWorker
 from cachesvc.types import WorkerId
+from router.admission import Admission
 from router.pd import PREFILL
 from router.pd import SLO as TargetsSLO
 from router.policy import Policy, make_policy
@@ -68,6 +77,9 @@ class PDSetup:
     prefetch: bool = True
     # The prefill workers' step budget, when not the profile's (`serve --prefill-chunk-tokens`).
     prefill_chunk_tokens: int | None = None
+    # The router's admission target (`admit_ttft_ms`, seconds): a request predicted to get its
+    # first token later is refused (`router.admission`). None: every request is admitted.
+    admit_ttft_s: float | None = None
 
 
 @dataclass
@@ -82,6 +94,7 @@ class SimRun:
     reasons: Counter[str] = field(default_factory=Counter)
     assigned: dict[int, WorkerId] = field(default_factory=dict)  # request index -> worker
     num_rejected: int = 0  # requests no worker's pool could ever hold
+    refused: list[SimRequest] = field(default_factory=list)  # admission refused these
     wall_s: float = 0.0
     pd: PDSetup | None = None
     pd_routes: PDRoutes | None = None  # with roles: each request's `PDDecision`
@@ -128,6 +141,7 @@ class _Cluster:
             self.index.resync(w.worker_id, IndexSnapshot(_INCARNATION, 0, {}))
         self.policy = policy
         self.peer_pull = peer_pull
+        self.admission = Admission(setup.admit_ttft_s)
         self.events: list[tuple[float, int]] = []  # (a step's end or a wake-up, worker number)
         # Per worker: the time of its one live event (older ones in the heap are stale), and
         # whether that is the end of a step (else a wake-up for a pull, or nothing at all).
@@ -156,13 +170,14 @@ class _Cluster:
         if due is not None:
             heapq.heappush(self.events, (due, number))
 
-    def route(self, req: SimRequest, run: SimRun) -> tuple[SimWorker, SimSeq] | None:
+    def route(self, req: SimRequest, run: SimRun) -> tuple[SimWorker, SimSeq] | Refused | None:
         """The worker the policy chooses (with roles, `PDRoutes`'), and the request as it
-        joins that worker."""
+        joins that worker; `Refused` when admission refuses it, None when no worker could
+        ever hold it."""
         if run.pd_routes is not None:
             routed = run.pd_routes.route(req)
-            if routed is None:
-                return None
+            if routed is None or isinstance(routed, Refused):
+                return routed
             run.reasons[routed.reason] += 1
             run.assigned[req.index] = routed.worker.worker_id
             return routed.worker, routed.seq
@@ -173,6 +188,11 @@ class _Cluster:
         # Every simulated worker is healthy, so any may be the holder a pull comes from.
         holders = [w.worker_id for w in self.workers] if self.peer_pull else []
         worker, choice = choose_among(self.policy, req, live, matches, holders)
+        if self.admission.ttft_s is not None:
+            predicted = colocated_ttft_s(req, worker, choice.decision.matched_blocks)
+            refusal = self.admission.refusal(predicted)
+            if refusal is not None:
+                return Refused(refusal)
         run.reasons[choice.decision.reason] += 1
         run.assigned[req.index] = worker.worker_id
         return worker, joining(req, worker, choice, matches, self.workers)
@@ -216,6 +236,7 @@ def replay(
             peer_pull,
             pd.slo,
             pd.prefetch,
+            cluster.admission,
         )
     events = cluster.events
     i = 0
@@ -238,6 +259,9 @@ def replay(
         routed = cluster.route(req, run)
         if routed is None:
             run.num_rejected += 1
+            continue
+        if isinstance(routed, Refused):
+            run.refused.append(req)
             continue
         cluster.join(routed[0], routed[1], req.arrival_s, run)
     run.wall_s = time.perf_counter() - began

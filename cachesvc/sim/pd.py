@@ -45,6 +45,7 @@ from cachesvc.sim.seq import EarlyPull, SimPeer, SimSeq
 from cachesvc.sim.trace import SimRequest
 from cachesvc.sim.worker import SimWorker
 from cachesvc.types import WorkerId
+from router.admission import Admission, predicted_ttft_s
 from router.answers import Answer, MeanAnswer
 from router.disagg import HANDOFF_FIXED_PRIOR_S, SERVING_ROLES
 from router.pd import (
@@ -94,6 +95,19 @@ class Routed:
     seq: SimSeq
     reason: str
     decode: SimWorker | None = None
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A request admission refused (`router.admission`): predicted to start too late."""
+
+    reason: str
+
+
+def colocated_ttft_s(req: SimRequest, worker: SimWorker, held_blocks: int) -> float:
+    """`req`'s predicted TTFT on `worker` holding `held_blocks` of its prompt, as
+    `router.pd.decide` predicts it colocated."""
+    return predicted_ttft_s(worker.num_queued_tokens, _uncached(req, held_blocks), _token_s(worker))
 
 
 def choose_among(
@@ -153,8 +167,10 @@ class PDRoutes:
         peer_pull: bool = False,
         slo: SLO | None = None,
         prefetch: bool = True,
+        admission: Admission | None = None,
     ) -> None:
         assert mode != COLOCATED, "colocated runs route as without roles"
+        self.admission = admission or Admission()
         self.prefetch = prefetch  # decode workers pull while the prefill runs
         self.mode = mode
         self.workers = workers
@@ -174,8 +190,9 @@ class PDRoutes:
         self._decode_on: dict[int, SimWorker] = {}  # a prefill under way -> its decode worker
         self._unmeasured: list[SimSeq] = []  # handed off, second token not seen yet
 
-    def route(self, req: SimRequest) -> Routed | None:
-        """Where `req` starts (None: no worker of a side could ever hold it)."""
+    def route(self, req: SimRequest) -> Routed | Refused | None:
+        """Where `req` starts (None: no worker of a side could ever hold it; `Refused`:
+        predicted to start later than the admission target, in the mode decided)."""
         self._learn()
         prefill_side = [w for w in self.prefill_side if w.fits(req)]
         decode_side = [w for w in self.decode_side if w.fits(req)]
@@ -215,6 +232,9 @@ class PDRoutes:
         )
         if self.mode == ALWAYS:
             decision = dataclasses.replace(decision, disaggregate=True, reason="always")
+        refusal = self.admission.refusal(decision.predicted_ttft_s)
+        if refusal is not None:
+            return Refused(refusal)
         self.decisions[req.index] = decision
         if not decision.disaggregate:
             self.shares.add(kept.worker, decision.prefill_s, now_s)

@@ -149,24 +149,28 @@ def sweep(
     stall_weight: float | None = None,
     targets: TargetsSLO | None = None,
     prefetch: bool = True,
+    admit_ttft_s: float | None = None,
 ) -> tuple[float, list[PDRow]]:
     """(capacity, every replay's row): at each load, colocated, always-disaggregated and
     per-request decisions at every prefill:decode ratio, each without and with the router
     naming holders to pull prefixes from (a hand-off pulls either way); with `targets`, decide
-    against the router's latency targets too."""
+    against the router's latency targets too; with `admit_ttft_s`, every mode refuses what
+    admission refuses (the capacity is the colocated cluster's without it)."""
     weight = stall_weight if stall_weight is not None else slo.stall_weight(mean_output(requests))
     capacity = estimate_capacity(requests, run)
     _say(f"capacity: {capacity:.2f} requests/s colocated; decide's stall weight {weight:.3f}")
     rows = []
     for load in loads:
         scaled = at_rate(requests, load * capacity)
-        setups = [(PDSetup(COLOCATED), pulls) for pulls in (False, True)] + [
-            (PDSetup(mode, n, weight, targets, prefetch), pulls)
+        admit = admit_ttft_s
+        colocated = PDSetup(COLOCATED, admit_ttft_s=admit)
+        setups = [(colocated, pulls) for pulls in (False, True)] + [
+            (PDSetup(mode, n, weight, targets, prefetch, admit_ttft_s=admit), pulls)
             for mode in (ALWAYS, DECIDE)
             for n in range(1, num_workers)
             for pulls in (False, True)
         ]
-        dynamic = PDSetup(DYNAMIC, 0, weight, targets, prefetch)
+        dynamic = PDSetup(DYNAMIC, 0, weight, targets, prefetch, admit_ttft_s=admit)
         setups += [(dynamic, pulls) for pulls in (False, True)]
         for pd, pulls in setups:
             row = one_run(scaled, run, pd, slo, load, pulls)
@@ -195,7 +199,7 @@ def format_rows(rows: Sequence[PDRow], slo: SLO) -> str:
     """The table of `rows`, then the SLO it was measured against."""
     headers = ["load", "req/s", "mode", "P:D", "pulls", "goodput/s", "met", "TTFT met"]
     headers += ["ITL met"]
-    headers += ["TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "disagg"]
+    headers += ["TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "disagg", "refused"]
     body = [
         [
             f"{r.load:g}" if r.load else "-",
@@ -212,6 +216,7 @@ def format_rows(rows: Sequence[PDRow], slo: SLO) -> str:
             r.result.itl_p50_ms,
             r.result.itl_p99_ms,
             r.result.num_disaggregated / max(1, r.result.num_requests),
+            r.result.num_refused / max(1, r.result.num_requests),
         ]
         for r in rows
     ]
@@ -220,7 +225,8 @@ def format_rows(rows: Sequence[PDRow], slo: SLO) -> str:
             format_table(headers, body),
             "",
             f"SLO: TTFT <= {slo.ttft_ms:g} ms and mean inter-token latency <= {slo.itl_ms:g} ms, "
-            "per request; goodput: requests within both per second of the makespan",
+            "per request; goodput: requests within both per second of the makespan (a refused "
+            "request meets neither)",
         ]
     )
 
@@ -271,6 +277,7 @@ def run_pd(args: SimulateArgs) -> int:
         f"device blocks; profile {args.profile}"
     )
     targets = router_targets(args.slo) if args.pd_decide_slo else None
+    admit_s = None if args.admit_ttft_ms is None else args.admit_ttft_ms / 1e3
     capacity: float | None = None
     if args.pd_sweep:
         capacity, rows = sweep(
@@ -282,6 +289,7 @@ def run_pd(args: SimulateArgs) -> int:
             args.stall_weight,
             targets,
             args.pd_prefetch,
+            admit_s,
         )
     else:
         mode = args.pd or COLOCATED
@@ -291,7 +299,7 @@ def run_pd(args: SimulateArgs) -> int:
         # Roles need pulls; colocated serving has them with --peer-pull.
         pulls = args.peer_pull or mode != COLOCATED
         num_prefill = 0 if mode in MIXED_MODES else args.prefill_workers
-        pd = PDSetup(mode, num_prefill, weight, targets, args.pd_prefetch)
+        pd = PDSetup(mode, num_prefill, weight, targets, args.pd_prefetch, None, admit_s)
         rows = [one_run(requests, run, pd, args.slo, peer_pull=pulls)]
     print(report(capacity, rows, args.slo, args.json_path, args.plot_path))
     return 0

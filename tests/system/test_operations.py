@@ -1,5 +1,6 @@
-"""Operating the router: full queues answer RESOURCE_EXHAUSTED, the Prometheus endpoint and the
-JSON request log move with requests, and with many hot groups prefix_aware stays balanced."""
+"""Operating the router: full queues and admission answer RESOURCE_EXHAUSTED, the Prometheus
+endpoint and the JSON request log move with requests, and with many hot groups prefix_aware
+stays balanced."""
 
 from __future__ import annotations
 
@@ -71,6 +72,21 @@ def test_router_limit_is_resource_exhausted(make_server: Any) -> None:
     _exhausted(stub, "router is at its limit of 1 requests")
     stream.cancel()
     _wait_idle(pb_grpc.AdminStub(server.channel()))
+
+
+def test_admission_refuses_a_request_predicted_to_start_late(make_server: Any) -> None:
+    # Any prompt takes longer than a microsecond: every request is predicted to start late.
+    strict = make_server(admit_ttft_ms=0.001)
+    stub = pb_grpc.InferenceStub(strict.channel())
+    for _ in range(2):  # refused, and the router goes on answering
+        _exhausted(stub, "exceeds admit_ttft_ms")
+    assert strict.router.metrics.refused._value.get() == 2
+    workers = pb_grpc.AdminStub(strict.channel()).ListWorkers(pb.ListWorkersRequest()).workers
+    assert all(w.num_inflight == 0 for w in workers), "nothing reached a worker"
+    loose = make_server(admit_ttft_ms=600_000.0)
+    reply = list(pb_grpc.InferenceStub(loose.channel()).Generate(_request([3, 4, 5], 2)))
+    assert reply[-1].finish_reason == "length"
+    assert loose.router.metrics.refused._value.get() == 0
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 from pd_support import spawn_pulling
 
@@ -90,6 +91,23 @@ def test_mixed_workers_without_the_switch_serve_colocated(
     _, _, usage, _ = _answer(server, list(range(3, 3 + PROMPT_TOKENS)), sampling)
     assert not usage.prefill_worker_id and usage.kv_transfer_tokens == 0
     _flush(server)
+
+
+def test_admission_refuses_a_hand_off_before_its_prefill(
+    start_router: Any, mixed: dict[WorkerId, Any]
+) -> None:
+    """A request the plan hands off is refused on its prefill worker's predicted TTFT, before
+    any worker runs it."""
+    server = start_router(mixed, pd_mode="always", pd_mixed=True, admit_ttft_ms=0.001)
+    sampling = pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with pytest.raises(grpc.RpcError) as err:
+        _answer(server, list(range(3, 3 + PROMPT_TOKENS)), sampling)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "admit_ttft_ms" in err.value.details()
+    metrics = server.router.metrics.registry
+    assert metrics.get_sample_value("cachesvc_refused_total") == 1
+    routed = [m for m in server.router.metrics.decisions.collect()[0].samples if m.value]
+    assert not routed, "no worker was given the request"
 
 
 def test_a_frozen_prompt_worker_falls_back_on_the_other(

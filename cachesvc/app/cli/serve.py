@@ -76,6 +76,14 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
             help=f"with --pd-mode auto: the {what} to keep within; the mode predicted to break "
             "fewer targets wins",
         )
+    serve.add_argument(
+        "--admit-ttft-ms",
+        type=float,
+        default=None,
+        help="refuse (RESOURCE_EXHAUSTED, HTTP 429) a request predicted to wait longer than "
+        "this for its first token (default: admit every request); set it below the TTFT "
+        "target, e.g. 1500 for 2 s",
+    )
     serve.add_argument("--ray-address", default=None, help="Ray cluster (default: start one)")
     serve.add_argument(
         "--placement",
@@ -243,6 +251,7 @@ def _router_options(args: argparse.Namespace) -> dict[str, Any]:
         "pd_mixed": args.pd_mixed,
         "pd_ttft_slo_ms": args.pd_ttft_slo_ms,
         "pd_itl_slo_ms": args.pd_itl_slo_ms,
+        "admit_ttft_ms": args.admit_ttft_ms,
         **_response_cache_options(args),
         "tenant_tokens": () if tenants is None else load_tenant_tokens(tenants),
         "tls_cert_file": args.tls_cert_file,

@@ -256,6 +256,14 @@ def _add_pd_arguments(sim: Any) -> None:
         "runs (the router's pd_prefetch off)",
     )
     pd.add_argument(
+        "--admit-ttft-ms",
+        type=float,
+        default=None,
+        help="the router's admission in every mode: refuse a request predicted to wait longer "
+        "than this for its first token (default: admit every request); refused requests count "
+        "against goodput",
+    )
+    pd.add_argument(
         "--pd-decide-slo",
         action="store_true",
         help="decide also against the router's latency targets (pd_ttft_slo_ms, "
@@ -291,6 +299,8 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     prompt_blocks = _pairs(args.prompt_blocks, "--prompt-blocks")
     if len(prompt_blocks) != 2 or not 1 <= prompt_blocks[0] <= prompt_blocks[1]:
         raise CliError(f"--prompt-blocks takes LO,HI with 1 <= LO <= HI, got {args.prompt_blocks}")
+    if args.admit_ttft_ms is not None and args.admit_ttft_ms <= 0:
+        raise CliError(f"--admit-ttft-ms must be positive, got {args.admit_ttft_ms:g}")
     loads = _pairs(args.loads, "--loads", float)
     if not loads or min(loads) <= 0:
         raise CliError(f"--loads takes positive fractions of the capacity, got {args.loads}")
@@ -347,6 +357,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             stall_weight=args.pd_stall_weight,
             pd_decide_slo=args.pd_decide_slo,
             pd_prefetch=not args.no_pd_prefetch,
+            admit_ttft_ms=args.admit_ttft_ms,
         )
     )
 

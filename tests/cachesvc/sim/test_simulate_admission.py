@@ -1,0 +1,92 @@
+"""Admission in the simulator (`router.admission`, `PDSetup.admit_ttft_s`): past capacity a
+request predicted to start later than the target is refused, the ones admitted meet it, and a
+refused request counts against goodput."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cachesvc.planner import ComputeCost
+from cachesvc.sim.cost_profile import CostProfile, DecodeCost, TierReadCost
+from cachesvc.sim.goodput import SLO, goodput
+from cachesvc.sim.loop import ClusterSpec, PDSetup, replay
+from cachesvc.sim.pd import COLOCATED, DYNAMIC
+from cachesvc.sim.trace import BLOCK_SIZE, load_trace
+
+# A millisecond per prompt token and per decoding sequence, whole prompts in one step.
+UNIT = CostProfile(
+    name="unit",
+    description="test clock",
+    kv_bytes_per_token=1.0,
+    prefill=ComputeCost(alpha_s=0.0, beta_s=1e-3, gamma_s=0.0),
+    decode=DecodeCost(base_s=0.0, per_seq_s=1e-3, per_context_token_s=0.0),
+    peer=TierReadCost(1e-3, 1e-9),
+    max_num_batched_tokens=10**7,
+    max_num_seqs=10**4,
+)
+WriteTrace = Callable[[list[tuple[float, int, int, list[int]]]], Path]  # conftest's
+SLO_2S = SLO(ttft_ms=2000.0, itl_ms=100.0)
+
+
+def _burst(write_trace: WriteTrace, num: int, gap_ms: float) -> Path:
+    """`num` prompts of two blocks of their own (1.024 s of prefill each), every `gap_ms`, a
+    4-token answer each: one worker keeps up with one a second."""
+    rows = [(i * gap_ms, 2 * BLOCK_SIZE, 4, [2 * i + 1, 2 * i + 2]) for i in range(num)]
+    return write_trace(rows)
+
+
+@pytest.mark.parametrize("mode", [COLOCATED, DYNAMIC])
+def test_past_capacity_admission_refuses_what_would_start_late(
+    write_trace: WriteTrace, mode: str
+) -> None:
+    requests = load_trace(_burst(write_trace, 12, 250.0))  # four a second, four times too many
+    spec = ClusterSpec(1 if mode == COLOCATED else 2, device_blocks=256)
+    queued = replay(requests, UNIT, spec, "least_loaded", pd=PDSetup(mode))
+    admitted = replay(requests, UNIT, spec, "least_loaded", pd=PDSetup(mode, admit_ttft_s=1.5))
+    everything, refusing = goodput(queued, SLO_2S), goodput(admitted, SLO_2S)
+
+    assert not queued.refused and everything.num_refused == 0
+    assert admitted.refused, "a growing queue is refused"
+    served = {s.req.index for s in admitted.seqs}
+    assert served.isdisjoint(r.index for r in admitted.refused)
+    assert len(served) + len(admitted.refused) == len(requests)
+    # Every admitted request starts within the SLO; queued, the late ones missed it.
+    assert refusing.ttft_met * refusing.num_requests == len(served)
+    assert everything.ttft_met < 1.0
+    # A refused request counts as a request that met nothing.
+    assert refusing.num_requests == len(requests)
+    assert refusing.num_good == len(served)
+    assert refusing.num_good > everything.num_good
+    if mode == DYNAMIC:  # refused before its decision is kept or its prompt's share counted
+        assert all(r.index not in admitted.pd_routes.decisions for r in admitted.refused)
+
+
+def test_within_capacity_admission_refuses_nothing(write_trace: WriteTrace) -> None:
+    requests = load_trace(_burst(write_trace, 6, 2000.0))  # one every 2 s: the worker keeps up
+    spec = ClusterSpec(1, device_blocks=256)
+    run = replay(requests, UNIT, spec, "least_loaded", pd=PDSetup(COLOCATED, admit_ttft_s=1.5))
+    assert not run.refused
+    assert goodput(run, SLO_2S).num_good == len(requests)
+
+
+def test_the_command_line_refuses_in_every_mode(tmp_path: Path, write_trace: WriteTrace) -> None:
+    from cachesvc.app.cli.main import main
+
+    # Twelve prompts of 60 blocks (30 720 tokens, about a second on an H100) at once, on two
+    # workers: most would wait seconds for their first token.
+    rows = [(i * 10.0, 60 * BLOCK_SIZE, 4, list(range(100 * i, 100 * i + 60))) for i in range(12)]
+    base = ["simulate", "--trace", str(write_trace(rows)), "--workers", "2"]
+    base += ["--device-blocks", "1024", "--admit-ttft-ms", "1500"]
+    for mode in ("colocated", "dynamic"):
+        out = tmp_path / f"{mode}.json"
+        assert main([*base, "--pd", mode, "--json", str(out)]) == 0
+        [run] = json.loads(out.read_text())["runs"]
+        result = run["result"]
+        assert result["num_requests"] == 12
+        assert 0 < result["num_refused"] < 12
+        assert result["num_good"] <= 12 - result["num_refused"]
+    assert main([*base[:-1], "0", "--pd", "colocated"]) == 2

@@ -1,0 +1,36 @@
+"""Admission (`router.admission`): a request predicted to start later than `admit_ttft_ms` is
+refused with a reason that names the setting; none is refused without it."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.admission import Admission, predicted_ttft_s
+from router.config import ConfigError, RouterConfig
+
+
+def test_the_prediction_is_the_queue_and_the_prompt_at_the_workers_speed() -> None:
+    # 300 tokens queued and 100 of its own at 2 ms a token.
+    assert predicted_ttft_s(300, 100, 2e-3) == pytest.approx(0.8)
+    assert predicted_ttft_s(0, 0, 2e-3) == 0.0
+
+
+def test_a_request_predicted_later_than_the_target_is_refused() -> None:
+    admission = Admission(1.5)
+    assert admission.refusal(1.5) is None, "at the target it is admitted"
+    assert admission.refusal(0.2) is None
+    reason = admission.refusal(2.25)
+    assert reason is not None
+    assert "admit_ttft_ms 1500 ms" in reason and "2250 ms" in reason
+
+
+def test_without_a_target_nothing_is_refused() -> None:
+    assert Admission().refusal(1e9) is None
+
+
+@pytest.mark.parametrize("bad", [0.0, -5.0])
+def test_a_target_must_be_positive(bad: float) -> None:
+    with pytest.raises(ValueError, match="admit_ttft_ms"):
+        Admission(bad / 1e3)
+    with pytest.raises(ConfigError, match="admit_ttft_ms"):
+        RouterConfig(admit_ttft_ms=bad)
