@@ -9,13 +9,16 @@ client learns at once (`RESOURCE_EXHAUSTED`, HTTP 429) that it should retry late
 elsewhere: Mooncake's early rejection, an SLO-aware load shedder's rule.
 
 The prediction is the one `router.pd.decide` makes: the prefill work queued where the prompt
-will run, and the prompt's own uncached tokens, at that worker's calibrated seconds per token.
-The router (`router.core`) and the simulator (`cachesvc.sim.loop`) both call `refusal`.
+will run, and the prompt's own uncached tokens, at that worker's calibrated seconds per token,
+scaled by what admitted requests actually took against their predictions (`TTFTScale`). Raw,
+it leaves out the decode steps between a queue's prefill chunks, the hops, and on a worker
+that reports no costs the hardware itself; scaled, the target is the TTFT itself. The router
+(`Gate`) and the simulator (`cachesvc.sim.loop`) both decide with `CalibratedAdmission`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
@@ -71,31 +74,87 @@ class Admission:
         )
 
 
+# The weight of each admitted request's measurement in `TTFTScale`.
+SCALE_WEIGHT = 0.05
+
+
+@dataclass
+class TTFTScale:
+    """Measured seconds to first token per predicted second, over recent admitted requests:
+    the ratio of the two exponentially decayed sums (1.0 before any). A ratio of sums, not a
+    mean of ratios: long prompts weigh most, and a cached prompt's prediction of a few
+    milliseconds (its hop alone takes more) does not swing it."""
+
+    predicted_s: float = 0.0
+    measured_s: float = 0.0
+
+    def observe(self, predicted_s: float, measured_s: float) -> None:
+        """An admitted request predicted `predicted_s` (raw) got its first token after
+        `measured_s`."""
+        if predicted_s <= 0 or measured_s < 0:
+            return
+        first = self.predicted_s == 0
+        weight = 1.0 if first else SCALE_WEIGHT
+        self.predicted_s += weight * (predicted_s - self.predicted_s)
+        self.measured_s += weight * (measured_s - self.measured_s)
+
+    @property
+    def factor(self) -> float:
+        return self.measured_s / self.predicted_s if self.predicted_s > 0 else 1.0
+
+
+@dataclass
+class CalibratedAdmission:
+    """`Admission` on predictions scaled by `TTFTScale`."""
+
+    admission: Admission
+    scale: TTFTScale = field(default_factory=TTFTScale)
+
+    @property
+    def on(self) -> bool:
+        return self.admission.ttft_s is not None
+
+    def refusal(self, predicted_s: float) -> str | None:
+        """Why a request predicted (raw) `predicted_s` is refused, or None."""
+        return self.admission.refusal(predicted_s * self.scale.factor)
+
+
 class Gate:
     """The router's admission: `check` raises `Exhausted` (RESOURCE_EXHAUSTED, HTTP 429) for
     a request predicted to start later than `admit_ttft_ms` (None: admits every request),
-    counts it in `refused` and puts the reason in its request log."""
+    counts it in `refused` and puts the reason in its request log; `observe` learns the
+    prediction's scale from each admitted request's first token."""
 
     def __init__(self, pool: WorkerPool, admit_ttft_ms: float | None, refused: Counter) -> None:
         self.pool = pool
-        self.admission = Admission(None if admit_ttft_ms is None else admit_ttft_ms / 1e3)
+        ttft_s = None if admit_ttft_ms is None else admit_ttft_ms / 1e3
+        self.admission = CalibratedAdmission(Admission(ttft_s))
         self.refused = refused
 
     def check(self, predicted_s: float, outcome: RequestOutcome) -> None:
-        """Refuse a request predicted to get its first token in `predicted_s` seconds, when
-        that is too late."""
+        """Refuse a request predicted (raw) to get its first token in `predicted_s` seconds,
+        when that is too late; else remember the prediction to learn from."""
+        if not self.admission.on:
+            return
         refusal = self.admission.refusal(predicted_s)
         if refusal is not None:
             self.refused.inc()
             outcome.route_reason = refusal
             raise Exhausted(refusal)
+        outcome.admit_predicted_s = predicted_s
 
     def check_placed(
         self, decision: RouteDecision, num_tokens: int, outcome: RequestOutcome
     ) -> None:
         """`check` a prompt of `num_tokens` placed as `decision` says (its worker, the blocks it
         holds)."""
-        if self.admission.ttft_s is None:
+        if not self.admission.on:
             return
         state, block_size = self.pool.state(decision.worker), self.pool.model.block_size
         self.check(worker_ttft_s(state, num_tokens, decision.matched_blocks, block_size), outcome)
+
+    def observe(self, outcome: RequestOutcome) -> None:
+        """The request's first token came: its TTFT against its prediction, once."""
+        predicted, outcome.admit_predicted_s = outcome.admit_predicted_s, None
+        if predicted is not None and outcome.ttft_s is not None:
+            self.admission.scale.observe(predicted, outcome.ttft_s)

@@ -129,6 +129,7 @@ class Router:
                 async for delta in deltas:
                     if delta.token_ids:
                         outcome.first_token(self.metrics)
+                        self.admission.observe(outcome)
                     yield delta
             outcome.status = "ok"
         except (RouterError, WorkerDied) as exc:

@@ -162,6 +162,7 @@ class RequestOutcome:
     pd_reason: str | None = None  # why: `PDDecision.reason` (the route reason is the worker's)
     prefill_worker: str | None = None
     pd_predicted_ttft_ms: float | None = None
+    admit_predicted_s: float | None = None  # admission's raw prediction, until its first token
     pd_predicted_handoff_ms: float | None = None
     pd_handoff_ms: float | None = None
 

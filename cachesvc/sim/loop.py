@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachesvc.index import IndexSnapshot, MemoryPrefixIndex
+from cachesvc.sim.admit import SimAdmission
 from cachesvc.sim.cost_profile import CostProfile
 from cachesvc.sim.pd import (
     COLOCATED,
@@ -38,7 +39,6 @@ from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.trace import BLOCK_SIZE, SimRequest
 from cachesvc.sim.worker import Host, SimWorker
 from cachesvc.types import WorkerId
-from router.admission import Admission
 from router.pd import PREFILL
 from router.pd import SLO as TargetsSLO
 from router.policy import Policy, make_policy
@@ -78,7 +78,7 @@ class PDSetup:
     # The prefill workers' step budget, when not the profile's (`serve --prefill-chunk-tokens`).
     prefill_chunk_tokens: int | None = None
     # The router's admission target (`admit_ttft_ms`, seconds): a request predicted to get its
-    # first token later is refused (`router.admission`). None: every request is admitted.
+    # first token later is refused (`cachesvc.sim.admit`). None: every request is admitted.
     admit_ttft_s: float | None = None
 
 
@@ -141,7 +141,7 @@ class _Cluster:
             self.index.resync(w.worker_id, IndexSnapshot(_INCARNATION, 0, {}))
         self.policy = policy
         self.peer_pull = peer_pull
-        self.admission = Admission(setup.admit_ttft_s)
+        self.admission = SimAdmission(setup.admit_ttft_s)
         self.events: list[tuple[float, int]] = []  # (a step's end or a wake-up, worker number)
         # Per worker: the time of its one live event (older ones in the heap are stale), and
         # whether that is the end of a step (else a wake-up for a pull, or nothing at all).
@@ -188,14 +188,17 @@ class _Cluster:
         # Every simulated worker is healthy, so any may be the holder a pull comes from.
         holders = [w.worker_id for w in self.workers] if self.peer_pull else []
         worker, choice = choose_among(self.policy, req, live, matches, holders)
-        if self.admission.ttft_s is not None:
+        predicted = 0.0
+        if self.admission.on:
             predicted = colocated_ttft_s(req, worker, choice.decision.matched_blocks)
             refusal = self.admission.refusal(predicted)
             if refusal is not None:
                 return Refused(refusal)
         run.reasons[choice.decision.reason] += 1
         run.assigned[req.index] = worker.worker_id
-        return worker, joining(req, worker, choice, matches, self.workers)
+        seq = joining(req, worker, choice, matches, self.workers)
+        self.admission.admitted(seq, predicted)
+        return worker, seq
 
     def join(self, worker: SimWorker, seq: SimSeq, now: float, run: SimRun) -> None:
         """`seq` joins `worker`'s queue; an idle worker starts stepping."""

@@ -41,11 +41,12 @@ from dataclasses import dataclass
 
 from cachesvc.events import TIER_HBM
 from cachesvc.index import MemoryPrefixIndex, PrefixMatch
+from cachesvc.sim.admit import SimAdmission
 from cachesvc.sim.seq import EarlyPull, SimPeer, SimSeq
 from cachesvc.sim.trace import SimRequest
 from cachesvc.sim.worker import SimWorker
 from cachesvc.types import WorkerId
-from router.admission import Admission, predicted_ttft_s
+from router.admission import predicted_ttft_s
 from router.answers import Answer, MeanAnswer
 from router.disagg import HANDOFF_FIXED_PRIOR_S, SERVING_ROLES
 from router.pd import (
@@ -167,10 +168,10 @@ class PDRoutes:
         peer_pull: bool = False,
         slo: SLO | None = None,
         prefetch: bool = True,
-        admission: Admission | None = None,
+        admission: SimAdmission | None = None,
     ) -> None:
         assert mode != COLOCATED, "colocated runs route as without roles"
-        self.admission = admission or Admission()
+        self.admission = admission or SimAdmission(None)
         self.prefetch = prefetch  # decode workers pull while the prefill runs
         self.mode = mode
         self.workers = workers
@@ -239,12 +240,14 @@ class PDRoutes:
         if not decision.disaggregate:
             self.shares.add(kept.worker, decision.prefill_s, now_s)
             seq = joining(req, colocated, here, matches, self.workers)
+            self.admission.admitted(seq, decision.predicted_ttft_s)
             return Routed(colocated, seq, decision.reason)
         self.shares.add(prefill.worker_id, decision.prefill_s, now_s)
         if there is None:
             _, there = choose_among(self.policy, req, [prefill], matches, self.holders)
         # A one-token answer is done when its prefill is: nothing to hand over.
         seq = joining(req, prefill, there, matches, self.workers, req.output_len > 1)
+        self.admission.admitted(seq, decision.predicted_ttft_s)
         if seq.prefill_only:
             self._decode_on[req.index] = decode
         return Routed(prefill, seq, decision.reason, decode)

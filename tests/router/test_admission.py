@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.admission import Admission, predicted_ttft_s
+from router.admission import Admission, CalibratedAdmission, TTFTScale, predicted_ttft_s
 from router.config import ConfigError, RouterConfig
 
 
@@ -34,3 +34,33 @@ def test_a_target_must_be_positive(bad: float) -> None:
         Admission(bad / 1e3)
     with pytest.raises(ConfigError, match="admit_ttft_ms"):
         RouterConfig(admit_ttft_ms=bad)
+
+
+def test_the_scale_is_measured_over_predicted_seconds_of_recent_requests() -> None:
+    scale = TTFTScale()
+    assert scale.factor == 1.0, "nothing measured yet: the prediction as it is"
+    scale.observe(0.5, 1.0)
+    assert scale.factor == pytest.approx(2.0), "the first measurement sets it"
+    for _ in range(200):
+        scale.observe(1.0, 3.0)
+    assert scale.factor == pytest.approx(3.0, rel=1e-3), "recent requests weigh most"
+
+
+def test_a_cached_prompts_tiny_prediction_does_not_swing_the_scale() -> None:
+    # A ratio of sums: 2 ms predicted, 30 ms measured (the hop) barely moves a scale of 1.5
+    # learnt on second-long prompts; a mean of ratios would jump toward 15.
+    scale = TTFTScale()
+    for _ in range(50):
+        scale.observe(1.0, 1.5)
+    scale.observe(0.002, 0.030)
+    assert scale.factor == pytest.approx(1.5, rel=0.02)
+    scale.observe(0.0, 5.0)  # nothing to scale: ignored
+    assert scale.factor == pytest.approx(1.5, rel=0.02)
+
+
+def test_calibrated_admission_refuses_on_the_scaled_prediction() -> None:
+    admission = CalibratedAdmission(Admission(1.5))
+    assert admission.refusal(1.0) is None
+    admission.scale.observe(1.0, 2.0)  # requests take twice what is predicted
+    reason = admission.refusal(1.0)
+    assert reason is not None and "2000 ms" in reason

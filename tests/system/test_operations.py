@@ -87,6 +87,8 @@ def test_admission_refuses_a_request_predicted_to_start_late(make_server: Any) -
     reply = list(pb_grpc.InferenceStub(loose.channel()).Generate(_request([3, 4, 5], 2)))
     assert reply[-1].finish_reason == "length"
     assert loose.router.metrics.refused._value.get() == 0
+    scale = loose.router.admission.admission.scale
+    assert scale.predicted_s > 0 and scale.measured_s > 0, "the admitted request was learnt"
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
