@@ -131,8 +131,8 @@ class RouterConfig:
     # Refuse (RESOURCE_EXHAUSTED, HTTP 429) a request predicted to wait longer than this for
     # its first token where it would run (`router/admission.py`): past capacity the requests
     # admitted then meet their target instead of none. None: admit every request. The
-    # prediction leaves out the decode steps between prefill chunks: set it below the TTFT
-    # target (simulated, 0.75 of it served the most within it, docs/benchmarks.md).
+    # prediction is scaled by what admitted requests took against theirs, so this is the
+    # TTFT target itself.
     admit_ttft_ms: float | None = None
     # Share the prefix index through Redis (several routers, restarts); None keeps it in memory.
     redis_url: str | None = None

@@ -81,8 +81,8 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="refuse (RESOURCE_EXHAUSTED, HTTP 429) a request predicted to wait longer than "
-        "this for its first token (default: admit every request); set it below the TTFT "
-        "target, e.g. 1500 for 2 s",
+        "this for its first token, the prediction scaled by what admitted requests took "
+        "(default: admit every request); e.g. 2000 for a 2 s TTFT target",
     )
     serve.add_argument("--ray-address", default=None, help="Ray cluster (default: start one)")
     serve.add_argument(
