@@ -91,6 +91,7 @@ def add_bench_parser(sub: Any) -> None:
         action="store_true",
         help="the decode worker pulls only after the first token (the router's pd_prefetch off)",
     )
+    _add_admission_parser(bench_sub)
     _add_routing_bench_parser(bench_sub)
     _add_agreement_parser(bench_sub)
     rb = bench_sub.add_parser("router", help="the router's own cost per decision, per stage")
@@ -190,6 +191,23 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 not args.no_prefetch,
             )
         )
+    if args.suite == "admission":
+        from cachesvc.bench.admission import AdmissionBenchArgs, run_admission_bench
+
+        try:
+            admission = AdmissionBenchArgs(
+                args.quick,
+                args.model,
+                args.tiny,
+                args.json_path,
+                args.ttft_ms,
+                args.overload,
+                args.seconds,
+                args.prompt_len,
+            )
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        return run_admission_bench(admission)
     if args.suite == "kv-transfer":
         from cachesvc.bench.kv_transfer import run_kv_transfer_bench
 
@@ -213,6 +231,24 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
         return run_prefix_cache_bench(args)
     raise CliError(f"unknown benchmark {args.suite!r}")
+
+
+def _add_admission_parser(bench_sub: Any) -> None:
+    b = bench_sub.add_parser(
+        "admission", help="a burst past capacity on 2 workers: without and with admission"
+    )
+    b.add_argument("--json", dest="json_path", help="also write the results to this file")
+    b.add_argument("--quick", action="store_true", help="10 s of prompts of 192 tokens")
+    b.add_argument("--model", default=None, help="default: SmolLM2")
+    b.add_argument("--tiny", action="store_true", help="a tiny random model instead")
+    b.add_argument(
+        "--ttft-ms", type=float, default=3000.0, help="the TTFT target and admit_ttft_ms"
+    )
+    b.add_argument(
+        "--overload", type=float, default=2.0, help="the burst's rate over the measured capacity"
+    )
+    b.add_argument("--seconds", type=float, default=None, help="of arrivals (default 20, quick 10)")
+    b.add_argument("--prompt-len", type=int, default=None, help="tokens a prompt (default 384)")
 
 
 def _add_agreement_parser(bench_sub: Any) -> None:

@@ -1,0 +1,41 @@
+"""`cachesvc bench admission` end to end on the tiny model, as a user runs it (its own Ray
+cluster, in its own process): both setups get the same burst at the same rate, every request
+is either served or refused, and only the setup with admission refuses any."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.system
+
+
+def test_bench_admission_runs_both_setups_on_one_burst(tmp_path: Path) -> None:
+    out = tmp_path / "admission.json"
+    args = ["bench", "admission", "--quick", "--tiny", "--seconds", "2", "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "cachesvc.app.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "goodput req/s" in done.stdout
+    without, with_ = json.loads(out.read_text())
+    assert (without["setup"], with_["setup"]) == ("without admission", "with admission")
+    assert without["offered_rps"] == with_["offered_rps"] > 0
+    sizes = [len(r["ttft_s"]) + r["refused"] for r in (without, with_)]
+    assert sizes[0] == sizes[1] >= 1
+    assert without["refused"] == 0, "nothing refuses without admission"
+    assert with_["ttft_target_ms"] == 3000.0
+
+
+@pytest.mark.parametrize("flag", [["--ttft-ms", "0"], ["--overload", "-1"], ["--seconds", "0"]])
+def test_bad_flags_are_refused_naming_them(flag: list[str]) -> None:
+    from cachesvc.app.cli.main import main
+
+    assert main(["bench", "admission", "--tiny", *flag]) == 2
