@@ -190,8 +190,8 @@ class Router:
             # Every part continues the same prompt: the first one's blocks stand for all.
             prompt = parts[0].prompt_ids
             hashes = self.prompts.block_hashes(prompt, req.cache_salt)
-            if attempt == 0 and (handoff := self.pd.plan(progress, hashes, excluded)):
-                self.admission.check(handoff.decision.predicted_ttft_s, outcome)
+            admit = functools.partial(self.admission.check, outcome=outcome)
+            if attempt == 0 and (handoff := self.pd.plan(progress, hashes, excluded, admit)):
                 record = functools.partial(self._record, outcome=outcome)
                 first = self.pd.prefill(
                     handoff, progress, call_id, outcome, self._part, record, req

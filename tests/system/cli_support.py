@@ -1,10 +1,12 @@
 """Helpers for the system tests that run the `cachesvc` command: free ports, waiting for a
-`cachesvc serve` process to report SERVING, and running a client command in-process."""
+`cachesvc serve` process to report SERVING, running a client command in-process, and a command
+in a process of its own."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -49,3 +51,16 @@ def cli_lines(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[str]:
     """Run `cachesvc argv` in this process; its stdout lines (it must exit 0)."""
     assert main(argv) == 0, capsys.readouterr().err
     return capsys.readouterr().out.splitlines()
+
+
+def run_cli(args: list[str], timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
+    """Run `cachesvc args` in a process of its own, as a user does (its own Ray cluster); it
+    must exit 0 (else its stderr's end is shown)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "cachesvc.app.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done

@@ -1,15 +1,16 @@
 """`cachesvc bench admission` end to end on the tiny model, as a user runs it (its own Ray
 cluster, in its own process): both setups get the same burst at the same rate, every request
-is either served or refused, and only the setup with admission refuses any."""
+is either served or refused, and nothing is refused without admission (whether the tiny
+model's burst is past the target depends on this machine's speed: the refusals themselves are
+tested in `test_operations.py`)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_support import run_cli
 
 pytestmark = pytest.mark.system
 
@@ -17,13 +18,7 @@ pytestmark = pytest.mark.system
 def test_bench_admission_runs_both_setups_on_one_burst(tmp_path: Path) -> None:
     out = tmp_path / "admission.json"
     args = ["bench", "admission", "--quick", "--tiny", "--seconds", "2", "--json", str(out)]
-    done = subprocess.run(
-        [sys.executable, "-m", "cachesvc.app.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_cli(args)
     assert "goodput req/s" in done.stdout
     without, with_ = json.loads(out.read_text())
     assert (without["setup"], with_["setup"]) == ("without admission", "with admission")

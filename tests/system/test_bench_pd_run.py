@@ -6,11 +6,10 @@ for each; two mixed workers hand nothing off."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_support import run_cli
 
 from cachesvc.bench.pd_workload import BLOCK_SIZE, DECODE_PROMPT_LEN, WITH_PROMPTS, PDShape
 
@@ -20,13 +19,7 @@ pytestmark = pytest.mark.system
 def test_bench_pd_reports_every_hand_off(tmp_path: Path) -> None:
     out = tmp_path / "pd.json"
     args = ["bench", "pd", "--quick", "--tiny", "--pd-mode", "always", "--json", str(out)]
-    done = subprocess.run(
-        [sys.executable, "-m", "cachesvc.app.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_cli(args)
     shape = PDShape(quick=True)
     phases = {(r["setup"], r["phase"]): r for r in json.loads(out.read_text())}
     assert len(phases) == 4

@@ -5,6 +5,7 @@ from it. The client's tokens and text are colocated serving's."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,6 +109,10 @@ def test_admission_refuses_a_hand_off_before_its_prefill(
     assert metrics.get_sample_value("cachesvc_refused_total") == 1
     routed = [m for m in server.router.metrics.decisions.collect()[0].samples if m.value]
     assert not routed, "no worker was given the request"
+    planned = [m for m in server.router.metrics.pd_decisions.collect()[0].samples if m.value]
+    assert not planned, "a refused request is no decision"
+    shares = server.router.pd.shares.shares(time.monotonic(), list(mixed))
+    assert all(v == 0.0 for v in shares.values()), "nor prompt work on any worker"
 
 
 def test_a_frozen_prompt_worker_falls_back_on_the_other(

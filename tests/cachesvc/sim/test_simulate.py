@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import sim_support
 
 from cachesvc.planner import ComputeCost
 from cachesvc.sim.cost_profile import CostProfile, DecodeCost, TierReadCost, load_profile
@@ -25,16 +26,12 @@ from cachesvc.sim.trace import (
 
 SAMPLE = Path(__file__).resolve().parents[4] / "shared/data/mooncake_synthetic_trace.jsonl"
 
-# A millisecond per token, whole prompts in one step: time is easy to reason about.
-UNIT = CostProfile(
-    name="unit",
-    description="test clock",
-    kv_bytes_per_token=1.0,
-    prefill=ComputeCost(alpha_s=0.0, beta_s=1e-3, gamma_s=0.0),
-    decode=DecodeCost(base_s=0.0, per_seq_s=1e-3, per_context_token_s=0.0),
+# A millisecond per token, whole prompts in one step: time is easy to reason about; a DRAM and
+# an NVMe tier, and the default pull.
+UNIT = dataclasses.replace(
+    sim_support.UNIT,
     tiers={"dram": TierReadCost(0.0, 1e-9), "nvme": TierReadCost(1e-3, 1e-6)},
-    max_num_batched_tokens=10**7,
-    max_num_seqs=10**4,
+    peer=CostProfile.__dataclass_fields__["peer"].default,
 )
 
 

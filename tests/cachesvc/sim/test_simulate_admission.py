@@ -5,30 +5,16 @@ refused request counts against goodput."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from sim_support import UNIT, WriteTrace
 
-from cachesvc.planner import ComputeCost
-from cachesvc.sim.cost_profile import CostProfile, DecodeCost, TierReadCost
 from cachesvc.sim.goodput import SLO, goodput
 from cachesvc.sim.loop import ClusterSpec, PDSetup, replay
 from cachesvc.sim.pd import COLOCATED, DYNAMIC
 from cachesvc.sim.trace import BLOCK_SIZE, load_trace
 
-# A millisecond per prompt token and per decoding sequence, whole prompts in one step.
-UNIT = CostProfile(
-    name="unit",
-    description="test clock",
-    kv_bytes_per_token=1.0,
-    prefill=ComputeCost(alpha_s=0.0, beta_s=1e-3, gamma_s=0.0),
-    decode=DecodeCost(base_s=0.0, per_seq_s=1e-3, per_context_token_s=0.0),
-    peer=TierReadCost(1e-3, 1e-9),
-    max_num_batched_tokens=10**7,
-    max_num_seqs=10**4,
-)
-WriteTrace = Callable[[list[tuple[float, int, int, list[int]]]], Path]  # conftest's
 SLO_2S = SLO(ttft_ms=2000.0, itl_ms=100.0)
 
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from sim_support import UNIT, WriteTrace
 
-from cachesvc.planner import ComputeCost
-from cachesvc.sim.cost_profile import CostProfile, DecodeCost, TierReadCost
+from cachesvc.sim.cost_profile import TierReadCost
 from cachesvc.sim.goodput import SLO, Outcome, measure, outcomes
 from cachesvc.sim.loop import ClusterSpec, PDSetup, SimRun, replay
 from cachesvc.sim.pd import ALWAYS, COLOCATED, DECIDE, DYNAMIC, roles_for
@@ -20,22 +19,7 @@ from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.trace import BLOCK_SIZE, load_trace
 from router.pd import DECODE, MIXED, PREFILL
 
-# A millisecond per prompt token and per decoding sequence, whole prompts in one step; a pull
-# takes a millisecond plus a nanosecond per byte (a block here is 512 bytes); landing and the
-# holder's staging are free.
-UNIT = CostProfile(
-    name="unit",
-    description="test clock",
-    kv_bytes_per_token=1.0,
-    prefill=ComputeCost(alpha_s=0.0, beta_s=1e-3, gamma_s=0.0),
-    decode=DecodeCost(base_s=0.0, per_seq_s=1e-3, per_context_token_s=0.0),
-    peer=TierReadCost(1e-3, 1e-9),
-    max_num_batched_tokens=10**7,
-    max_num_seqs=10**4,
-)
 SPEC = ClusterSpec(2, device_blocks=256)  # w0 prefills, w1 decodes (with one prefill worker)
-
-WriteTrace = Callable[[list[tuple[float, int, int, list[int]]]], Path]  # conftest's
 
 
 def _seq_of(run: SimRun, index: int, *, prefill: bool = False) -> SimSeq:

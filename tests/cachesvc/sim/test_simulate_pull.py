@@ -5,38 +5,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from sim_support import UNIT, WriteTrace
 
-from cachesvc.planner import ComputeCost
-from cachesvc.sim.cost_profile import CostProfile, DecodeCost, TierReadCost
+from cachesvc.sim.cost_profile import CostProfile, TierReadCost
 from cachesvc.sim.loop import ClusterSpec, SimRun, replay
 from cachesvc.sim.report import summarize
 from cachesvc.sim.trace import BLOCK_SIZE, HotPrefix, hot_prefix_requests, load_trace
 from cachesvc.sim.worker import SimWorker
 from cachesvc.types import WorkerId
 
-# A millisecond per prompt token, whole prompts in one step; a pull of a run takes a millisecond
-# and a byte per nanosecond (a block of this profile is a few hundred bytes).
-UNIT = CostProfile(
-    name="unit",
-    description="test clock",
-    kv_bytes_per_token=1.0,
-    prefill=ComputeCost(alpha_s=0.0, beta_s=1e-3, gamma_s=0.0),
-    decode=DecodeCost(base_s=0.0, per_seq_s=1e-3, per_context_token_s=0.0),
-    peer=TierReadCost(1e-3, 1e-9),
-    max_num_batched_tokens=10**7,
-    max_num_seqs=10**4,
-)
 # The parent computes its 528 tokens in 0.53 s, well before the forks come at 1 s; with 65
 # requests the p99 TTFT is the second longest, not the parent's.
 SMALL = HotPrefix(prefix_len=512, num_forks=64, suffix_len=16, output_len=4, rate=100.0)
 SPEC = ClusterSpec(2, device_blocks=1024, block_size=SMALL.block_size)
-
-
-WriteTrace = Callable[[list[tuple[float, int, int, list[int]]]], Path]  # conftest's write_trace
 
 
 def _hints_name_other_workers(run: SimRun) -> int:
