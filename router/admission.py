@@ -25,6 +25,7 @@ from prometheus_client import Counter
 from router.costs import UNREPORTED_S_PER_TOKEN
 from router.domain import Exhausted
 from router.metrics import RequestOutcome
+from router.pd import PDDecision
 from router.policy import RouteDecision
 from router.pool import WorkerPool
 from router.worker_state import WorkerState
@@ -45,10 +46,20 @@ def token_s(state: WorkerState, block_size: int) -> float:
     return costs.compute_s / block_size
 
 
-def worker_ttft_s(state: WorkerState, num_tokens: int, held_blocks: int, block_size: int) -> float:
-    """A prompt of `num_tokens` predicted on a live worker holding `held_blocks` of it."""
+def worker_ttft_s(
+    state: WorkerState, num_tokens: int, held_blocks: int, block_size: int
+) -> tuple[float, float]:
+    """A prompt of `num_tokens` on a live worker holding `held_blocks` of it: its predicted
+    TTFT, and the part of it queued ahead of it (seconds)."""
     uncached = max(0, num_tokens - held_blocks * block_size)
-    return predicted_ttft_s(state.num_queued_tokens, uncached, token_s(state, block_size))
+    per_token = token_s(state, block_size)
+    queued = state.num_queued_tokens
+    return predicted_ttft_s(queued, uncached, per_token), queued * per_token
+
+
+def queued_s(decision: PDDecision) -> float:
+    """Of a P/D decision's predicted TTFT, the part queued ahead of the prompt where it runs."""
+    return max(0.0, decision.predicted_ttft_s - decision.prefill_s)
 
 
 @dataclass(frozen=True)
@@ -62,10 +73,12 @@ class Admission:
         if self.ttft_s is not None and self.ttft_s <= 0:
             raise ValueError(f"admit_ttft_ms must be positive, got {self.ttft_s * 1e3:g}")
 
-    def refusal(self, predicted_s: float) -> str | None:
-        """Why a request predicted to get its first token in `predicted_s` seconds is
-        refused, or None when it is admitted."""
-        if self.ttft_s is None or predicted_s <= self.ttft_s:
+    def refusal(self, predicted_s: float, queued_s: float) -> str | None:
+        """Why a request predicted to get its first token in `predicted_s` seconds, `queued_s`
+        of them waiting for work ahead of it, is refused, or None when it is admitted. With
+        nothing ahead it is always admitted: refusing it protects no queue (and its first
+        token is what the prediction's scale learns from)."""
+        if self.ttft_s is None or predicted_s <= self.ttft_s or queued_s <= 0:
             return None
         return (
             f"the cluster is past its capacity: predicted time to first token "
@@ -114,9 +127,10 @@ class CalibratedAdmission:
     def on(self) -> bool:
         return self.admission.ttft_s is not None
 
-    def refusal(self, predicted_s: float) -> str | None:
-        """Why a request predicted (raw) `predicted_s` is refused, or None."""
-        return self.admission.refusal(predicted_s * self.scale.factor)
+    def refusal(self, predicted_s: float, queued_s: float) -> str | None:
+        """Why a request predicted (raw) `predicted_s`, `queued_s` of it queued ahead, is
+        refused, or None."""
+        return self.admission.refusal(predicted_s * self.scale.factor, queued_s)
 
 
 class Gate:
@@ -131,12 +145,13 @@ class Gate:
         self.admission = CalibratedAdmission(Admission(ttft_s))
         self.refused = refused
 
-    def check(self, predicted_s: float, outcome: RequestOutcome) -> None:
-        """Refuse a request predicted (raw) to get its first token in `predicted_s` seconds,
-        when that is too late; else remember the prediction to learn from."""
+    def check(self, predicted_s: float, queued_s: float, outcome: RequestOutcome) -> None:
+        """Refuse a request predicted (raw) to get its first token in `predicted_s` seconds
+        (`queued_s` of them behind other work), when that is too late; else remember the
+        prediction to learn from."""
         if not self.admission.on:
             return
-        refusal = self.admission.refusal(predicted_s)
+        refusal = self.admission.refusal(predicted_s, queued_s)
         if refusal is not None:
             self.refused.inc()
             outcome.route_reason = refusal
@@ -151,7 +166,12 @@ class Gate:
         if not self.admission.on:
             return
         state, block_size = self.pool.state(decision.worker), self.pool.model.block_size
-        self.check(worker_ttft_s(state, num_tokens, decision.matched_blocks, block_size), outcome)
+        predicted, queued = worker_ttft_s(state, num_tokens, decision.matched_blocks, block_size)
+        self.check(predicted, queued, outcome)
+
+    def check_planned(self, decision: PDDecision, outcome: RequestOutcome) -> None:
+        """`check` a request as the P/D plan placed it (handed off: on its prefill worker)."""
+        self.check(decision.predicted_ttft_s, queued_s(decision), outcome)
 
     def observe(self, outcome: RequestOutcome) -> None:
         """The request's first token came: its TTFT against its prediction, once."""

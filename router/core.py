@@ -190,7 +190,7 @@ class Router:
             # Every part continues the same prompt: the first one's blocks stand for all.
             prompt = parts[0].prompt_ids
             hashes = self.prompts.block_hashes(prompt, req.cache_salt)
-            admit = functools.partial(self.admission.check, outcome=outcome)
+            admit = functools.partial(self.admission.check_planned, outcome=outcome)
             if attempt == 0 and (handoff := self.pd.plan(progress, hashes, excluded, admit)):
                 record = functools.partial(self._record, outcome=outcome)
                 first = self.pd.prefill(

@@ -137,11 +137,11 @@ class Disaggregation:
         progress: RequestProgress,
         hashes: list[BlockHash],
         excluded: set[WorkerId],
-        admit: Callable[[float], None] = lambda predicted_ttft_s: None,
+        admit: Callable[[PDDecision], None] = lambda decision: None,
     ) -> Handoff | None:
         """Colocated or disaggregated for a request not started yet (None: no prefill workers
         and no hand-offs between mixed ones, or a request that cannot be handed off).
-        `admit(predicted TTFT)` may refuse it (raising) before it is counted anywhere."""
+        `admit(decision)` may refuse it (raising) before it is counted anywhere."""
         if self.config.pd_mode == "never" or not progress.resumable:
             return None
         mixed = self.mixed(excluded)
@@ -164,7 +164,7 @@ class Disaggregation:
         decision = self._decide(num_tokens, seen, colocated, prefill, decode, answer)
         if self.config.pd_mode == "always" and prefill is not None and decode is not None:
             decision = dataclasses.replace(decision, disaggregate=True, reason="always")
-        admit(decision.predicted_ttft_s)
+        admit(decision)
         self.metrics.pd_decisions.labels(decision.mode).inc()
         handoff = Handoff(decision, colocated, calibrate=self._calibrate)
         if not decision.disaggregate or prefill is None or decode is None:

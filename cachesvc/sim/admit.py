@@ -20,12 +20,13 @@ class SimAdmission:
     def on(self) -> bool:
         return self.calibrated.on
 
-    def refusal(self, predicted_s: float) -> str | None:
-        """Why a request predicted (raw) `predicted_s` is refused now, or None."""
+    def refusal(self, predicted_s: float, queued_s: float) -> str | None:
+        """Why a request predicted (raw) `predicted_s`, `queued_s` of it behind other work, is
+        refused now, or None."""
         if not self.on:
             return None
         self._learn()
-        return self.calibrated.refusal(predicted_s)
+        return self.calibrated.refusal(predicted_s, queued_s)
 
     def admitted(self, seq: SimSeq, predicted_s: float) -> None:
         """`seq` (a request's first part: its prefill when handed off) was let in."""

@@ -190,8 +190,8 @@ class _Cluster:
         worker, choice = choose_among(self.policy, req, live, matches, holders)
         predicted = 0.0
         if self.admission.on:
-            predicted = colocated_ttft_s(req, worker, choice.decision.matched_blocks)
-            refusal = self.admission.refusal(predicted)
+            predicted, queued = colocated_ttft_s(req, worker, choice.decision.matched_blocks)
+            refusal = self.admission.refusal(predicted, queued)
             if refusal is not None:
                 return Refused(refusal)
         run.reasons[choice.decision.reason] += 1

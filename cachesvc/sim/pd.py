@@ -46,7 +46,7 @@ from cachesvc.sim.seq import EarlyPull, SimPeer, SimSeq
 from cachesvc.sim.trace import SimRequest
 from cachesvc.sim.worker import SimWorker
 from cachesvc.types import WorkerId
-from router.admission import predicted_ttft_s
+from router.admission import predicted_ttft_s, queued_s
 from router.answers import Answer, MeanAnswer
 from router.disagg import HANDOFF_FIXED_PRIOR_S, SERVING_ROLES
 from router.pd import (
@@ -105,10 +105,11 @@ class Refused:
     reason: str
 
 
-def colocated_ttft_s(req: SimRequest, worker: SimWorker, held_blocks: int) -> float:
+def colocated_ttft_s(req: SimRequest, worker: SimWorker, held_blocks: int) -> tuple[float, float]:
     """`req`'s predicted TTFT on `worker` holding `held_blocks` of its prompt, as
-    `router.pd.decide` predicts it colocated."""
-    return predicted_ttft_s(worker.num_queued_tokens, _uncached(req, held_blocks), _token_s(worker))
+    `router.pd.decide` predicts it colocated, and the part of it queued ahead (seconds)."""
+    per_token, queued = _token_s(worker), worker.num_queued_tokens
+    return predicted_ttft_s(queued, _uncached(req, held_blocks), per_token), queued * per_token
 
 
 def choose_among(
@@ -233,7 +234,7 @@ class PDRoutes:
         )
         if self.mode == ALWAYS:
             decision = dataclasses.replace(decision, disaggregate=True, reason="always")
-        refusal = self.admission.refusal(decision.predicted_ttft_s)
+        refusal = self.admission.refusal(decision.predicted_ttft_s, queued_s(decision))
         if refusal is not None:
             return Refused(refusal)
         self.decisions[req.index] = decision

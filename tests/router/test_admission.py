@@ -17,15 +17,22 @@ def test_the_prediction_is_the_queue_and_the_prompt_at_the_workers_speed() -> No
 
 def test_a_request_predicted_later_than_the_target_is_refused() -> None:
     admission = Admission(1.5)
-    assert admission.refusal(1.5) is None, "at the target it is admitted"
-    assert admission.refusal(0.2) is None
-    reason = admission.refusal(2.25)
+    assert admission.refusal(1.5, 1.0) is None, "at the target it is admitted"
+    assert admission.refusal(0.2, 0.1) is None
+    reason = admission.refusal(2.25, 1.0)
     assert reason is not None
     assert "admit_ttft_ms 1500 ms" in reason and "2250 ms" in reason
 
 
 def test_without_a_target_nothing_is_refused() -> None:
-    assert Admission().refusal(1e9) is None
+    assert Admission().refusal(1e9, 1e9) is None
+
+
+def test_nothing_queued_ahead_is_always_admitted() -> None:
+    # A prompt alone on its worker that takes longer than the target: refusing it would
+    # protect no queue, and the scale learns only from requests admitted.
+    assert Admission(1.5).refusal(9.0, 0.0) is None
+    assert Admission(1.5).refusal(9.0, 0.001) is not None
 
 
 @pytest.mark.parametrize("bad", [0.0, -5.0])
@@ -60,7 +67,7 @@ def test_a_cached_prompts_tiny_prediction_does_not_swing_the_scale() -> None:
 
 def test_calibrated_admission_refuses_on_the_scaled_prediction() -> None:
     admission = CalibratedAdmission(Admission(1.5))
-    assert admission.refusal(1.0) is None
+    assert admission.refusal(1.0, 0.5) is None
     admission.scale.observe(1.0, 2.0)  # requests take twice what is predicted
-    reason = admission.refusal(1.0)
+    reason = admission.refusal(1.0, 0.5)
     assert reason is not None and "2000 ms" in reason

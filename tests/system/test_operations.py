@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
+from pd_support import slow_steps
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachesvc.bench.routing import Variant, run_policy
@@ -74,21 +75,36 @@ def test_router_limit_is_resource_exhausted(make_server: Any) -> None:
     _wait_idle(pb_grpc.AdminStub(server.channel()))
 
 
-def test_admission_refuses_a_request_predicted_to_start_late(make_server: Any) -> None:
-    # Any prompt takes longer than a microsecond: every request is predicted to start late.
-    strict = make_server(admit_ttft_ms=0.001)
-    stub = pb_grpc.InferenceStub(strict.channel())
-    for _ in range(2):  # refused, and the router goes on answering
-        _exhausted(stub, "exceeds admit_ttft_ms")
-    assert strict.router.metrics.refused._value.get() == 2
-    workers = pb_grpc.AdminStub(strict.channel()).ListWorkers(pb.ListWorkersRequest()).workers
-    assert all(w.num_inflight == 0 for w in workers), "nothing reached a worker"
-    loose = make_server(admit_ttft_ms=600_000.0)
-    reply = list(pb_grpc.InferenceStub(loose.channel()).Generate(_request([3, 4, 5], 2)))
+def _in_flight(server: Any, worker: Any) -> None:
+    """Until the router has a request on `worker` whose first token has not come."""
+    deadline = time.monotonic() + 30
+    while server.router.pool.state(worker).num_inflight_tokens == 0:
+        assert time.monotonic() < deadline, "the first request never reached the worker"
+        time.sleep(0.02)
+
+
+def test_admission_refuses_a_request_that_would_wait_behind_others(
+    start_router: Any, worker_pair: dict[Any, Any]
+) -> None:
+    # One worker whose steps take 1.5 s more; any prompt takes longer than a microsecond.
+    worker, actor = next(iter(worker_pair.items()))
+    server = start_router({worker: actor}, admit_ttft_ms=0.001)
+    stub = pb_grpc.InferenceStub(server.channel())
+    slow_steps(actor, 1.5)
+    try:
+        ahead = stub.Generate(_request([9, 8, 7, 6, 5], 2), timeout=60)
+        _in_flight(server, worker)
+        for _ in range(2):  # refused behind it, and the router goes on answering
+            _exhausted(stub, "exceeds admit_ttft_ms")
+        assert list(ahead)[-1].finish_reason == "length", "the request ahead is served"
+    finally:
+        slow_steps(actor, 0)
+    assert server.router.metrics.refused._value.get() == 2
+    # Nothing queued ahead: admitted whatever its prediction (refusing it protects no queue).
+    reply = list(stub.Generate(_request([3, 4, 5], 2), timeout=60))
     assert reply[-1].finish_reason == "length"
-    assert loose.router.metrics.refused._value.get() == 0
-    scale = loose.router.admission.admission.scale
-    assert scale.predicted_s > 0 and scale.measured_s > 0, "the admitted request was learnt"
+    scale = server.router.admission.admission.scale
+    assert scale.predicted_s > 0 and scale.measured_s > 0, "admitted requests are learnt"
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

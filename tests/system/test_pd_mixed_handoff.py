@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
-from pd_support import spawn_pulling
+from pd_support import slow_steps, spawn_pulling
 
 from cachesvc.config import EngineConfig
 from cachesvc.types import WorkerId
@@ -97,22 +97,49 @@ def test_mixed_workers_without_the_switch_serve_colocated(
 def test_admission_refuses_a_hand_off_before_its_prefill(
     start_router: Any, mixed: dict[WorkerId, Any]
 ) -> None:
-    """A request the plan hands off is refused on its prefill worker's predicted TTFT, before
-    any worker runs it."""
+    """With a prompt computing on each worker (steps slowed), a request the plan would hand off
+    is refused on its prompt worker's predicted TTFT, before any worker runs it, its P/D
+    decision or its prompt's share counted."""
     server = start_router(mixed, pd_mode="always", pd_mixed=True, admit_ttft_ms=0.001)
-    sampling = pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    with pytest.raises(grpc.RpcError) as err:
-        _answer(server, list(range(3, 3 + PROMPT_TOKENS)), sampling)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "admit_ttft_ms" in err.value.details()
+    stub = pb_grpc.InferenceStub(server.channel())
+    sampling = pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    def request(seed: int) -> pb.GenerateRequest:
+        ids = [(seed * 13 + 7 * j) % 250 + 3 for j in range(PROMPT_TOKENS)]
+        return pb.GenerateRequest(
+            prompt=pb.Prompt(token_ids=pb.TokenIds(ids=ids)), sampling=sampling
+        )
+
+    for actor in mixed.values():
+        slow_steps(actor, 1.5)
+    try:
+        ahead = []
+        for seed in (1, 2):  # each admitted with nothing ahead of it, one per worker
+            ahead.append(stub.Generate(request(seed), timeout=120))
+            deadline = time.monotonic() + 30
+            while sum(server.router.pool.state(w).num_inflight_tokens > 0 for w in mixed) < seed:
+                assert time.monotonic() < deadline, "a prompt never reached its worker"
+                time.sleep(0.02)
+        shares = server.router.pd.shares.shares(time.monotonic(), list(mixed))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request(3), timeout=120))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "admit_ttft_ms" in err.value.details()
+        after = server.router.pd.shares.shares(time.monotonic(), list(mixed))
+        assert all(after[w] <= shares[w] for w in mixed), "no prompt share for the refused"
+        for stream in ahead:
+            assert list(stream)[-1].finish_reason == "length"
+    finally:
+        for actor in mixed.values():
+            slow_steps(actor, 0)
     metrics = server.router.metrics.registry
     assert metrics.get_sample_value("cachesvc_refused_total") == 1
-    routed = [m for m in server.router.metrics.decisions.collect()[0].samples if m.value]
-    assert not routed, "no worker was given the request"
-    planned = [m for m in server.router.metrics.pd_decisions.collect()[0].samples if m.value]
-    assert not planned, "a refused request is no decision"
-    shares = server.router.pd.shares.shares(time.monotonic(), list(mixed))
-    assert all(v == 0.0 for v in shares.values()), "nor prompt work on any worker"
+    planned = sum(
+        metrics.get_sample_value("cachesvc_pd_decisions_total", {"mode": mode}) or 0
+        for mode in ("colocated", "disaggregated")
+    )
+    assert planned == 2, "the refused request is no decision"
+    _flush(server)
 
 
 def test_a_frozen_prompt_worker_falls_back_on_the_other(
