@@ -136,7 +136,15 @@ def add_simulate_parser(sub: Any) -> None:
         "--itl-slo-ms)",
     )
     sim.add_argument(
-        "--quick", action="store_true", help="with --like-bench-pd: the bench's --quick sizes"
+        "--like-bench-admission",
+        action="store_true",
+        help="replay what `cachesvc bench admission` sends (2 mixed workers, a burst at twice "
+        "the capacity, without and with admission at --admit-ttft-ms, default the bench's)",
+    )
+    sim.add_argument(
+        "--quick",
+        action="store_true",
+        help="with --like-bench-pd or --like-bench-admission: the bench's --quick sizes",
     )
     sim.add_argument(
         "--sweep",
@@ -288,7 +296,8 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     from cachesvc.sim.trace import HotPrefix
     from router.config import RouterConfig
 
-    if args.workload == "trace" and not args.trace and not args.like_bench_pd:
+    replays_bench = args.like_bench_pd or args.like_bench_admission
+    if args.workload == "trace" and not args.trace and not replays_bench:
         raise CliError(
             "simulate needs --trace FILE (a Mooncake JSONL trace) or --workload hot-prefix"
         )
@@ -309,6 +318,10 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         from cachesvc.sim.like_bench_pd import run_like_bench_pd
 
         run = run_like_bench_pd
+    if args.like_bench_admission:
+        from cachesvc.sim.like_bench_admission import run_like_bench_admission
+
+        run = run_like_bench_admission
     return run(
         SimulateArgs(
             trace=args.trace,

@@ -76,3 +76,21 @@ def test_the_command_line_refuses_in_every_mode(tmp_path: Path, write_trace: Wri
         assert 0 < result["num_refused"] < 12
         assert result["num_good"] <= 12 - result["num_refused"]
     assert main([*base[:-1], "0", "--pd", "colocated"]) == 2
+
+
+def test_the_live_admission_bench_replays_in_the_simulator() -> None:
+    """`--like-bench-admission`: the capacity from the simulated warm-ups, the same burst in
+    both setups, and with admission at 3 s the served requests start sooner and more of them
+    within it (cpu-calibrated, the bench's --quick sizes)."""
+    from cachesvc.bench.admission import AdmissionBenchArgs
+    from cachesvc.sim.cost_profile import load_profile
+    from cachesvc.sim.like_bench_admission import replay_bench_admission
+
+    without, with_ = replay_bench_admission(
+        load_profile("cpu-calibrated"), AdmissionBenchArgs(quick=True)
+    )
+    assert without.offered_rps == with_.offered_rps > 0
+    assert without.num_requests == with_.num_requests == round(10 * without.offered_rps)
+    assert without.refused == 0 < with_.refused < with_.num_requests
+    assert with_.within > without.within
+    assert max(with_.ttft_s) < max(without.ttft_s)
