@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cachesvc.bench.pd import percentile
+from cachesvc.bench.requests import greedy_request
 from cachesvc.bench.table import format_table, write_json
 
 NUM_WORKERS = 2
@@ -110,15 +111,8 @@ async def _send(stub: Any, ids: Sequence[int], delay_s: float) -> float | None:
     """The request's TTFT (s), or None when it was refused; other errors are raised."""
     import grpc
 
-    from proto.cachesvc.v1 import cachesvc_pb2 as pb
-
     await asyncio.sleep(delay_s)
-    request = pb.GenerateRequest(
-        prompt=pb.Prompt(token_ids=pb.TokenIds(ids=ids)),
-        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
-        no_response_cache=True,
-        request_id=f"bench-admission-{uuid.uuid4().hex[:8]}",
-    )
+    request = greedy_request(ids, MAX_TOKENS, "bench-admission")
     start = time.perf_counter()
     first = None
     try:

@@ -34,6 +34,7 @@ from cachesvc.bench.pd_workload import (
     warmup_request,
     worker_warmup_request,
 )
+from cachesvc.bench.requests import greedy_request
 from cachesvc.bench.table import format_table
 
 
@@ -115,14 +116,9 @@ async def _stream(
     stub: Any, ids: Sequence[int], max_tokens: int, request_id: str | None = None
 ) -> tuple[list[float], Any]:
     """Arrival times of the stream's messages (from the call), and its usage."""
-    from proto.cachesvc.v1 import cachesvc_pb2 as pb
-
-    request = pb.GenerateRequest(
-        prompt=pb.Prompt(token_ids=pb.TokenIds(ids=ids)),
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-        no_response_cache=True,
-        request_id=request_id or f"bench-pd-{uuid.uuid4().hex[:8]}",
-    )
+    request = greedy_request(ids, max_tokens, "bench-pd")
+    if request_id:
+        request.request_id = request_id
     start = time.perf_counter()
     stamps: list[float] = []
     usage = None

@@ -178,14 +178,9 @@ def split_overhead(one_ms: float, two_ms: float) -> tuple[float, float]:
 
 async def _stream(stub: Any, ids: list[int], max_tokens: int) -> tuple[list[float], Any]:
     """Arrival times (ms from the call) of the stream's tokens, and its usage."""
-    from proto.cachesvc.v1 import cachesvc_pb2 as pb
+    from cachesvc.bench.requests import greedy_request
 
-    request = pb.GenerateRequest(
-        prompt=pb.Prompt(token_ids=pb.TokenIds(ids=ids)),
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-        no_response_cache=True,
-        request_id=f"calibrate-{uuid.uuid4().hex[:8]}",
-    )
+    request = greedy_request(ids, max_tokens, "calibrate")
     start = time.perf_counter()
     stamps: list[float] = []
     usage = None
