@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import openai
 import pytest
+from http_support import MODEL_NAME, base_url, start_http, stop_http
 from pd_support import slow_steps
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -90,16 +92,22 @@ def test_admission_refuses_a_request_that_would_wait_behind_others(
     worker, actor = next(iter(worker_pair.items()))
     server = start_router({worker: actor}, admit_ttft_ms=0.001)
     stub = pb_grpc.InferenceStub(server.channel())
-    slow_steps(actor, 1.5)
+    http = start_http(server)
+    slow_steps(actor, 2.5)
     try:
         ahead = stub.Generate(_request([9, 8, 7, 6, 5], 2), timeout=60)
         _in_flight(server, worker)
         for _ in range(2):  # refused behind it, and the router goes on answering
             _exhausted(stub, "exceeds admit_ttft_ms")
+        client = openai.OpenAI(base_url=base_url(http), api_key="unused", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as err:  # the HTTP door: 429
+            client.completions.create(model=MODEL_NAME, prompt=[3, 4, 5], max_tokens=2)
+        assert "admit_ttft_ms" in err.value.message
         assert list(ahead)[-1].finish_reason == "length", "the request ahead is served"
     finally:
         slow_steps(actor, 0)
-    assert server.router.metrics.refused._value.get() == 2
+        stop_http(server, http)
+    assert server.router.metrics.refused._value.get() == 3
     # Nothing queued ahead: admitted whatever its prediction (refusing it protects no queue).
     reply = list(stub.Generate(_request([3, 4, 5], 2), timeout=60))
     assert reply[-1].finish_reason == "length"
