@@ -151,6 +151,8 @@ class Gate:
         prediction to learn from."""
         if not self.admission.on:
             return
+        scaled_ms = predicted_s * self.admission.scale.factor * 1e3
+        outcome.admit_predicted_ttft_ms = round(scaled_ms, 2)
         refusal = self.admission.refusal(predicted_s, queued_s)
         if refusal is not None:
             self.refused.inc()

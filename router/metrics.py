@@ -163,6 +163,8 @@ class RequestOutcome:
     prefill_worker: str | None = None
     pd_predicted_ttft_ms: float | None = None
     admit_predicted_s: float | None = None  # admission's raw prediction, until its first token
+    # Admission's prediction of the TTFT as it judged it (scaled), beside the measured `ttft_ms`.
+    admit_predicted_ttft_ms: float | None = None
     pd_predicted_handoff_ms: float | None = None
     pd_handoff_ms: float | None = None
 
@@ -213,6 +215,7 @@ class RequestOutcome:
                 "pd_predicted_ttft_ms": self.pd_predicted_ttft_ms,
                 "pd_predicted_handoff_ms": self.pd_predicted_handoff_ms,
                 "pd_handoff_ms": self.pd_handoff_ms,
+                "admit_predicted_ttft_ms": self.admit_predicted_ttft_ms,
             },
         )
 

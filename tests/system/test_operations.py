@@ -86,8 +86,9 @@ def _in_flight(server: Any, worker: Any) -> None:
 
 
 def test_admission_refuses_a_request_that_would_wait_behind_others(
-    start_router: Any, worker_pair: dict[Any, Any]
+    start_router: Any, worker_pair: dict[Any, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="router.requests")
     # One worker whose steps take 1.5 s more; any prompt takes longer than a microsecond.
     worker, actor = next(iter(worker_pair.items()))
     server = start_router({worker: actor}, admit_ttft_ms=0.001)
@@ -109,10 +110,18 @@ def test_admission_refuses_a_request_that_would_wait_behind_others(
         stop_http(server, http)
     assert server.router.metrics.refused._value.get() == 3
     # Nothing queued ahead: admitted whatever its prediction (refusing it protects no queue).
-    reply = list(stub.Generate(_request([3, 4, 5], 2), timeout=60))
+    reply = list(stub.Generate(_request([3, 4, 5], 2, "admitted"), timeout=60))
     assert reply[-1].finish_reason == "length"
     scale = server.router.admission.admission.scale
     assert scale.predicted_s > 0 and scale.measured_s > 0, "admitted requests are learnt"
+    # The request log has each decision's prediction, beside the TTFT measured when served.
+    logged = [json.loads(JsonFormatter().format(r)) for r in caplog.records]
+    refused = [line for line in logged if line["status"] == "exhausted"]
+    assert len(refused) == 3
+    assert all("exceeds admit_ttft_ms" in line["route_reason"] for line in refused)
+    assert all(line["admit_predicted_ttft_ms"] > 0.001 for line in refused)
+    (admitted,) = [line for line in logged if line["request_id"] == "admitted"]
+    assert admitted["admit_predicted_ttft_ms"] > 0 and admitted["ttft_ms"] > 0
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
