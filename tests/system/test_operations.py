@@ -115,7 +115,8 @@ def test_admission_refuses_a_request_that_would_wait_behind_others(
     scale = server.router.admission.admission.scale
     assert scale.predicted_s > 0 and scale.measured_s > 0, "admitted requests are learnt"
     # The request log has each decision's prediction, beside the TTFT measured when served.
-    logged = [json.loads(JsonFormatter().format(r)) for r in caplog.records]
+    finished = [r for r in caplog.records if r.getMessage() == "request finished"]
+    logged = [json.loads(JsonFormatter().format(r)) for r in finished]
     refused = [line for line in logged if line["status"] == "exhausted"]
     assert len(refused) == 3
     assert all("exceeds admit_ttft_ms" in line["route_reason"] for line in refused)
