@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
-from router.costs import UNREPORTED_S_PER_TOKEN
+from router.costs import prefill_token_s
 from router.domain import Exhausted
 from router.metrics import RequestOutcome
 from router.pd import PDDecision
@@ -37,22 +37,13 @@ def predicted_ttft_s(queued_tokens: int, uncached_tokens: int, token_s: float) -
     return (queued_tokens + uncached_tokens) * token_s
 
 
-def token_s(state: WorkerState, block_size: int) -> float:
-    """A worker's seconds of prefill per token, from its calibrated costs (an H100's for an 8B
-    model when it reports none: `router.costs.UNREPORTED_S_PER_TOKEN`)."""
-    costs = state.load.block_costs
-    if costs is None or costs.compute_s <= 0:
-        return UNREPORTED_S_PER_TOKEN
-    return costs.compute_s / block_size
-
-
 def worker_ttft_s(
     state: WorkerState, num_tokens: int, held_blocks: int, block_size: int
 ) -> tuple[float, float]:
     """A prompt of `num_tokens` on a live worker holding `held_blocks` of it: its predicted
     TTFT, and the part of it queued ahead of it (seconds)."""
     uncached = max(0, num_tokens - held_blocks * block_size)
-    per_token = token_s(state, block_size)
+    per_token = prefill_token_s(state.load.block_costs, block_size)
     queued = state.num_queued_tokens
     return predicted_ttft_s(queued, uncached, per_token), queued * per_token
 
@@ -127,10 +118,14 @@ class CalibratedAdmission:
     def on(self) -> bool:
         return self.admission.ttft_s is not None
 
+    def scaled(self, predicted_s: float) -> float:
+        """A raw prediction as admission judges it."""
+        return predicted_s * self.scale.factor
+
     def refusal(self, predicted_s: float, queued_s: float) -> str | None:
         """Why a request predicted (raw) `predicted_s`, `queued_s` of it queued ahead, is
         refused, or None."""
-        return self.admission.refusal(predicted_s * self.scale.factor, queued_s)
+        return self.admission.refusal(self.scaled(predicted_s), queued_s)
 
 
 class Gate:
@@ -151,9 +146,9 @@ class Gate:
         prediction to learn from."""
         if not self.admission.on:
             return
-        scaled_ms = predicted_s * self.admission.scale.factor * 1e3
-        outcome.admit_predicted_ttft_ms = round(scaled_ms, 2)
-        refusal = self.admission.refusal(predicted_s, queued_s)
+        scaled_s = self.admission.scaled(predicted_s)
+        outcome.admit_predicted_ttft_ms = round(scaled_s * 1e3, 2)
+        refusal = self.admission.admission.refusal(scaled_s, queued_s)
         if refusal is not None:
             self.refused.inc()
             outcome.route_reason = refusal
@@ -176,7 +171,7 @@ class Gate:
         self.check(decision.predicted_ttft_s, queued_s(decision), outcome)
 
     def observe(self, outcome: RequestOutcome) -> None:
-        """The request's first token came: its TTFT against its prediction, once."""
-        predicted, outcome.admit_predicted_s = outcome.admit_predicted_s, None
+        """The request's first token came: its TTFT against its prediction."""
+        predicted = outcome.admit_predicted_s
         if predicted is not None and outcome.ttft_s is not None:
             self.admission.scale.observe(predicted, outcome.ttft_s)

@@ -127,7 +127,7 @@ class Router:
             answer = self._answer(ids, progress, outcome, req)
             async with contextlib.aclosing(answer) as deltas:
                 async for delta in deltas:
-                    if delta.token_ids:
+                    if delta.token_ids and outcome.ttft_s is None:
                         outcome.first_token(self.metrics)
                         self.admission.observe(outcome)
                     yield delta
@@ -185,12 +185,12 @@ class Router:
         # unique across tenants, so an abort (a cancelled call) reaches only its own request
         # and a clash can tell nobody which ids another tenant has in flight.
         call_id = f"{outcome.request_id}/{uuid.uuid4().hex}"
+        admit = functools.partial(self.admission.check_planned, outcome=outcome)
         for attempt in range(self.config.max_retries + 1):
             parts = progress.parts()
             # Every part continues the same prompt: the first one's blocks stand for all.
             prompt = parts[0].prompt_ids
             hashes = self.prompts.block_hashes(prompt, req.cache_salt)
-            admit = functools.partial(self.admission.check_planned, outcome=outcome)
             if attempt == 0 and (handoff := self.pd.plan(progress, hashes, excluded, admit)):
                 record = functools.partial(self._record, outcome=outcome)
                 first = self.pd.prefill(

@@ -100,6 +100,14 @@ def pull_blocks(request: RouteRequest, candidate: Candidate) -> int:
     return max(0, candidate.peer_blocks - own)
 
 
+def prefill_token_s(costs: BlockCosts | None, block_size: int) -> float:
+    """Seconds of prefill per token from a worker's reported costs (`BlockCosts.compute_s` per
+    block), or `UNREPORTED_S_PER_TOKEN` when it reports none."""
+    if costs is None or costs.compute_s <= 0:
+        return UNREPORTED_S_PER_TOKEN
+    return costs.compute_s / block_size
+
+
 def seconds_per_token(
     request: RouteRequest, candidates: Sequence[Candidate]
 ) -> dict[WorkerId, float]:

@@ -34,10 +34,9 @@ from typing import Any
 
 from cachesvc.index import PrefixMatch
 from cachesvc.types import BlockHash, WorkerId
-from router.admission import token_s
 from router.answers import Answer, MeanAnswer
 from router.config import RouterConfig
-from router.costs import PEER
+from router.costs import PEER, prefill_token_s
 from router.domain import Exhausted, Unavailable
 from router.handoff import Handoff
 from router.metrics import RequestOutcome, RouterMetrics
@@ -254,8 +253,10 @@ class Disaggregation:
         info = state.info  # its chunk: what an early pull moves before the token
         chunk = info.step_tokens if self.config.pd_prefetch and info is not None else None
         uncached = max(0, num_tokens - held_blocks * block_size)
-        queued, per_token = state.num_queued_tokens, token_s(state, block_size)
-        return PrefillSide(state.worker_id, uncached, queued, per_token, streams, chunk)
+        per_token = prefill_token_s(state.load.block_costs, block_size)
+        return PrefillSide(
+            state.worker_id, uncached, state.num_queued_tokens, per_token, streams, chunk
+        )
 
     def _decode_side(
         self, state: WorkerState, num_tokens: int, matched_blocks: int, seen: _Seen
@@ -268,7 +269,7 @@ class Disaggregation:
             max(0, num_tokens - matched_blocks * block_size),
             state.num_queued_tokens,
             state.load.num_running,
-            token_s(state, block_size),
+            prefill_token_s(costs, block_size),
             pull_s,
             seen.shares.get(state.worker_id, 0.0),
         )

@@ -162,7 +162,7 @@ class RequestOutcome:
     pd_reason: str | None = None  # why: `PDDecision.reason` (the route reason is the worker's)
     prefill_worker: str | None = None
     pd_predicted_ttft_ms: float | None = None
-    admit_predicted_s: float | None = None  # admission's raw prediction, until its first token
+    admit_predicted_s: float | None = None  # admission's raw prediction, when it admitted it
     # Admission's prediction of the TTFT as it judged it (scaled), beside the measured `ttft_ms`.
     admit_predicted_ttft_ms: float | None = None
     pd_predicted_handoff_ms: float | None = None

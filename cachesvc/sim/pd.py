@@ -48,6 +48,7 @@ from cachesvc.sim.worker import SimWorker
 from cachesvc.types import WorkerId
 from router.admission import predicted_ttft_s, queued_s
 from router.answers import Answer, MeanAnswer
+from router.costs import prefill_token_s
 from router.disagg import HANDOFF_FIXED_PRIOR_S, SERVING_ROLES
 from router.pd import (
     DECODE,
@@ -318,10 +319,9 @@ def _uncached(req: SimRequest, held_blocks: int) -> int:
 
 
 def _token_s(worker: SimWorker) -> float:
-    """Seconds of prefill per token, from the costs the worker reports."""
-    costs = worker.block_costs()
-    assert costs is not None, "workers with roles report their costs (they pull)"
-    return costs.compute_s / worker.block_size
+    """Seconds of prefill per token, from the costs the worker reports, as the router reads
+    them."""
+    return prefill_token_s(worker.block_costs(), worker.block_size)
 
 
 def _prefill_side(

@@ -71,3 +71,12 @@ def test_calibrated_admission_refuses_on_the_scaled_prediction() -> None:
     admission.scale.observe(1.0, 2.0)  # requests take twice what is predicted
     reason = admission.refusal(1.0, 0.5)
     assert reason is not None and "2000 ms" in reason
+
+
+def test_a_workers_prefill_speed_is_its_reported_cost_or_an_h100s() -> None:
+    from router.costs import UNREPORTED_S_PER_TOKEN, prefill_token_s
+    from workers.protocol import BlockCosts
+
+    assert prefill_token_s(BlockCosts(compute_s=0.032, fetch_s={}), 16) == pytest.approx(2e-3)
+    assert prefill_token_s(None, 16) == UNREPORTED_S_PER_TOKEN
+    assert prefill_token_s(BlockCosts(compute_s=0.0, fetch_s={}), 16) == UNREPORTED_S_PER_TOKEN
