@@ -14,20 +14,34 @@ scaled by what admitted requests actually took against their predictions (`TTFTS
 it leaves out the decode steps between a queue's prefill chunks, the hops, and on a worker
 that reports no costs the hardware itself; scaled, the target is the TTFT itself. The router
 (`Gate`) and the simulator (`cachesvc.sim.loop`) both decide with `CalibratedAdmission`.
+
+TTFT is half of what a client is promised. A worker can start every prompt in time and still
+spend so much of its steps on prompts that the streams it decodes miss their inter-token target
+(a mixed worker past capacity: the sweeps' ITL met fell to 0.33). With an inter-token target as
+well (`admit_itl_ms`), a request is also refused when a worker whose streams it would join or
+stall already decodes them slower than the target (`router.stream_gaps`, measured), plus what
+its own prefill takes from each of them spread over an answer: Mooncake's decode-side
+rejection. A worker with no streams never refuses this way.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
+from cachesvc.types import WorkerId
+from router.answers import MeanAnswer
+from router.config import RouterConfig
 from router.costs import prefill_token_s
 from router.domain import Exhausted
 from router.metrics import RequestOutcome
 from router.pd import PDDecision
 from router.policy import RouteDecision
 from router.pool import WorkerPool
+from router.stream_gaps import RecentGaps
 from router.worker_state import WorkerState
 
 
@@ -59,10 +73,18 @@ class Admission:
     `ttft_s` for its first token (None: admit everything)."""
 
     ttft_s: float | None = None
+    # The streams' target: refuse a request that would join or stall streams decoding slower
+    # than `itl_s` a token (None: never refuse for them).
+    itl_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.ttft_s is not None and self.ttft_s <= 0:
-            raise ValueError(f"admit_ttft_ms must be positive, got {self.ttft_s * 1e3:g}")
+        for name, value in (("admit_ttft_ms", self.ttft_s), ("admit_itl_ms", self.itl_s)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value * 1e3:g}")
+
+    @property
+    def on(self) -> bool:
+        return self.ttft_s is not None or self.itl_s is not None
 
     def refusal(self, predicted_s: float, queued_s: float) -> str | None:
         """Why a request predicted to get its first token in `predicted_s` seconds, `queued_s`
@@ -76,6 +98,36 @@ class Admission:
             f"{predicted_s * 1e3:.0f} ms exceeds admit_ttft_ms {self.ttft_s * 1e3:.0f} ms; "
             "retry later"
         )
+
+    def itl_refusal(
+        self, gap_s: float | None, stall_s: float, mean_answer: float, num_streams: int
+    ) -> str | None:
+        """Why a request that would join (or stall, by `stall_s` each) the `num_streams`
+        streams of a worker whose recent mean gap between tokens is `gap_s` (None: unknown)
+        is refused, or None. Predicted: that gap, plus the stall spread over the gaps of an
+        answer of `mean_answer` tokens."""
+        if self.itl_s is None or gap_s is None or num_streams <= 0:
+            return None
+        predicted_s = gap_s + max(0.0, stall_s) / max(1.0, mean_answer - 1)
+        if predicted_s <= self.itl_s:
+            return None
+        return (
+            f"the worker's streams are past their inter-token target: predicted mean gap "
+            f"{predicted_s * 1e3:.1f} ms (lately {gap_s * 1e3:.1f} ms) exceeds admit_itl_ms "
+            f"{self.itl_s * 1e3:.0f} ms; retry later"
+        )
+
+
+def admission_targets(ttft_ms: float | None, itl_ms: float | None) -> Admission:
+    """Admission at targets in milliseconds (None: none)."""
+    return Admission(
+        None if ttft_ms is None else ttft_ms / 1e3, None if itl_ms is None else itl_ms / 1e3
+    )
+
+
+def admission_of(config: RouterConfig) -> Admission:
+    """The router's targets, from its configuration."""
+    return admission_targets(config.admit_ttft_ms, config.admit_itl_ms)
 
 
 # The weight of each admitted request's measurement in `TTFTScale`.
@@ -116,7 +168,7 @@ class CalibratedAdmission:
 
     @property
     def on(self) -> bool:
-        return self.admission.ttft_s is not None
+        return self.admission.on
 
     def scaled(self, predicted_s: float) -> float:
         """A raw prediction as admission judges it."""
@@ -128,32 +180,76 @@ class CalibratedAdmission:
         return self.admission.refusal(self.scaled(predicted_s), queued_s)
 
 
+# A worker a request's placement touches, and the decode time each stream there loses to it:
+# where it decodes (its prefill, colocated; the hand-off's tail and landing, handed off), and
+# where its prompt is computed.
+Stall = tuple[WorkerId, float]
+
+
+def stalls_of(
+    decision: PDDecision, kept: WorkerId, prefill: WorkerId | None, decode: WorkerId | None
+) -> list[Stall]:
+    """The workers a P/D `decision` touches: colocated, the policy's choice `kept`; handed
+    off, its `decode` worker and its `prefill` worker."""
+    if not decision.disaggregate or prefill is None or decode is None:
+        return [(kept, decision.colocated_prefill_s)]
+    return [(decode, decision.decode_stall_s), (prefill, decision.disaggregated_prefill_s)]
+
+
 class Gate:
     """The router's admission: `check` raises `Exhausted` (RESOURCE_EXHAUSTED, HTTP 429) for
-    a request predicted to start later than `admit_ttft_ms` (None: admits every request),
-    counts it in `refused` and puts the reason in its request log; `observe` learns the
-    prediction's scale from each admitted request's first token."""
+    a request predicted to start later than `admit_ttft_ms`, or to join or stall streams that
+    decode slower than `admit_itl_ms` (None: no such target), counts it in `refused` and puts
+    the reason in its request log; `observe` learns the prediction's scale from each admitted
+    request's first token, and `gap` each worker's inter-token gaps from its streams."""
 
-    def __init__(self, pool: WorkerPool, admit_ttft_ms: float | None, refused: Counter) -> None:
+    def __init__(
+        self, pool: WorkerPool, admission: Admission, refused: Counter, mean_answer: MeanAnswer
+    ) -> None:
         self.pool = pool
-        ttft_s = None if admit_ttft_ms is None else admit_ttft_ms / 1e3
-        self.admission = CalibratedAdmission(Admission(ttft_s))
+        self.admission = CalibratedAdmission(admission)
         self.refused = refused
+        self.mean_answer = mean_answer
+        self.gaps: dict[WorkerId, RecentGaps] = {}
 
-    def check(self, predicted_s: float, queued_s: float, outcome: RequestOutcome) -> None:
+    def gap(self, worker: WorkerId, seconds: float, num_tokens: int) -> None:
+        """`num_tokens` of a stream on `worker` came `seconds` after its previous ones."""
+        if self.admission.admission.itl_s is not None:
+            gaps = self.gaps.setdefault(worker, RecentGaps())
+            gaps.observe(time.monotonic(), seconds, num_tokens)
+
+    def check(
+        self, predicted_s: float, queued_s: float, stalls: Sequence[Stall], outcome: RequestOutcome
+    ) -> None:
         """Refuse a request predicted (raw) to get its first token in `predicted_s` seconds
-        (`queued_s` of them behind other work), when that is too late; else remember the
-        prediction to learn from."""
+        (`queued_s` of them behind other work), when that is too late, or that would join or
+        stall (`stalls`) streams already too slow; else remember the prediction to learn
+        from."""
         if not self.admission.on:
             return
         scaled_s = self.admission.scaled(predicted_s)
-        outcome.admit_predicted_ttft_ms = round(scaled_s * 1e3, 2)
-        refusal = self.admission.admission.refusal(scaled_s, queued_s)
+        if self.admission.admission.ttft_s is not None:
+            outcome.admit_predicted_ttft_ms = round(scaled_s * 1e3, 2)
+        refusal = self.admission.admission.refusal(scaled_s, queued_s) or self._streams(stalls)
         if refusal is not None:
             self.refused.inc()
             outcome.route_reason = refusal
             raise Exhausted(refusal)
         outcome.admit_predicted_s = predicted_s
+
+    def _streams(self, stalls: Sequence[Stall]) -> str | None:
+        now_s = time.monotonic()
+        for worker, stall_s in stalls:
+            gaps = self.gaps.get(worker)
+            if gaps is None:
+                continue
+            state = self.pool.state(worker)
+            refusal = self.admission.admission.itl_refusal(
+                gaps.mean_s(now_s), stall_s, self.mean_answer.tokens, state.num_requests
+            )
+            if refusal is not None:
+                return f"{refusal} (worker {worker})"
+        return None
 
     def check_placed(
         self, decision: RouteDecision, num_tokens: int, outcome: RequestOutcome
@@ -164,11 +260,14 @@ class Gate:
             return
         state, block_size = self.pool.state(decision.worker), self.pool.model.block_size
         predicted, queued = worker_ttft_s(state, num_tokens, decision.matched_blocks, block_size)
-        self.check(predicted, queued, outcome)
+        prefill_s = predicted - queued  # the prompt's own compute, which its streams lose
+        self.check(predicted, queued, [(decision.worker, prefill_s)], outcome)
 
-    def check_planned(self, decision: PDDecision, outcome: RequestOutcome) -> None:
+    def check_planned(
+        self, decision: PDDecision, stalls: Sequence[Stall], outcome: RequestOutcome
+    ) -> None:
         """`check` a request as the P/D plan placed it (handed off: on its prefill worker)."""
-        self.check(decision.predicted_ttft_s, queued_s(decision), outcome)
+        self.check(decision.predicted_ttft_s, queued_s(decision), stalls, outcome)
 
     def observe(self, outcome: RequestOutcome) -> None:
         """The request's first token came: its TTFT against its prediction."""

@@ -134,6 +134,11 @@ class RouterConfig:
     # prediction is scaled by what admitted requests took against theirs, so this is the
     # TTFT target itself.
     admit_ttft_ms: float | None = None
+    # Refuse as well a request that would join or stall the streams of a worker that lately
+    # decodes them slower than this between tokens (its measured mean gap, plus the request's
+    # own prefill spread over an answer): its streams keep their inter-token target. None:
+    # never refuse for the streams.
+    admit_itl_ms: float | None = None
     # Share the prefix index through Redis (several routers, restarts); None keeps it in memory.
     redis_url: str | None = None
     redis_namespace: str = "cachesvc"
@@ -227,7 +232,7 @@ class RouterConfig:
             raise ConfigError(f"pd_mode must be auto, always or never, got {self.pd_mode!r}")
         if self.pd_stall_weight < 0:
             raise ConfigError(f"pd_stall_weight must be >= 0, got {self.pd_stall_weight}")
-        for name in ("pd_ttft_slo_ms", "pd_itl_slo_ms", "admit_ttft_ms"):
+        for name in ("pd_ttft_slo_ms", "pd_itl_slo_ms", "admit_ttft_ms", "admit_itl_ms"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value}")

@@ -19,7 +19,7 @@ from dataclasses import asdict, fields
 
 from cachesvc.types import WorkerId
 from router.admin import flush_workers, purge, worker_statuses
-from router.admission import Gate
+from router.admission import Gate, admission_of
 from router.config import RouterConfig
 from router.disagg import Disaggregation
 from router.domain import (
@@ -84,7 +84,7 @@ class Router:
         self.supervisor = Supervisor(pool, config, replace)
         self.placement = Placement(pool, policy, config)
         self.pd = Disaggregation(pool, self.placement, config, self.metrics)
-        self.admission = Gate(pool, config.admit_ttft_ms, self.metrics.refused)
+        self.admission = Gate(pool, admission_of(config), self.metrics.refused, self.pd.mean_answer)
 
     async def start(self) -> None:
         """Wait for the workers, index what they hold and start supervising them."""
@@ -292,6 +292,7 @@ class Router:
         state.num_inflight_tokens += uncached
         prefilled = False
         num_finished = 0
+        last_token_s: float | None = None  # when its previous tokens came
         try:
             stream = self.pool.stream(
                 decision.worker, ids, part.params, request_id, req.cache_salt, holder, hold_kv
@@ -301,6 +302,12 @@ class Router:
                     if not prefilled:
                         prefilled = True
                         state.num_inflight_tokens -= uncached
+                    if delta.token_ids:
+                        now_s = time.monotonic()
+                        if last_token_s is not None:
+                            gap_s = now_s - last_token_s
+                            self.admission.gap(decision.worker, gap_s, len(delta.token_ids))
+                        last_token_s = now_s
                     if delta.usage is not None:
                         num_finished += 1
                         if num_finished == part.num_samples:

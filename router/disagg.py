@@ -34,6 +34,7 @@ from typing import Any
 
 from cachesvc.index import PrefixMatch
 from cachesvc.types import BlockHash, WorkerId
+from router.admission import Stall, stalls_of
 from router.answers import Answer, MeanAnswer
 from router.config import RouterConfig
 from router.costs import PEER, prefill_token_s
@@ -136,11 +137,12 @@ class Disaggregation:
         progress: RequestProgress,
         hashes: list[BlockHash],
         excluded: set[WorkerId],
-        admit: Callable[[PDDecision], None] = lambda decision: None,
+        admit: Callable[[PDDecision, list[Stall]], None] = lambda decision, stalls: None,
     ) -> Handoff | None:
         """Colocated or disaggregated for a request not started yet (None: no prefill workers
         and no hand-offs between mixed ones, or a request that cannot be handed off).
-        `admit(decision)` may refuse it (raising) before it is counted anywhere."""
+        `admit(decision, stalls)` may refuse it (raising) before it is counted anywhere; `stalls`
+        are the workers whose streams it joins or stalls (`router.admission.stalls_of`)."""
         if self.config.pd_mode == "never" or not progress.resumable:
             return None
         mixed = self.mixed(excluded)
@@ -163,7 +165,9 @@ class Disaggregation:
         decision = self._decide(num_tokens, seen, colocated, prefill, decode, answer)
         if self.config.pd_mode == "always" and prefill is not None and decode is not None:
             decision = dataclasses.replace(decision, disaggregate=True, reason="always")
-        admit(decision)
+        prefill_id = None if prefill is None else prefill.worker
+        decode_id = None if decode is None else decode.worker_id
+        admit(decision, stalls_of(decision, colocated.decision.worker, prefill_id, decode_id))
         self.metrics.pd_decisions.labels(decision.mode).inc()
         handoff = Handoff(decision, colocated, calibrate=self._calibrate)
         if not decision.disaggregate or prefill is None or decode is None:

@@ -151,6 +151,8 @@ class PDDecision:
     # The prompt's own compute where it would run (seconds), colocated and disaggregated.
     colocated_prefill_s: float = 0.0
     disaggregated_prefill_s: float = 0.0
+    # Disaggregated: what each stream decoding on the decode worker loses (the tail, the landing).
+    decode_stall_s: float = 0.0
 
     @property
     def prefill_s(self) -> float:
@@ -253,6 +255,7 @@ def decide(
         handoff_fixed_s,
         local_s,
         prefill_s,
+        decode_stall_s,
     )
 
 

@@ -31,6 +31,7 @@ from cachesvc.sim.loop import ClusterSpec, PDSetup, SimRun, replay
 from cachesvc.sim.pd import COLOCATED
 from cachesvc.sim.simulate import SimulateArgs, profile_for
 from cachesvc.sim.trace import SimRequest
+from router.admission import Admission
 
 BLOCK_SIZE = 16  # the live engine's default
 DEVICE_BLOCKS = 4096  # room for every prompt of the burst: the bench never evicts to matter
@@ -64,8 +65,8 @@ def replay_bench_admission(profile: CostProfile, args: AdmissionBenchArgs) -> li
     burst = [_request(WARMUPS + i, start_s + i / rate, args.num_tokens) for i in range(count)]
     results = []
     for setup in SETUPS:
-        admit_s = args.ttft_ms / 1e3 if setup == "with admission" else None
-        pd = PDSetup(COLOCATED, admit_ttft_s=admit_s)
+        admit = Admission(args.ttft_ms / 1e3) if setup == "with admission" else Admission()
+        pd = PDSetup(COLOCATED, admit=admit)
         run = replay(warm + burst, profile, spec, "prefix_aware", pd=pd)
         result = _burst_result(run, burst, setup, rate, args.ttft_ms)
         results.append(result)

@@ -39,9 +39,11 @@ from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.trace import BLOCK_SIZE, SimRequest
 from cachesvc.sim.worker import Host, SimWorker
 from cachesvc.types import WorkerId
+from router.admission import Admission
 from router.pd import PREFILL
 from router.pd import SLO as TargetsSLO
 from router.policy import Policy, make_policy
+from router.stream_gaps import RecentGaps
 
 _INCARNATION = "simulated"
 
@@ -77,9 +79,9 @@ class PDSetup:
     prefetch: bool = True
     # The prefill workers' step budget, when not the profile's (`serve --prefill-chunk-tokens`).
     prefill_chunk_tokens: int | None = None
-    # The router's admission target (`admit_ttft_ms`, seconds): a request predicted to get its
-    # first token later is refused (`cachesvc.sim.admit`). None: every request is admitted.
-    admit_ttft_s: float | None = None
+    # The router's admission targets (`admit_ttft_ms`, `admit_itl_ms`; `cachesvc.sim.admit`):
+    # by default every request is admitted.
+    admit: Admission = Admission()
 
 
 @dataclass
@@ -141,7 +143,10 @@ class _Cluster:
             self.index.resync(w.worker_id, IndexSnapshot(_INCARNATION, 0, {}))
         self.policy = policy
         self.peer_pull = peer_pull
-        self.admission = SimAdmission(setup.admit_ttft_s)
+        self.admission = SimAdmission(setup.admit)
+        if setup.admit.itl_s is not None:
+            for w in self.workers:
+                w.gaps = RecentGaps()
         self.events: list[tuple[float, int]] = []  # (a step's end or a wake-up, worker number)
         # Per worker: the time of its one live event (older ones in the heap are stale), and
         # whether that is the end of a step (else a wake-up for a pull, or nothing at all).
@@ -191,7 +196,8 @@ class _Cluster:
         predicted = 0.0
         if self.admission.on:
             predicted, queued = colocated_ttft_s(req, worker, choice.decision.matched_blocks)
-            refusal = self.admission.refusal(predicted, queued)
+            stalls = [(worker, predicted - queued)]  # its streams lose the prompt's compute
+            refusal = self.admission.refusal(predicted, queued, stalls, req.arrival_s)
             if refusal is not None:
                 return Refused(refusal)
         run.reasons[choice.decision.reason] += 1
@@ -253,6 +259,8 @@ def replay(
             finished = worker.finish_step(now)
             cluster.start(number, now)
             for seq in finished:
+                if run.pd_routes is None:
+                    cluster.admission.answered(seq)
                 handed = run.pd_routes.handoff(worker, seq) if run.pd_routes else None
                 if handed is not None:  # its prefill is done: its decode joins the decoder
                     cluster.join(handed[0], handed[1], now, run)

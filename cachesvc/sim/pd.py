@@ -47,7 +47,7 @@ from cachesvc.sim.trace import SimRequest
 from cachesvc.sim.worker import SimWorker
 from cachesvc.types import WorkerId
 from router.admission import predicted_ttft_s, queued_s
-from router.answers import Answer, MeanAnswer
+from router.answers import Answer
 from router.costs import prefill_token_s
 from router.disagg import HANDOFF_FIXED_PRIOR_S, SERVING_ROLES
 from router.pd import (
@@ -187,7 +187,8 @@ class PDRoutes:
         self.decode_side = [w for w in workers if w.role in SERVING_ROLES]
         self.handoff_fixed_s = HANDOFF_FIXED_PRIOR_S
         self.slo = slo  # the router's latency targets (`pd_ttft_slo_ms`, `pd_itl_slo_ms`)
-        self.mean_answer = MeanAnswer()  # learnt from finished requests, as the router does
+        # Learnt from finished requests, as the router does; admission spreads stalls over it.
+        self.mean_answer = self.admission.mean_answer
         self.shares = PrefillShare()  # each worker's recent prompt work, as the router's
         self.decisions: dict[int, PDDecision] = {}  # request index -> the decision
         self._decode_on: dict[int, SimWorker] = {}  # a prefill under way -> its decode worker
@@ -235,7 +236,13 @@ class PDRoutes:
         )
         if self.mode == ALWAYS:
             decision = dataclasses.replace(decision, disaggregate=True, reason="always")
-        refusal = self.admission.refusal(decision.predicted_ttft_s, queued_s(decision))
+        if decision.disaggregate:
+            stalls = [(decode, decision.decode_stall_s), (prefill, decision.prefill_s)]
+        else:
+            stalls = [(colocated, decision.colocated_prefill_s)]
+        refusal = self.admission.refusal(
+            decision.predicted_ttft_s, queued_s(decision), stalls, now_s
+        )
         if refusal is not None:
             return Refused(refusal)
         self.decisions[req.index] = decision

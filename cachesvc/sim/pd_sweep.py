@@ -29,6 +29,7 @@ from cachesvc.sim.loop import ClusterSpec, PDSetup, SimRun, replay
 from cachesvc.sim.pd import ALWAYS, COLOCATED, DECIDE, DYNAMIC, MIXED_MODES
 from cachesvc.sim.simulate import SimulateArgs, cluster_spec, load_requests, profile_for
 from cachesvc.sim.trace import SimRequest
+from router.admission import Admission, admission_targets
 from router.pd import SLO as TargetsSLO
 
 DEFAULT_LOADS = (0.5, 0.8, 1.0, 1.2)
@@ -149,28 +150,28 @@ def sweep(
     stall_weight: float | None = None,
     targets: TargetsSLO | None = None,
     prefetch: bool = True,
-    admit_ttft_s: float | None = None,
+    admit: Admission | None = None,
 ) -> tuple[float, list[PDRow]]:
     """(capacity, every replay's row): at each load, colocated, always-disaggregated and
     per-request decisions at every prefill:decode ratio, each without and with the router
     naming holders to pull prefixes from (a hand-off pulls either way); with `targets`, decide
-    against the router's latency targets too; with `admit_ttft_s`, every mode refuses what
+    against the router's latency targets too; with `admit`'s targets, every mode refuses what
     admission refuses (the capacity is the colocated cluster's without it)."""
     weight = stall_weight if stall_weight is not None else slo.stall_weight(mean_output(requests))
+    admit = admit or Admission()
     capacity = estimate_capacity(requests, run)
     _say(f"capacity: {capacity:.2f} requests/s colocated; decide's stall weight {weight:.3f}")
     rows = []
     for load in loads:
         scaled = at_rate(requests, load * capacity)
-        admit = admit_ttft_s
-        colocated = PDSetup(COLOCATED, admit_ttft_s=admit)
+        colocated = PDSetup(COLOCATED, admit=admit)
         setups = [(colocated, pulls) for pulls in (False, True)] + [
-            (PDSetup(mode, n, weight, targets, prefetch, admit_ttft_s=admit), pulls)
+            (PDSetup(mode, n, weight, targets, prefetch, admit=admit), pulls)
             for mode in (ALWAYS, DECIDE)
             for n in range(1, num_workers)
             for pulls in (False, True)
         ]
-        dynamic = PDSetup(DYNAMIC, 0, weight, targets, prefetch, admit_ttft_s=admit)
+        dynamic = PDSetup(DYNAMIC, 0, weight, targets, prefetch, admit=admit)
         setups += [(dynamic, pulls) for pulls in (False, True)]
         for pd, pulls in setups:
             row = one_run(scaled, run, pd, slo, load, pulls)
@@ -277,7 +278,7 @@ def run_pd(args: SimulateArgs) -> int:
         f"device blocks; profile {args.profile}"
     )
     targets = router_targets(args.slo) if args.pd_decide_slo else None
-    admit_s = None if args.admit_ttft_ms is None else args.admit_ttft_ms / 1e3
+    admit = admission_targets(args.admit_ttft_ms, args.admit_itl_ms)
     capacity: float | None = None
     if args.pd_sweep:
         capacity, rows = sweep(
@@ -289,7 +290,7 @@ def run_pd(args: SimulateArgs) -> int:
             args.stall_weight,
             targets,
             args.pd_prefetch,
-            admit_s,
+            admit,
         )
     else:
         mode = args.pd or COLOCATED
@@ -299,7 +300,7 @@ def run_pd(args: SimulateArgs) -> int:
         # Roles need pulls; colocated serving has them with --peer-pull.
         pulls = args.peer_pull or mode != COLOCATED
         num_prefill = 0 if mode in MIXED_MODES else args.prefill_workers
-        pd = PDSetup(mode, num_prefill, weight, targets, args.pd_prefetch, None, admit_s)
+        pd = PDSetup(mode, num_prefill, weight, targets, args.pd_prefetch, None, admit)
         rows = [one_run(requests, run, pd, args.slo, peer_pull=pulls)]
     print(report(capacity, rows, args.slo, args.json_path, args.plot_path))
     return 0

@@ -141,8 +141,10 @@ class SimulateArgs:
     # Decode workers pull while the prefill runs (the router's `pd_prefetch`); off: from the
     # first token on.
     pd_prefetch: bool = True
-    # The router's admission target (`admit_ttft_ms`), in every P/D mode (None: admit all).
+    # The router's admission targets (`admit_ttft_ms`, `admit_itl_ms`), in every P/D mode
+    # (None: admit all).
     admit_ttft_ms: float | None = None
+    admit_itl_ms: float | None = None
 
 
 def parse_sweep(text: str) -> tuple[str, list[str]]:

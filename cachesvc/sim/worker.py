@@ -35,6 +35,7 @@ from cachesvc.sim.tier import build_manager, stand_in_block
 from cachesvc.sim.trace import BLOCK_SIZE, SimRequest
 from cachesvc.types import BlockHash, BlockId, WorkerId
 from router.pd import MIXED
+from router.stream_gaps import RecentGaps
 from workers.protocol import BlockCosts
 
 
@@ -93,6 +94,8 @@ class SimWorker:
         # Landing a load after a step (and waiting for a split's read) delays the next one.
         self._carry_s = 0.0
         self._jitter = StepJitter(profile.step_jitter_s, f"step jitter {worker_id}")
+        # Its streams' recent gaps between tokens, timed when admission refuses on them.
+        self.gaps: RecentGaps | None = None
 
     # ---- what the router sees ---------------------------------------------------------------
 
@@ -202,6 +205,7 @@ class SimWorker:
     def finish_step(self, now: float) -> list[SimSeq]:
         """The step scheduled last ended at `now`: advance its requests; the finished ones."""
         finished = []
+        gaps_s, num_gaps = 0.0, 0
         for seq, k in self._step:
             seq.computed += k
             seq.num_computed += k
@@ -215,6 +219,10 @@ class SimWorker:
             seq.generated += 1
             seen = now + self.profile.hop_s  # when the client sees the token
             seq.token_times.append(seen)
+            # A gap between two of its tokens made here (a hand-off's first is the pull's).
+            if seq.generated >= (3 if seq.pulls_prompt else 2):
+                gaps_s += seen - seq.token_times[-2]
+                num_gaps += 1
             if seq.first_token_s is None:
                 seq.first_token_s = seen
             if seq.generated >= seq.num_to_generate:
@@ -223,6 +231,8 @@ class SimWorker:
                 self._free(seq)
                 finished.append(seq)
         self._step = []
+        if self.gaps is not None and num_gaps:
+            self.gaps.observe(now, gaps_s, num_gaps)
         return finished
 
     def _step_s(self, others_stepping: int) -> float:

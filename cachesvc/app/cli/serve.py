@@ -84,6 +84,13 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "this for its first token, the prediction scaled by what admitted requests took "
         "(default: admit every request); e.g. 2000 for a 2 s TTFT target",
     )
+    serve.add_argument(
+        "--admit-itl-ms",
+        type=float,
+        default=None,
+        help="refuse as well a request that would join or stall the streams of a worker that "
+        "lately decodes them slower than this between tokens (default: never); e.g. 100",
+    )
     serve.add_argument("--ray-address", default=None, help="Ray cluster (default: start one)")
     serve.add_argument(
         "--placement",
@@ -252,6 +259,7 @@ def _router_options(args: argparse.Namespace) -> dict[str, Any]:
         "pd_ttft_slo_ms": args.pd_ttft_slo_ms,
         "pd_itl_slo_ms": args.pd_itl_slo_ms,
         "admit_ttft_ms": args.admit_ttft_ms,
+        "admit_itl_ms": args.admit_itl_ms,
         **_response_cache_options(args),
         "tenant_tokens": () if tenants is None else load_tenant_tokens(tenants),
         "tls_cert_file": args.tls_cert_file,

@@ -272,6 +272,14 @@ def _add_pd_arguments(sim: Any) -> None:
         "against goodput",
     )
     pd.add_argument(
+        "--admit-itl-ms",
+        type=float,
+        default=None,
+        help="the router's admission in every mode: refuse as well a request that would join "
+        "or stall the streams of a worker lately decoding them slower than this between "
+        "tokens (default: never)",
+    )
+    pd.add_argument(
         "--pd-decide-slo",
         action="store_true",
         help="decide also against the router's latency targets (pd_ttft_slo_ms, "
@@ -308,8 +316,10 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     prompt_blocks = _pairs(args.prompt_blocks, "--prompt-blocks")
     if len(prompt_blocks) != 2 or not 1 <= prompt_blocks[0] <= prompt_blocks[1]:
         raise CliError(f"--prompt-blocks takes LO,HI with 1 <= LO <= HI, got {args.prompt_blocks}")
-    if args.admit_ttft_ms is not None and args.admit_ttft_ms <= 0:
-        raise CliError(f"--admit-ttft-ms must be positive, got {args.admit_ttft_ms:g}")
+    for flag in ("admit_ttft_ms", "admit_itl_ms"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise CliError(f"--{flag.replace('_', '-')} must be positive, got {value:g}")
     loads = _pairs(args.loads, "--loads", float)
     if not loads or min(loads) <= 0:
         raise CliError(f"--loads takes positive fractions of the capacity, got {args.loads}")
@@ -371,6 +381,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             pd_decide_slo=args.pd_decide_slo,
             pd_prefetch=not args.no_pd_prefetch,
             admit_ttft_ms=args.admit_ttft_ms,
+            admit_itl_ms=args.admit_itl_ms,
         )
     )
 

@@ -1,4 +1,4 @@
-"""Admission in the simulator (`router.admission`, `PDSetup.admit_ttft_s`): past capacity a
+"""Admission in the simulator (`router.admission`, `PDSetup.admit`): past capacity a
 request predicted to start later than the target is refused, the ones admitted meet it, and a
 refused request counts against goodput."""
 
@@ -14,6 +14,7 @@ from cachesvc.sim.goodput import SLO, goodput
 from cachesvc.sim.loop import ClusterSpec, PDSetup, replay
 from cachesvc.sim.pd import COLOCATED, DYNAMIC
 from cachesvc.sim.trace import BLOCK_SIZE, load_trace
+from router.admission import Admission
 
 SLO_2S = SLO(ttft_ms=2000.0, itl_ms=100.0)
 
@@ -32,7 +33,7 @@ def test_past_capacity_admission_refuses_what_would_start_late(
     requests = load_trace(_burst(write_trace, 12, 250.0))  # four a second, four times too many
     spec = ClusterSpec(1 if mode == COLOCATED else 2, device_blocks=256)
     queued = replay(requests, UNIT, spec, "least_loaded", pd=PDSetup(mode))
-    admitted = replay(requests, UNIT, spec, "least_loaded", pd=PDSetup(mode, admit_ttft_s=1.5))
+    admitted = replay(requests, UNIT, spec, "least_loaded", pd=PDSetup(mode, admit=Admission(1.5)))
     everything, refusing = goodput(queued, SLO_2S), goodput(admitted, SLO_2S)
 
     assert not queued.refused and everything.num_refused == 0
@@ -54,7 +55,7 @@ def test_past_capacity_admission_refuses_what_would_start_late(
 def test_within_capacity_admission_refuses_nothing(write_trace: WriteTrace) -> None:
     requests = load_trace(_burst(write_trace, 6, 2000.0))  # one every 2 s: the worker keeps up
     spec = ClusterSpec(1, device_blocks=256)
-    run = replay(requests, UNIT, spec, "least_loaded", pd=PDSetup(COLOCATED, admit_ttft_s=1.5))
+    run = replay(requests, UNIT, spec, "least_loaded", pd=PDSetup(COLOCATED, admit=Admission(1.5)))
     assert not run.refused
     assert goodput(run, SLO_2S).num_good == len(requests)
 
@@ -94,3 +95,29 @@ def test_the_live_admission_bench_replays_in_the_simulator() -> None:
     assert without.refused == 0 < with_.refused < with_.num_requests
     assert with_.within > without.within
     assert max(with_.ttft_s) < max(without.ttft_s)
+
+
+@pytest.mark.parametrize(
+    ("mode", "num_workers", "gap_ms"), [(COLOCATED, 1, 300.0), (DYNAMIC, 2, 100.0)]
+)
+def test_streams_past_their_inter_token_target_are_not_given_more_prompts(
+    write_trace: WriteTrace, mode: str, num_workers: int, gap_ms: float
+) -> None:
+    """Prompts of 256 tokens (256 ms each on this clock) keep coming while 60-token answers
+    decode: every prompt's step is a 256 ms gap for each stream beside it, and without an
+    inter-token target for admission most streams miss 20 ms. With one, a request is refused
+    while its worker's streams decode slower than that; more requests meet both targets."""
+    rows = [(i * gap_ms, 256, 60, [i + 1]) for i in range(20)]
+    requests = load_trace(write_trace(rows))
+    slo = SLO(ttft_ms=5000.0, itl_ms=20.0)
+    spec = ClusterSpec(num_workers, device_blocks=256)
+    ttft_only = replay(requests, UNIT, spec, "least_loaded", pd=PDSetup(mode, admit=Admission(5.0)))
+    both = PDSetup(mode, admit=Admission(5.0, 0.020))
+    refusing = replay(requests, UNIT, spec, "least_loaded", pd=both)
+    before, after = goodput(ttft_only, slo), goodput(refusing, slo)
+
+    assert not ttft_only.refused, "every prompt starts in time: TTFT alone refuses nothing"
+    assert before.itl_met < 0.5
+    assert refusing.refused
+    assert len(refusing.seqs) + len(refusing.refused) >= len(requests)
+    assert after.num_good > before.num_good
