@@ -10,7 +10,12 @@ their own arriving evenly for `seconds` at `overload` times that capacity, four 
 past the target unless they are refused).
 Measured where a client sees it: how many were refused (RESOURCE_EXHAUSTED), the served ones'
 TTFT, and goodput: the requests whose first token came within the target, per second from the
-first arrival to the last answer. The setups share the workers; both flush them first.
+first arrival to the last answer. The setups share the workers; each flushes them first.
+
+With `--itl-ms` the answers are longer (32 tokens unless `--max-tokens`), goodput counts the
+requests within both targets (TTFT, and the mean gap between their tokens), and a third setup
+adds admission on the streams (`admit_itl_ms`): a mixed worker computing the burst's prompts
+between its streams' tokens keeps them within the target only if it is not given more.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from cachesvc.bench.table import format_table, write_json
 
 NUM_WORKERS = 2
 MAX_TOKENS = 4
+STREAM_TOKENS = 32  # an answer's tokens with an inter-token target
 WARMUPS = 3  # one at a time: the capacity, and what admission learns its scale from
-SETUPS = ("without admission", "with admission")
+WITHOUT, WITH, ON_STREAMS = "without admission", "with admission", "with admission on the streams"
+SETUPS = (WITHOUT, WITH)
 
 
 @dataclass(frozen=True)
@@ -45,10 +52,18 @@ class AdmissionBenchArgs:
     overload: float = 2.0  # the burst's arrival rate over the measured capacity
     seconds: float | None = None  # of arrivals (default 20, quick 10)
     prompt_len: int | None = None  # tokens per prompt (default 384, quick 192)
+    # The inter-token target (each request's mean gap), and admission's `admit_itl_ms` in a
+    # third setup; None: TTFT alone, four-token answers.
+    itl_ms: float | None = None
+    max_tokens: int | None = None  # an answer's tokens (default 4; with itl_ms, 32)
 
     def __post_init__(self) -> None:
         if self.ttft_ms <= 0 or self.overload <= 0:
             raise ValueError("--ttft-ms and --overload must be positive")
+        if (self.itl_ms is not None and self.itl_ms <= 0) or (
+            self.max_tokens is not None and self.max_tokens < 1
+        ):
+            raise ValueError("--itl-ms must be positive and --max-tokens >= 1")
         if (self.seconds is not None and self.seconds <= 0) or (
             self.prompt_len is not None and self.prompt_len < 2
         ):
@@ -62,6 +77,19 @@ class AdmissionBenchArgs:
     def num_tokens(self) -> int:
         return self.prompt_len or (192 if self.quick else 384)
 
+    @property
+    def answer_tokens(self) -> int:
+        return self.max_tokens or (MAX_TOKENS if self.itl_ms is None else STREAM_TOKENS)
+
+    @property
+    def setups(self) -> tuple[str, ...]:
+        return SETUPS if self.itl_ms is None else (*SETUPS, ON_STREAMS)
+
+    def targets(self, setup: str) -> tuple[float | None, float | None]:
+        """A setup's admission targets (ms): `admit_ttft_ms`, `admit_itl_ms` (None: off)."""
+        ttft = None if setup == WITHOUT else self.ttft_ms
+        return ttft, self.itl_ms if setup == ON_STREAMS else None
+
 
 @dataclass
 class SetupResult:
@@ -73,6 +101,8 @@ class SetupResult:
     ttft_s: list[float] = field(default_factory=list)  # the served requests'
     refused: int = 0
     span_s: float = 0.0  # from the first arrival to the last answer (or refusal)
+    itl_target_ms: float | None = None  # None: goodput counts the TTFT alone
+    itl_s: list[float] = field(default_factory=list)  # the served requests' mean gaps
 
     @property
     def num_requests(self) -> int:
@@ -80,7 +110,11 @@ class SetupResult:
 
     @property
     def within(self) -> int:
-        return sum(t * 1e3 <= self.ttft_target_ms for t in self.ttft_s)
+        """Served requests within the targets."""
+        itl = self.itl_s or [0.0] * len(self.ttft_s)
+        ttft_ok = [t * 1e3 <= self.ttft_target_ms for t in self.ttft_s]
+        itl_ok = [self.itl_target_ms is None or g * 1e3 <= self.itl_target_ms for g in itl]
+        return sum(a and b for a, b in zip(ttft_ok, itl_ok, strict=True))
 
     @property
     def goodput_rps(self) -> float:
@@ -96,6 +130,8 @@ class SetupResult:
             self.within,
             percentile(self.ttft_s, 50) * 1e3,
             percentile(self.ttft_s, 99) * 1e3,
+            percentile(self.itl_s, 50) * 1e3 if self.itl_s else "-",
+            percentile(self.itl_s, 99) * 1e3 if self.itl_s else "-",
             self.goodput_rps,
             ratio,
         ]
@@ -107,24 +143,31 @@ def prompt(index: int, num_tokens: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab - 1) for _ in range(num_tokens)]
 
 
-async def _send(stub: Any, ids: Sequence[int], delay_s: float) -> float | None:
-    """The request's TTFT (s), or None when it was refused; other errors are raised."""
+async def _send(
+    stub: Any, ids: Sequence[int], delay_s: float, max_tokens: int
+) -> tuple[float, float] | None:
+    """The request's TTFT and mean gap between its tokens (s), or None when it was refused;
+    other errors are raised."""
     import grpc
 
     await asyncio.sleep(delay_s)
-    request = greedy_request(ids, MAX_TOKENS, "bench-admission")
+    request = greedy_request(ids, max_tokens, "bench-admission")
     start = time.perf_counter()
-    first = None
+    times: list[float] = []
     try:
         async for message in stub.Generate(request):
-            if message.token_ids and first is None:
-                first = time.perf_counter() - start
+            times += [time.perf_counter() - start] * len(message.token_ids)
     except grpc.aio.AioRpcError as exc:
         if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
             raise
         return None
-    assert first is not None, "a served request has a first token"
-    return first
+    assert times, "a served request has a first token"
+    return times[0], mean_gap_s(times)
+
+
+def mean_gap_s(times: Sequence[float]) -> float:
+    """The mean gap between consecutive token times (0.0 for one token)."""
+    return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
 
 
 async def _run_setup(
@@ -139,8 +182,8 @@ async def _run_setup(
     from router.config import RouterConfig
     from router.server import RouterServer
 
-    admit = args.ttft_ms if setup == "with admission" else None
-    config = RouterConfig(port=0, response_cache_mb=0, admit_ttft_ms=admit)
+    ttft_ms, itl_ms = args.targets(setup)
+    config = RouterConfig(port=0, response_cache_mb=0, admit_ttft_ms=ttft_ms, admit_itl_ms=itl_ms)
     await asyncio.gather(*(actor.flush.remote() for actor in actors.values()))
     router = await build_router(actors, config, model)
     server = RouterServer(router, config)
@@ -151,26 +194,27 @@ async def _run_setup(
             stub = pb_grpc.InferenceStub(channel)
             warm = []
             for i in range(WARMUPS):  # one at a time: each alone on a worker
-                ttft = await _send(stub, prompt(-1 - i, args.num_tokens, vocab), 0.0)
-                if ttft is None:
+                sent = await _send(stub, prompt(-1 - i, args.num_tokens, vocab), 0.0, MAX_TOKENS)
+                if sent is None:
                     raise RuntimeError(
                         f"--ttft-ms {args.ttft_ms:g} is below what a request takes alone here: "
                         "admission refuses even an idle cluster's"
                     )
-                warm.append(ttft)
+                warm.append(sent[0])
             if rate is None:
                 rate = args.overload * NUM_WORKERS / statistics.median(warm)
-            result = SetupResult(setup, rate, args.ttft_ms)
+            result = SetupResult(setup, rate, args.ttft_ms, itl_target_ms=args.itl_ms)
             start = time.perf_counter()
             sends = [
-                _send(stub, prompt(i, args.num_tokens, vocab), i / rate)
+                _send(stub, prompt(i, args.num_tokens, vocab), i / rate, args.answer_tokens)
                 for i in range(max(1, round(args.duration_s * rate)))
             ]
-            for ttft in await asyncio.gather(*sends):
-                if ttft is None:
+            for sent in await asyncio.gather(*sends):
+                if sent is None:
                     result.refused += 1
                 else:
-                    result.ttft_s.append(ttft)
+                    result.ttft_s.append(sent[0])
+                    result.itl_s.append(sent[1])
             result.span_s = time.perf_counter() - start
             return result, rate
     finally:
@@ -204,7 +248,7 @@ def measure_admission(args: AdmissionBenchArgs) -> list[SetupResult]:
             actors = spawn_workers(group)
             try:
                 rate = None
-                for setup in SETUPS:
+                for setup in args.setups:
                     print(f"{setup}: running", file=sys.stderr)
                     result, rate = asyncio.run(_run_setup(actors, model, args, setup, rate))
                     results.append(result)
@@ -216,14 +260,19 @@ def measure_admission(args: AdmissionBenchArgs) -> list[SetupResult]:
 
 
 def format_results(results: Sequence[SetupResult]) -> str:
-    headers = ["setup", "offered req/s", "requests", "refused", "within TTFT target"]
-    headers += ["TTFT p50 ms", "TTFT p99 ms", "goodput req/s", "vs without"]
+    headers = ["setup", "offered req/s", "requests", "refused", "within targets"]
+    headers += ["TTFT p50 ms", "TTFT p99 ms", "mean ITL p50 ms", "mean ITL p99 ms"]
+    headers += ["goodput req/s", "vs without"]
     baseline = results[0].goodput_rps if results else None
     rows = [r.row(None if i == 0 else baseline) for i, r in enumerate(results)]
     target = results[0].ttft_target_ms if results else 0.0
+    itl = results[0].itl_target_ms if results else None
+    targets = f"TTFT target {target:g} ms (admission's admit_ttft_ms)"
+    if itl is not None:
+        targets += f", mean ITL target {itl:g} ms (admit_itl_ms, in the last setup)"
     return format_table(headers, rows) + (
-        f"\n\nTTFT target {target:g} ms (admission's admit_ttft_ms); goodput: requests "
-        "served within it per second, from the first arrival to the last answer"
+        f"\n\n{targets}; goodput: requests served within the targets per second, from the "
+        "first arrival to the last answer"
     )
 
 

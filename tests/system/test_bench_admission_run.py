@@ -29,7 +29,28 @@ def test_bench_admission_runs_both_setups_on_one_burst(tmp_path: Path) -> None:
     assert with_["ttft_target_ms"] == 3000.0
 
 
-@pytest.mark.parametrize("flag", [["--ttft-ms", "0"], ["--overload", "-1"], ["--seconds", "0"]])
+def test_with_an_inter_token_target_a_third_setup_admits_on_the_streams(tmp_path: Path) -> None:
+    out = tmp_path / "streams.json"
+    args = ["bench", "admission", "--quick", "--tiny", "--seconds", "2", "--itl-ms", "500"]
+    done = run_cli([*args, "--max-tokens", "6", "--json", str(out)])
+    assert "mean ITL target 500 ms" in done.stdout
+    results = json.loads(out.read_text())
+    assert [r["setup"] for r in results] == [
+        "without admission",
+        "with admission",
+        "with admission on the streams",
+    ]
+    for r in results:
+        assert r["itl_target_ms"] == 500.0
+        assert len(r["itl_s"]) == len(r["ttft_s"]), "each served request's mean gap"
+        assert all(gap > 0 for gap in r["itl_s"]), "six tokens: five gaps each"
+        assert len(r["ttft_s"]) + r["refused"] == len(results[0]["ttft_s"])
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [["--ttft-ms", "0"], ["--overload", "-1"], ["--seconds", "0"], ["--itl-ms", "0"]],
+)
 def test_bad_flags_are_refused_naming_them(flag: list[str]) -> None:
     from cachesvc.app.cli.main import main
 

@@ -204,6 +204,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 args.overload,
                 args.seconds,
                 args.prompt_len,
+                args.itl_ms,
+                args.max_tokens,
             )
         except ValueError as exc:
             raise CliError(str(exc)) from None
@@ -249,6 +251,16 @@ def _add_admission_parser(bench_sub: Any) -> None:
     )
     b.add_argument("--seconds", type=float, default=None, help="of arrivals (default 20, quick 10)")
     b.add_argument("--prompt-len", type=int, default=None, help="tokens a prompt (default 384)")
+    b.add_argument(
+        "--itl-ms",
+        type=float,
+        default=None,
+        help="an inter-token target too: longer answers, goodput within both targets, and a "
+        "third setup with admit_itl_ms",
+    )
+    b.add_argument(
+        "--max-tokens", type=int, default=None, help="an answer's tokens (default 4; --itl-ms 32)"
+    )
 
 
 def _add_agreement_parser(bench_sub: Any) -> None:

@@ -121,3 +121,22 @@ def test_streams_past_their_inter_token_target_are_not_given_more_prompts(
     assert refusing.refused
     assert len(refusing.seqs) + len(refusing.refused) >= len(requests)
     assert after.num_good > before.num_good
+
+
+def test_the_bench_replay_with_an_inter_token_target_adds_the_streams_setup() -> None:
+    """`--like-bench-admission --admit-itl-ms`: the bench's third setup, on the same burst of
+    longer answers; goodput counts both targets, and each served request has its mean gap."""
+    from cachesvc.bench.admission import AdmissionBenchArgs
+    from cachesvc.sim.cost_profile import load_profile
+    from cachesvc.sim.like_bench_admission import replay_bench_admission
+
+    args = AdmissionBenchArgs(quick=True, itl_ms=500.0)
+    results = replay_bench_admission(load_profile("cpu-calibrated"), args)
+    assert [r.setup for r in results][-1] == "with admission on the streams"
+    assert len({r.num_requests for r in results}) == 1
+    for r in results:
+        assert len(r.itl_s) == len(r.ttft_s) and all(g > 0 for g in r.itl_s)
+        ttft_only = sum(t * 1e3 <= r.ttft_target_ms for t in r.ttft_s)
+        assert r.within <= ttft_only
+    without, ttft, streams = results
+    assert streams.refused >= ttft.refused > without.refused == 0
