@@ -86,7 +86,8 @@ class RouterMetrics:
         )
         self.refused = Counter(
             "cachesvc_refused",
-            "Requests refused by admission: predicted to start later than admit_ttft_ms",
+            "Requests refused by admission: predicted to start later than admit_ttft_ms, or to "
+            "join streams decoding slower than admit_itl_ms",
             registry=r,
         )
         self.pd_decisions = Counter(
