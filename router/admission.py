@@ -27,7 +27,7 @@ rejection. A worker with no streams never refuses this way.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter
@@ -201,7 +201,7 @@ class Gate:
     a request predicted to start later than `admit_ttft_ms`, or to join or stall streams that
     decode slower than `admit_itl_ms` (None: no such target), counts it in `refused` and puts
     the reason in its request log; `observe` learns the prediction's scale from each admitted
-    request's first token, and `gap` each worker's inter-token gaps from its streams."""
+    request's first token, and each worker's inter-token gaps from its streams (`clock`)."""
 
     def __init__(
         self, pool: WorkerPool, admission: Admission, refused: Counter, mean_answer: MeanAnswer
@@ -212,11 +212,24 @@ class Gate:
         self.mean_answer = mean_answer
         self.gaps: dict[WorkerId, RecentGaps] = {}
 
-    def gap(self, worker: WorkerId, seconds: float, num_tokens: int) -> None:
-        """`num_tokens` of a stream on `worker` came `seconds` after its previous ones."""
-        if self.admission.admission.itl_s is not None:
-            gaps = self.gaps.setdefault(worker, RecentGaps())
-            gaps.observe(time.monotonic(), seconds, num_tokens)
+    def clock(self, worker: WorkerId) -> Callable[[int], None]:
+        """For one stream on `worker`: call it with the number of tokens each delta brings;
+        the gaps since its previous ones join the worker's `RecentGaps` (with a streams'
+        target only)."""
+        if self.admission.admission.itl_s is None:
+            return lambda num_tokens: None
+        gaps = self.gaps.setdefault(worker, RecentGaps())
+        last_s: float | None = None
+
+        def tick(num_tokens: int) -> None:
+            nonlocal last_s
+            if num_tokens:
+                now_s = time.monotonic()
+                if last_s is not None:
+                    gaps.observe(now_s, now_s - last_s, num_tokens)
+                last_s = now_s
+
+        return tick
 
     def check(
         self, predicted_s: float, queued_s: float, stalls: Sequence[Stall], outcome: RequestOutcome

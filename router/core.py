@@ -292,7 +292,7 @@ class Router:
         state.num_inflight_tokens += uncached
         prefilled = False
         num_finished = 0
-        last_token_s: float | None = None  # when its previous tokens came
+        tick = self.admission.clock(decision.worker)  # times the stream's gaps
         try:
             stream = self.pool.stream(
                 decision.worker, ids, part.params, request_id, req.cache_salt, holder, hold_kv
@@ -302,12 +302,7 @@ class Router:
                     if not prefilled:
                         prefilled = True
                         state.num_inflight_tokens -= uncached
-                    if delta.token_ids:
-                        now_s = time.monotonic()
-                        if last_token_s is not None:
-                            gap_s = now_s - last_token_s
-                            self.admission.gap(decision.worker, gap_s, len(delta.token_ids))
-                        last_token_s = now_s
+                    tick(len(delta.token_ids))
                     if delta.usage is not None:
                         num_finished += 1
                         if num_finished == part.num_samples:
