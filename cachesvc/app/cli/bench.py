@@ -4,9 +4,12 @@ baseline measured in the same run; heavy imports happen inside the suite that ru
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import dataclasses
+from typing import Any, TypeVar
 
 from cachesvc.app.cli.common import CliError
+
+T = TypeVar("T")
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -123,23 +126,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.suite == "sim-agreement":
         from cachesvc.sim.agreement import AgreementArgs, run_agreement
 
-        try:
-            agreement = AgreementArgs(
-                args.trace,
-                args.quick,
-                args.runs,
-                args.profile,
-                args.calibrate,
-                args.profile_out,
-                tuple(args.only or ("routing", "pd")),
-                args.model,
-                args.json_path,
-                args.itl_slo_ms,
-                args.live_from,
-            )
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
-        return run_agreement(agreement)
+        benches = tuple(args.only or ("routing", "pd"))
+        return run_agreement(_bench_args(AgreementArgs, args, benches=benches))
     if args.suite == "router" and args.doors:
         from cachesvc.bench.door_overhead import run_door_overhead_bench
 
@@ -179,37 +167,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.suite == "pd":
         from cachesvc.bench.pd import PDBenchArgs, run_pd_bench
 
+        chunk, prefetch = args.prefill_chunk_tokens or None, not args.no_prefetch
         return run_pd_bench(
-            PDBenchArgs(
-                args.quick,
-                args.model,
-                args.tiny,
-                args.json_path,
-                args.pd_mode,
-                args.itl_slo_ms,
-                args.prefill_chunk_tokens or None,
-                not args.no_prefetch,
-            )
+            _bench_args(PDBenchArgs, args, prefill_chunk_tokens=chunk, prefetch=prefetch)
         )
     if args.suite == "admission":
         from cachesvc.bench.admission import AdmissionBenchArgs, run_admission_bench
 
-        try:
-            admission = AdmissionBenchArgs(
-                args.quick,
-                args.model,
-                args.tiny,
-                args.json_path,
-                args.ttft_ms,
-                args.overload,
-                args.seconds,
-                args.prompt_len,
-                args.itl_ms,
-                args.max_tokens,
-            )
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
-        return run_admission_bench(admission)
+        return run_admission_bench(_bench_args(AdmissionBenchArgs, args))
     if args.suite == "kv-transfer":
         from cachesvc.bench.kv_transfer import run_kv_transfer_bench
 
@@ -233,6 +198,20 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
         return run_prefix_cache_bench(args)
     raise CliError(f"unknown benchmark {args.suite!r}")
+
+
+def _bench_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
+    """A bench's arguments (a dataclass) from the parsed flags of its fields' names, `given`
+    supplying or replacing some; a value it rejects is a `CliError` with its message."""
+    values = {
+        f.name: given[f.name] if f.name in given else getattr(args, f.name)
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if f.init
+    }
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _add_admission_parser(bench_sub: Any) -> None:
