@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from prometheus_client import Counter
 
@@ -184,13 +185,15 @@ class CalibratedAdmission:
 # where it decodes (its prefill, colocated; the hand-off's tail and landing, handed off), and
 # where its prompt is computed.
 Stall = tuple[WorkerId, float]
+W = TypeVar("W")  # a worker, as the caller knows it (the router by id, the simulator itself)
 
 
 def stalls_of(
-    decision: PDDecision, kept: WorkerId, prefill: WorkerId | None, decode: WorkerId | None
-) -> list[Stall]:
-    """The workers a P/D `decision` touches: colocated, the policy's choice `kept`; handed
-    off, its `decode` worker and its `prefill` worker."""
+    decision: PDDecision, kept: W, prefill: W | None, decode: W | None
+) -> list[tuple[W, float]]:
+    """The workers a P/D `decision` touches, and what each of their streams loses to it:
+    colocated, the policy's choice `kept`; handed off, its `decode` worker and its `prefill`
+    worker."""
     if not decision.disaggregate or prefill is None or decode is None:
         return [(kept, decision.colocated_prefill_s)]
     return [(decode, decision.decode_stall_s), (prefill, decision.disaggregated_prefill_s)]

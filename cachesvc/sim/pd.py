@@ -46,7 +46,7 @@ from cachesvc.sim.seq import EarlyPull, SimPeer, SimSeq
 from cachesvc.sim.trace import SimRequest
 from cachesvc.sim.worker import SimWorker
 from cachesvc.types import WorkerId
-from router.admission import predicted_ttft_s, queued_s
+from router.admission import predicted_ttft_s, queued_s, stalls_of
 from router.answers import Answer
 from router.costs import prefill_token_s
 from router.disagg import HANDOFF_FIXED_PRIOR_S, SERVING_ROLES
@@ -236,10 +236,7 @@ class PDRoutes:
         )
         if self.mode == ALWAYS:
             decision = dataclasses.replace(decision, disaggregate=True, reason="always")
-        if decision.disaggregate:
-            stalls = [(decode, decision.decode_stall_s), (prefill, decision.prefill_s)]
-        else:
-            stalls = [(colocated, decision.colocated_prefill_s)]
+        stalls = stalls_of(decision, colocated, prefill, decode)
         refusal = self.admission.refusal(
             decision.predicted_ttft_s, queued_s(decision), stalls, now_s
         )
