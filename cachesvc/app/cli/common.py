@@ -16,6 +16,14 @@ class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
 
 
+def numbers(text: str, flag: str, kind: type = int) -> tuple[Any, ...]:
+    """Comma-separated numbers of `kind` from a flag's `text`; else a `CliError` naming it."""
+    try:
+        return tuple(kind(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise CliError(f"{flag} takes numbers separated by commas, got {text!r}") from None
+
+
 def add_engine_args(p: argparse.ArgumentParser, redis_flag: str = "--redis-url") -> None:
     """The flags of the engine a command runs (or the workers `serve` starts)."""
     p.add_argument("--model", help="GGUF file or Hugging Face folder (default: embedded SmolLM2)")

@@ -8,7 +8,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from cachesvc.app.cli.common import CliError
+from cachesvc.app.cli.common import CliError, numbers
+from cachesvc.app.cli.simulate_pd import add_pd_arguments, pd_options
 
 # The routing thresholds of `RouterConfig` that `cachesvc simulate` takes as flags.
 _POLICY_FIELDS = (
@@ -197,7 +198,7 @@ def add_simulate_parser(sub: Any) -> None:
     made.add_argument(
         "--write-trace", default=None, help="also save the trace generated for --workers here"
     )
-    _add_pd_arguments(sim)
+    add_pd_arguments(sim)
     defaults = RouterConfig()
     bounds = sim.add_argument_group("prefix_aware thresholds (RouterConfig fields)")
     for name in _POLICY_FIELDS:
@@ -206,99 +207,10 @@ def add_simulate_parser(sub: Any) -> None:
         bounds.add_argument(flag, type=type(value), default=value, help=f"default {value}")
 
 
-def _add_pd_arguments(sim: Any) -> None:
-    from cachesvc.sim.goodput import SLO
-    from cachesvc.sim.pd import PD_MODES
-
-    slo = SLO()
-    pd = sim.add_argument_group("prefill/decode roles: goodput under an SLO")
-    pd.add_argument(
-        "--pd",
-        choices=PD_MODES,
-        default=None,
-        help="colocated (all mixed), always (disaggregated), decide (per request, "
-        "router.pd.decide, with --prefill-workers) or dynamic (per request over mixed workers: "
-        "the prompt where the policy chose or where it stalls fewer streams, the decode there "
-        "or on another); prints goodput "
-        "and latencies",
-    )
-    pd.add_argument(
-        "--prefill-workers", type=int, default=1, help="of --workers, prefilling (the rest decode)"
-    )
-    pd.add_argument(
-        "--pd-sweep",
-        action="store_true",
-        help="estimate the colocated capacity, then at each --loads replay colocated, "
-        "always and decide at every prefill:decode ratio, and dynamic; each mode at its best "
-        "ratio",
-    )
-    pd.add_argument(
-        "--slo-ttft-ms",
-        type=float,
-        default=slo.ttft_ms,
-        help="time to first token target (default %(default)g: MLPerf's Llama-3.1-8B server)",
-    )
-    pd.add_argument(
-        "--slo-itl-ms",
-        type=float,
-        default=slo.itl_ms,
-        help="mean inter-token latency target per request (default %(default)g: MLPerf's "
-        "Llama-3.1-8B server TPOT)",
-    )
-    pd.add_argument(
-        "--loads",
-        default="0.5,0.8,1.0,1.2",
-        help="--pd-sweep's loads, fractions of the estimated capacity (default %(default)s)",
-    )
-    pd.add_argument(
-        "--pd-stall-weight",
-        type=float,
-        default=None,
-        help="decide's weight of the decode streams' loss (default: from the SLO and the mean "
-        "answer)",
-    )
-    pd.add_argument(
-        "--no-pd-prefetch",
-        action="store_true",
-        help="a hand-off's decode worker pulls from the first token on, not while the prefill "
-        "runs (the router's pd_prefetch off)",
-    )
-    pd.add_argument(
-        "--admit-ttft-ms",
-        type=float,
-        default=None,
-        help="the router's admission in every mode: refuse a request predicted to wait longer "
-        "than this for its first token (default: admit every request); refused requests count "
-        "against goodput",
-    )
-    pd.add_argument(
-        "--admit-itl-ms",
-        type=float,
-        default=None,
-        help="the router's admission in every mode: refuse as well a request that would join "
-        "or stall the streams of a worker lately decoding them slower than this between "
-        "tokens (default: never)",
-    )
-    pd.add_argument(
-        "--pd-decide-slo",
-        action="store_true",
-        help="decide also against the router's latency targets (pd_ttft_slo_ms, "
-        "pd_itl_slo_ms), set to --slo-ttft-ms and --slo-itl-ms",
-    )
-
-
-def _pairs(text: str, flag: str, kind: type = int) -> tuple[Any, ...]:
-    try:
-        return tuple(kind(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise CliError(f"{flag} takes numbers separated by commas, got {text!r}") from None
-
-
 def run_simulate_command(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         return _calibrate(args)
     from cachesvc.sim.generate import GeneratedTrace
-    from cachesvc.sim.goodput import SLO
     from cachesvc.sim.pd_sweep import run_pd
     from cachesvc.sim.simulate import SimulateArgs, Size, run_simulate
     from cachesvc.sim.trace import HotPrefix
@@ -313,16 +225,9 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         raise CliError(f"--workers must be positive, got {args.workers}")
     # The thresholds are validated as the router validates them.
     config = RouterConfig(**{name: getattr(args, name) for name in _POLICY_FIELDS})
-    prompt_blocks = _pairs(args.prompt_blocks, "--prompt-blocks")
+    prompt_blocks = numbers(args.prompt_blocks, "--prompt-blocks")
     if len(prompt_blocks) != 2 or not 1 <= prompt_blocks[0] <= prompt_blocks[1]:
         raise CliError(f"--prompt-blocks takes LO,HI with 1 <= LO <= HI, got {args.prompt_blocks}")
-    for flag in ("admit_ttft_ms", "admit_itl_ms"):
-        value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise CliError(f"--{flag.replace('_', '-')} must be positive, got {value:g}")
-    loads = _pairs(args.loads, "--loads", float)
-    if not loads or min(loads) <= 0:
-        raise CliError(f"--loads takes positive fractions of the capacity, got {args.loads}")
     run = run_pd if args.pd is not None or args.pd_sweep else run_simulate
     if args.like_bench_pd:
         from cachesvc.sim.like_bench_pd import run_like_bench_pd
@@ -372,16 +277,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             like_bench_routing=args.like_bench_routing,
             like_bench_pd=args.like_bench_pd,
             quick=args.quick,
-            pd=args.pd,
-            prefill_workers=args.prefill_workers,
-            pd_sweep=args.pd_sweep,
-            slo=SLO(args.slo_ttft_ms, args.slo_itl_ms),
-            loads=loads,
-            stall_weight=args.pd_stall_weight,
-            pd_decide_slo=args.pd_decide_slo,
-            pd_prefetch=not args.no_pd_prefetch,
-            admit_ttft_ms=args.admit_ttft_ms,
-            admit_itl_ms=args.admit_itl_ms,
+            **pd_options(args),
         )
     )
 
