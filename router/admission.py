@@ -27,7 +27,7 @@ rejection. A worker with no streams never refuses this way.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -117,6 +117,24 @@ class Admission:
             f"{predicted_s * 1e3:.1f} ms (lately {gap_s * 1e3:.1f} ms) exceeds admit_itl_ms "
             f"{self.itl_s * 1e3:.0f} ms; retry later"
         )
+
+
+# What admission on the streams sees of a worker a request touches: its name, its streams'
+# recent mean gap between tokens (None: none lately), what each would lose to the request, and
+# how many there are.
+TouchedStreams = tuple[str, float | None, float, int]
+
+
+def streams_refusal(
+    admission: Admission, touched: Iterable[TouchedStreams], mean_answer: float
+) -> str | None:
+    """The first of the `touched` workers whose streams refuse the request (`itl_refusal`),
+    named in the reason; None when none does."""
+    for worker, gap_s, stall_s, num_streams in touched:
+        refusal = admission.itl_refusal(gap_s, stall_s, mean_answer, num_streams)
+        if refusal is not None:
+            return f"{refusal} (worker {worker})"
+    return None
 
 
 def admission_targets(ttft_ms: float | None, itl_ms: float | None) -> Admission:
@@ -255,17 +273,12 @@ class Gate:
 
     def _streams(self, stalls: Sequence[Stall]) -> str | None:
         now_s = time.monotonic()
-        for worker, stall_s in stalls:
-            gaps = self.gaps.get(worker)
-            if gaps is None:
-                continue
-            state = self.pool.state(worker)
-            refusal = self.admission.admission.itl_refusal(
-                gaps.mean_s(now_s), stall_s, self.mean_answer.tokens, state.num_requests
-            )
-            if refusal is not None:
-                return f"{refusal} (worker {worker})"
-        return None
+        touched = (
+            (worker, gaps.mean_s(now_s), stall_s, self.pool.state(worker).num_requests)
+            for worker, stall_s in stalls
+            if (gaps := self.gaps.get(worker)) is not None
+        )
+        return streams_refusal(self.admission.admission, touched, self.mean_answer.tokens)
 
     def check_placed(
         self, decision: RouteDecision, num_tokens: int, outcome: RequestOutcome

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.worker import SimWorker
-from router.admission import Admission, CalibratedAdmission
+from router.admission import Admission, CalibratedAdmission, streams_refusal
 from router.answers import MeanAnswer
 
 
@@ -49,14 +49,11 @@ class SimAdmission:
         refusal = self.calibrated.refusal(predicted_s, queued_s)
         if refusal is not None or self.itl_s is None:
             return refusal
-        for worker, stall_s in stalls:
-            gap_s = None if worker.gaps is None else worker.gaps.mean_s(now_s)
-            refusal = self.calibrated.admission.itl_refusal(
-                gap_s, stall_s, self.mean_answer.tokens, worker.num_requests
-            )
-            if refusal is not None:
-                return refusal
-        return None
+        touched = (
+            (w.worker_id, None if w.gaps is None else w.gaps.mean_s(now_s), stall_s, w.num_requests)
+            for w, stall_s in stalls
+        )
+        return streams_refusal(self.calibrated.admission, touched, self.mean_answer.tokens)
 
     def admitted(self, seq: SimSeq, predicted_s: float) -> None:
         """`seq` (a request's first part: its prefill when handed off) was let in."""

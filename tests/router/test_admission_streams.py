@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.admission import Admission, admission_of, stalls_of
+from router.admission import Admission, admission_of, stalls_of, streams_refusal
 from router.config import ConfigError, RouterConfig
 from router.pd import PDDecision
 from router.stream_gaps import MIN_GAPS, RecentGaps
@@ -78,3 +78,11 @@ def test_the_router_setting_is_in_milliseconds_and_validated() -> None:
         RouterConfig(admit_itl_ms=0.0)
     with pytest.raises(ValueError, match="admit_itl_ms"):
         Admission(itl_s=-0.01)
+
+
+def test_the_first_worker_whose_streams_refuse_is_named() -> None:
+    admission = Admission(itl_s=0.040)
+    touched = [("w0", 0.010, 0.0, 2), ("w1", None, 0.0, 3), ("w2", 0.050, 0.0, 1)]
+    reason = streams_refusal(admission, touched, 100.0)
+    assert reason is not None and reason.endswith("(worker w2)")
+    assert streams_refusal(admission, touched[:2], 100.0) is None
