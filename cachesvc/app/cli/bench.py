@@ -70,10 +70,7 @@ def add_bench_parser(sub: Any) -> None:
     pd = bench_sub.add_parser(
         "pd", help="decodes while long prompts arrive: 2 mixed vs 1 prefill + 1 decode worker"
     )
-    pd.add_argument("--json", dest="json_path", help="also write the results to this file")
-    pd.add_argument("--quick", action="store_true", help="2 streams, 2 prompts of 1K tokens")
-    pd.add_argument("--model", default=None, help="default: SmolLM2")
-    pd.add_argument("--tiny", action="store_true", help="a tiny random model instead")
+    _add_live_bench_flags(pd, "2 streams, 2 prompts of 1K tokens")
     pd.add_argument(
         "--pd-mode", default="auto", choices=("auto", "always"), help="the router's pd_mode"
     )
@@ -214,14 +211,20 @@ def _bench_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
         raise CliError(str(exc)) from None
 
 
+def _add_live_bench_flags(bench: Any, quick_help: str) -> None:
+    """The flags of a bench on live workers: --json, --quick (what it shrinks to), and the
+    model (--model, or --tiny)."""
+    bench.add_argument("--json", dest="json_path", help="also write the results to this file")
+    bench.add_argument("--quick", action="store_true", help=quick_help)
+    bench.add_argument("--model", default=None, help="default: SmolLM2")
+    bench.add_argument("--tiny", action="store_true", help="a tiny random model instead")
+
+
 def _add_admission_parser(bench_sub: Any) -> None:
     b = bench_sub.add_parser(
         "admission", help="a burst past capacity on 2 workers: without and with admission"
     )
-    b.add_argument("--json", dest="json_path", help="also write the results to this file")
-    b.add_argument("--quick", action="store_true", help="10 s of prompts of 192 tokens")
-    b.add_argument("--model", default=None, help="default: SmolLM2")
-    b.add_argument("--tiny", action="store_true", help="a tiny random model instead")
+    _add_live_bench_flags(b, "10 s of prompts of 192 tokens")
     b.add_argument(
         "--ttft-ms", type=float, default=3000.0, help="the TTFT target and admit_ttft_ms"
     )
