@@ -1,10 +1,19 @@
-"""Suite-wide settings: never reach a model hub, keep torch to the machine's cores."""
+"""Suite-wide settings: never reach a model hub, keep torch to the machine's cores, give
+Hypothesis examples no deadline."""
 
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from hypothesis import settings  # noqa: E402
+
+# An example's wall time says how busy the machine is, not whether the property holds: no
+# deadline (Hypothesis's default of 200 ms fails quick examples on a loaded machine). Loaded
+# here, before any test module makes its own settings, which inherit it.
+settings.register_profile("cachesvc", deadline=None)
+settings.load_profile("cachesvc")
 
 
 # ---- a real redis-server, started once per session on a free loopback port ----------------------
