@@ -16,6 +16,7 @@ hashes.
 from __future__ import annotations
 
 import array
+import secrets
 import struct
 import sys
 from collections.abc import Sequence
@@ -69,6 +70,13 @@ def epoch_salt(salt: str | None, epoch: int) -> str | None:
     if epoch == 0:
         return salt
     return f"{PURGE_SALT_PREFIX}{epoch}/{salt or ''}"
+
+
+def unshared_salt(salt: str | None) -> str:
+    """A salt of one request alone, for when the purge epoch cannot be read: its blocks meet
+    no block of any epoch nor of another request (`purge:unread-<random>/<salt>`; no epoch's
+    digits start with a letter), so it reuses nothing that a purge may have ended."""
+    return f"{PURGE_SALT_PREFIX}unread-{secrets.token_hex(16)}/{salt or ''}"
 
 
 def block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:

@@ -7,7 +7,8 @@ request's longest cached prefix on a worker is the run of its leading hashes tha
 
 The index also keeps the purge epoch (`cachesvc.hashing.epoch_salt`): the number of purges,
 which the hashes of every request include, stored where the entries are so that routers sharing
-an index agree on it.
+an index agree on it. An index that cannot read it says so (`PurgeEpochUnknown`) rather than
+answer the last value it read, which another router's purge may have ended.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ TIER_ORDER = ("hbm", "dram", "nvme", "redis")
 
 def _tier_rank(tier: str) -> int:
     return TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER)
+
+
+class PurgeEpochUnknown(ConnectionError):
+    """The purge epoch cannot be read now (the shared index does not answer): a request must
+    then reuse no cached block, since another router may have purged the epoch it last read."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,8 @@ class IndexSnapshot:
 class PrefixIndex(Protocol):
     """Longest cached prefix per worker, kept from the workers' event streams."""
 
+    num_epoch_unknown: int  # purge_epoch calls that raised PurgeEpochUnknown
+
     def apply(self, worker: WorkerId, incarnation: str, events: Sequence[Event]) -> bool:
         """Apply events in order; False, applying nothing past it, on a gap or unknown
         incarnation: the caller must `resync` the worker from a snapshot."""
@@ -82,7 +90,8 @@ class PrefixIndex(Protocol):
         ...
 
     def purge_epoch(self) -> int:
-        """The current purge epoch (0 before any purge); never goes down."""
+        """The current purge epoch (0 before any purge); never goes down. Raises
+        PurgeEpochUnknown when it cannot be read now: the last value read may be stale."""
         ...
 
     def advance_purge_epoch(self) -> int:
@@ -110,6 +119,7 @@ class MemoryPrefixIndex:
         self._by_worker: dict[WorkerId, set[BlockHash]] = {}
         self._streams: dict[WorkerId, _Stream] = {}
         self._purge_epoch = 0
+        self.num_epoch_unknown = 0  # always: this index is the only copy of its epoch
 
     # ---- updates ----------------------------------------------------------------------------
 

@@ -14,10 +14,12 @@ hash tag, so a Redis Cluster keeps them in one slot):
 
 Redis failing never raises into the request path: a lookup answers "nothing cached", updates are
 dropped (the stored sequence number does not move, so a poll fetches the events again once Redis
-is back, and a stream's next event shows a gap and resyncs) and `num_errors` counts them; the
-purge epoch is the last one read. Only starting a purge epoch raises: a purge must not report
-success while the routers go on hashing under the old epoch. Calls are synchronous: on a
-loopback or in-zone Redis a round trip is well under a millisecond, cheaper than an executor
+is back, and a stream's next event shows a gap and resyncs) and `num_errors` counts them. The
+purge epoch fails closed: unread (Redis failing, or skipped by the open breaker) it raises
+`PurgeEpochUnknown`, and the router gives that request a salt of its own, since another router
+may have purged the epoch last read here. Starting a purge epoch raises too: a purge must not
+report success while the routers go on hashing under the old epoch. Calls are synchronous: on
+a loopback or in-zone Redis a round trip is well under a millisecond, cheaper than an executor
 hop.
 """
 
@@ -30,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cachesvc.events import BlockMoved, BlockRemoved, BlockStored, Cleared, Event
-from cachesvc.index import TIER_ORDER, IndexSnapshot, PrefixMatch
+from cachesvc.index import TIER_ORDER, IndexSnapshot, PrefixMatch, PurgeEpochUnknown
 from cachesvc.redis_client import redis_client
 from cachesvc.tiers.breaker import CircuitBreaker
 from cachesvc.types import BlockHash, WorkerId
@@ -221,6 +223,7 @@ class RedisPrefixIndex:
         self._lookup = client.register_script(_LOOKUP)
         self._known_seq: dict[WorkerId, int | None] = {}
         self._known_epoch = 0
+        self.num_epoch_unknown = 0
         self.num_errors = 0
         self._last_warning = 0.0
 
@@ -286,11 +289,16 @@ class RedisPrefixIndex:
         return value
 
     def purge_epoch(self) -> int:
-        # Read on every request: another router's purge must take effect at once here too. On
-        # a Redis error, the last value read (a purge cannot have started without Redis).
+        # Read on every request: another router's purge must take effect at once here too.
+        # Never the last value read instead: a purge through another router may have ended it.
         key = f"{self._prefix}purge-epoch"
-        raw = self._run(lambda: self._lookup_client.get(key), default=None)
+        try:
+            raw = self._checked(lambda: self._lookup_client.get(key))
+        except ConnectionError as exc:
+            self.num_epoch_unknown += 1
+            raise PurgeEpochUnknown(f"Redis prefix index: purge epoch unknown: {exc}") from exc
         if raw is not None:
+            # The highest seen: a Redis that lost the key must not bring purged epochs back.
             self._known_epoch = max(self._known_epoch, int(raw))
         return self._known_epoch
 
@@ -331,11 +339,20 @@ class RedisPrefixIndex:
         return self._run(lambda: script(keys=[], args=args, client=client), default)
 
     def _run(self, fn: Any, default: Any) -> Any:
+        try:
+            return self._checked(fn)
+        except ConnectionError:
+            return default
+
+    def _checked(self, fn: Any) -> Any:
+        """`fn()` through the breaker; raises ConnectionError when the breaker skips it or
+        Redis fails (counted, logged once per outage). Any other exception is raised as it is,
+        and counts as a failure: a half-open breaker waits for its probe's outcome."""
         import redis
 
         if not self._breaker.allow():
             self.num_skipped += 1
-            return default
+            raise ConnectionError("skipped: Redis failed recently (circuit breaker open)")
         try:
             result = fn()
         except redis.RedisError as exc:
@@ -344,7 +361,14 @@ class RedisPrefixIndex:
             now = time.monotonic()
             if now - self._last_warning > 10.0:  # one line per outage, not one per call
                 self._last_warning = now
-                _log.warning("Redis prefix index unavailable, routing without it: %s", exc)
-            return default
+                _log.warning(
+                    "Redis prefix index unavailable: routing without it, and requests reuse "
+                    "no cached block until it answers (the purge epoch is unknown): %s",
+                    exc,
+                )
+            raise ConnectionError(str(exc)) from exc
+        except BaseException:
+            self._breaker.failed()
+            raise
         self._breaker.succeeded()
         return result

@@ -269,6 +269,13 @@ class _PoolCollector:
         )
         resyncs.add_metric([], float(self._pool.num_resyncs))
         yield resyncs
+        unknown = CounterMetricFamily(
+            "cachesvc_index_epoch_unknown",
+            "Requests given a salt of their own (reusing no cached block): the shared index "
+            "could not tell the purge epoch",
+        )
+        unknown.add_metric([], float(self._pool.index.num_epoch_unknown))
+        yield unknown
 
 
 _PLAN_TIMING = re.compile(r"^plan_(?P<kind>[a-z]+)_(?P<what>timed|predicted_s|actual_s)$")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cachesvc.hashing import epoch_salt, hash_blocks, root_hash
+from cachesvc.hashing import epoch_salt, hash_blocks, root_hash, unshared_salt
+from cachesvc.index import PurgeEpochUnknown
 from cachesvc.types import BlockHash
 from router.domain import InvalidInput, PromptInput
 from router.pool import WorkerPool
@@ -87,8 +88,12 @@ class Prompts:
     def salt(self, cache_salt: str | None) -> str | None:
         """The salt a request arriving now is hashed under, by this router and the workers:
         its own (tenant) salt at the current purge epoch (read from the index, which routers
-        sharing it agree on)."""
-        return epoch_salt(cache_salt, self._pool.index.purge_epoch())
+        sharing it agree on). When the epoch cannot be read, a salt of this request alone:
+        one of the last epoch read could reach blocks another router has purged since."""
+        try:
+            return epoch_salt(cache_salt, self._pool.index.purge_epoch())
+        except PurgeEpochUnknown:  # counted and logged by the index
+            return unshared_salt(cache_salt)
 
     def block_hashes(self, ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
         """The rolling hashes of the full blocks, exactly as the workers store them;

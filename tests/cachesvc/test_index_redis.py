@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from cachesvc.events import BlockMoved, BlockRemoved, BlockStored, Cleared, Event
 from cachesvc.hashing import hash_blocks, root_hash
-from cachesvc.index import IndexSnapshot, MemoryPrefixIndex, PrefixMatch
+from cachesvc.index import IndexSnapshot, MemoryPrefixIndex, PrefixMatch, PurgeEpochUnknown
 from cachesvc.index_redis import RedisPrefixIndex
 from cachesvc.types import BlockHash, WorkerId
 
@@ -159,8 +159,8 @@ def test_random_streams_match_memory_index(make_index: MakeIndex, ops: list[Any]
 
 def test_a_frozen_redis_costs_a_few_short_timeouts_then_none(own_redis: Any) -> None:
     """Redis frozen (SIGSTOP): the request path's reads time out after LOOKUP_TIMEOUT_S as
-    misses (the last purge epoch read stays), three failures open the breaker and the calls
-    stop; thawed, a probe after the cool-down finds it again."""
+    misses (the purge epoch unknown), three failures open the breaker and the calls stop;
+    thawed, a probe after the cool-down finds it again."""
     import os
     import signal
 
@@ -180,14 +180,53 @@ def test_a_frozen_redis_costs_a_few_short_timeouts_then_none(own_redis: Any) -> 
     assert index.longest_prefix(H)[A].num_blocks == 3 and index.purge_epoch() == 1
     os.kill(own_redis.proc.pid, signal.SIGSTOP)
     try:
-        assert index.longest_prefix(H) == {} and index.purge_epoch() == 1
+        assert index.longest_prefix(H) == {}
+        with pytest.raises(PurgeEpochUnknown):
+            index.purge_epoch()
         assert index.longest_prefix(H) == {}
         assert breaker.state == OPEN and index.num_errors == 3
         for _ in range(10):
-            assert index.longest_prefix(H) == {} and index.purge_epoch() == 1
+            assert index.longest_prefix(H) == {}
+            with pytest.raises(PurgeEpochUnknown):
+                index.purge_epoch()
         assert index.num_errors == 3 and index.num_skipped == 20
     finally:
         os.kill(own_redis.proc.pid, signal.SIGCONT)
     now[0] += 5.0  # the cool-down passed: one probe, which finds Redis again
     assert index.longest_prefix(H)[A].num_blocks == 3
     assert index.purge_epoch() == 1
+
+
+def test_a_probe_that_fails_otherwise_still_settles_the_breaker(own_redis: Any) -> None:
+    """The half-open breaker's one probe raises something other than a Redis error (here a
+    member that is not UTF-8, which the decoding client cannot read): that counts as a failed
+    probe, so a later probe goes through, rather than the breaker waiting for good."""
+    import os
+    import signal
+
+    import redis
+
+    from cachesvc.tiers.breaker import CLOSED, OPEN, CircuitBreaker
+
+    now = [0.0]
+    breaker = CircuitBreaker(3, 5.0, clock=lambda: now[0])
+    index = RedisPrefixIndex.from_url(own_redis.url, namespace="probe")
+    index._breaker = breaker
+    index.resync(A, IndexSnapshot("inc", 0, {}))
+    os.kill(own_redis.proc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(3):
+            assert index.longest_prefix(H) == {}
+    finally:
+        os.kill(own_redis.proc.pid, signal.SIGCONT)
+    assert breaker.state == OPEN
+    raw = redis.Redis.from_url(own_redis.url)
+    raw.sadd("probe:{index}:workers", b"\xff")
+    now[0] += 5.0
+    with pytest.raises(UnicodeDecodeError):
+        index.workers()  # the probe
+    assert breaker.state == OPEN
+    raw.srem("probe:{index}:workers", b"\xff")
+    now[0] += 5.0
+    assert index.workers() == [A]
+    assert breaker.state == CLOSED
