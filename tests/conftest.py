@@ -24,25 +24,33 @@ from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from suite_support import require_redis_server  # noqa: E402
 
-from cachesvc.bench.local_redis import LocalRedis, local_redis, redis_server_binary  # noqa: E402
+from cachesvc.bench.local_redis import LocalRedis, local_redis  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL of a throwaway redis-server (no persistence); tests isolate by key namespace."""
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    require_redis_server()
     with local_redis(tmp_path_factory.mktemp("redis")) as url:
         yield url
+
+
+@pytest.fixture
+def fresh_redis_url(redis_url: str) -> str:
+    """The session's Redis, emptied: this test's keys only."""
+    import redis
+
+    redis.Redis.from_url(redis_url).flushdb()
+    return redis_url
 
 
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[LocalRedis]:
     """A redis-server of this test alone, which it may stop, restart or freeze (SIGSTOP): it is
     thawed and stopped at the end whatever the test did to it."""
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    require_redis_server()
     server = LocalRedis(tmp_path).start()
     yield server
     if server.proc is not None:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
+from suite_support import unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "cachesvc"
@@ -86,20 +86,13 @@ class Renderer:
         return proc.stdout
 
 
-def _unavailable(reason: str) -> None:
-    """Skip, or fail under CI where the tools must have been installed."""
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason} (CI must install it: see .ci/run)")
-    pytest.skip(reason)
-
-
 def build_render_tool(out_dir: Path) -> Path:
     go = shutil.which("go")
     if go is None:
-        _unavailable(f"neither helm nor go is installed: apt-get install golang-go {DEBS}")
+        unavailable(f"neither helm nor go is installed: apt-get install golang-go {DEBS}")
     missing = [pkg for pkg in GO_PACKAGES if not (GOPATH / "src" / pkg).is_dir()]
     if missing:
-        _unavailable(f"Go sources missing under {GOPATH}: {missing}; apt-get install {DEBS}")
+        unavailable(f"Go sources missing under {GOPATH}: {missing}; apt-get install {DEBS}")
     binary = out_dir / "render"
     # GOPATH mode over Debian's packaged sources: no module download, works offline.
     env = {

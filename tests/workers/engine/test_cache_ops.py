@@ -99,12 +99,6 @@ def test_flush_drops_the_tiers_suffixes_of_flushed_device_blocks(
 # ---- purge -------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fresh_redis_url(redis_url: str) -> str:
-    redis.Redis.from_url(redis_url).flushdb()
-    return redis_url
-
-
 def test_purge_drops_every_tier(
     tiny_llama_dir: Path,
     tmp_path: Path,

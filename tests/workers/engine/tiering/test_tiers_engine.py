@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import redis
 import torch
+from suite_support import require_redis_server
 
-from cachesvc.bench.local_redis import LocalRedis, redis_server_binary
+from cachesvc.bench.local_redis import LocalRedis
 from cachesvc.config import EngineConfig, TierConfig
 from cachesvc.hashing import hash_blocks, root_hash
 from cachesvc.planner import ComputeCost
@@ -96,13 +97,6 @@ def tier_config(kind: str, tmp_path: Path, redis_url: str | None, **kw: Any) -> 
     if kind == "nvme":
         return TierConfig(nvme_path=str(tmp_path / "nvme"), nvme_mb=1, **kw)
     return TierConfig(redis_url=redis_url, redis_min_reuse=0, **kw)
-
-
-@pytest.fixture
-def fresh_redis_url(redis_url: str) -> str:
-    """The session's Redis with this test's blocks only (each test loads a new model id)."""
-    redis.Redis.from_url(redis_url).flushdb()
-    return redis_url
 
 
 @pytest.mark.parametrize("mode", ["fetch", "split", "auto"])
@@ -294,8 +288,7 @@ def test_garbage_under_a_redis_key_is_a_miss(
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[LocalRedis]:
     """A redis-server of our own, with a password, that a test may kill and restart."""
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    require_redis_server()
     server = LocalRedis(tmp_path, password=uuid.uuid4().hex).start()
     yield server
     server.stop()

@@ -49,13 +49,6 @@ def expected(tiny_llama_dir: Path) -> Callable[[list[int]], list[int]]:
     return no_cache_tokens(tiny_llama_dir)
 
 
-@pytest.fixture
-def fresh_redis_url(redis_url: str) -> str:
-    """The session's Redis, emptied: this test's blocks only."""
-    redis.Redis.from_url(redis_url).flushdb()
-    return redis_url
-
-
 def key_file(tmp_path: Path, name: str) -> str:
     path = tmp_path / name
     path.write_bytes(base64.b64encode(os.urandom(32)) + b"\n")  # as docs/deploy.md makes one
