@@ -19,9 +19,6 @@ from cachesvc.bench.workloads import (
     trace_workload,
 )
 
-# The team's shared folder sits beside the repository.
-SAMPLE = Path(__file__).resolve().parents[4] / "shared/data/mooncake_synthetic_trace.jsonl"
-
 
 def test_groups_share_their_system_prompt_and_are_deterministic() -> None:
     sessions = groups_workload(1000, num_groups=3, prompts_per_group=4, system_len=20, seed=1)
@@ -67,9 +64,8 @@ def test_bad_trace_rows_name_the_line(tmp_path: Path) -> None:
         load_mooncake(tmp_path / "bad.jsonl")
 
 
-@pytest.mark.skipif(not SAMPLE.exists(), reason="the shared sample trace is not here")
-def test_the_sample_trace_keeps_prefix_sharing() -> None:
-    sessions = trace_workload(load_mooncake(SAMPLE), 49152, TraceScale())
+def test_the_sample_trace_keeps_prefix_sharing(sample_trace: Path) -> None:
+    sessions = trace_workload(load_mooncake(sample_trace), 49152, TraceScale())
     seen: set[tuple[int, ...]] = set()
     reused = 0
     for s in sessions:

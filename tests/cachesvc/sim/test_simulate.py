@@ -24,8 +24,6 @@ from cachesvc.sim.trace import (
     oracle_hit_blocks,
 )
 
-SAMPLE = Path(__file__).resolve().parents[4] / "shared/data/mooncake_synthetic_trace.jsonl"
-
 # A millisecond per token, whole prompts in one step: time is easy to reason about; a DRAM and
 # an NVMe tier, and the default pull.
 UNIT = dataclasses.replace(
@@ -149,9 +147,8 @@ def test_one_unlimited_worker_is_the_oracle(write_trace: WriteTrace) -> None:
     assert summarize(run, requests).ratio_to_oracle == pytest.approx(1.0)
 
 
-@pytest.mark.skipif(not SAMPLE.exists(), reason="the shared sample trace is not here")
-def test_one_unlimited_worker_is_the_oracle_on_the_sample_trace() -> None:
-    requests = load_trace(SAMPLE, max_requests=300)
+def test_one_unlimited_worker_is_the_oracle_on_the_sample_trace(sample_trace: Path) -> None:
+    requests = load_trace(sample_trace, max_requests=300)
     run = replay(requests, UNIT, ClusterSpec(1, device_blocks=200_000), "least_loaded")
     hits = [sum(c.values()) // BLOCK_SIZE for c in _cached(run)]
     assert hits == oracle_hit_blocks(requests)

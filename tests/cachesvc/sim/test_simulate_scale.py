@@ -17,11 +17,9 @@ from cachesvc.sim.report import oracle_ratio, summarize
 from cachesvc.sim.simulate import SimulateArgs, Size, cluster_spec, load_requests
 from cachesvc.sim.trace import load_trace, num_unique_blocks, trace_requests
 
-SAMPLE = Path(__file__).resolve().parents[4] / "shared/data/mooncake_synthetic_trace.jsonl"
 
-
-def test_scaled_arrivals_give_each_worker_the_same_load() -> None:
-    args = SimulateArgs(trace=str(SAMPLE), max_requests=200, scale_arrivals=8)
+def test_scaled_arrivals_give_each_worker_the_same_load(sample_trace: Path) -> None:
+    args = SimulateArgs(trace=str(sample_trace), max_requests=200, scale_arrivals=8)
     eight = load_requests(dataclasses.replace(args, workers=8))
     thirty_two = load_requests(dataclasses.replace(args, workers=32))
     assert [r.arrival_s / 4 for r in eight] == pytest.approx([r.arrival_s for r in thirty_two])
@@ -65,8 +63,8 @@ def test_prefix_aware_stays_balanced_as_the_cluster_grows() -> None:
         assert summary.ratio_to_oracle > 0.9, (num_workers, summary.ratio_to_oracle)
 
 
-def test_copies_of_the_users_bring_more_sessions_not_faster_ones() -> None:
-    args = SimulateArgs(trace=str(SAMPLE), max_requests=200, scale_users=8)
+def test_copies_of_the_users_bring_more_sessions_not_faster_ones(sample_trace: Path) -> None:
+    args = SimulateArgs(trace=str(sample_trace), max_requests=200, scale_users=8)
     eight = load_requests(dataclasses.replace(args, workers=8))
     thirty_two = load_requests(dataclasses.replace(args, workers=32))
     assert (
