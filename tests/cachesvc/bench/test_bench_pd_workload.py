@@ -6,7 +6,6 @@ a real gRPC port: the bench's client is under test, not the router), and `caches
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,22 +21,56 @@ from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
 
 
 class _Recorder(pb_grpc.InferenceServicer):
-    """Records each request with its arrival; answers its tokens at once."""
+    """Records each request's prompt and answer length; answers its tokens at once."""
 
     def __init__(self) -> None:
-        self.seen: list[tuple[float, list[int], int]] = []
+        self.seen: list[tuple[tuple[int, ...], int]] = []
 
     async def Generate(  # noqa: N802 (the gRPC method's name)
         self, request: Any, context: Any
     ) -> AsyncIterator[pb.GenerateResponse]:
-        ids = list(request.prompt.token_ids.ids)
-        self.seen.append((time.perf_counter(), ids, request.sampling.max_tokens))
+        ids = tuple(request.prompt.token_ids.ids)
+        self.seen.append((ids, request.sampling.max_tokens))
         for i in range(request.sampling.max_tokens):
             yield pb.GenerateResponse(token_ids=[i + 3])
         yield pb.GenerateResponse(usage=pb.Usage(prompt_tokens=len(ids), ttft_ms=1.0))
 
 
-async def _send_phase(shape: PDShape, phase: str) -> tuple[Any, list[tuple[float, list, int]]]:
+class _SendLog:
+    """The bench's stub: notes each prompt it sends, in order, with the loop's clock then."""
+
+    def __init__(self, stub: pb_grpc.InferenceStub) -> None:
+        self._stub = stub
+        self.sent: list[tuple[float, tuple[int, ...]]] = []
+
+    def Generate(self, request: pb.GenerateRequest) -> Any:  # noqa: N802 (the stub's method)
+        now = asyncio.get_running_loop().time()
+        self.sent.append((now, tuple(request.prompt.token_ids.ids)))
+        return self._stub.Generate(request)
+
+
+class _VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock stands still while anything is ready to run and otherwise
+    jumps to its next timer: a sleep takes no time, and the clock when a request is sent says
+    what the bench asked for, whatever the machine's load (gRPC's own I/O is real)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._now = 0.0
+
+    def time(self) -> float:
+        return self._now
+
+    def _run_once(self) -> None:
+        # BaseEventLoop's step: it waits in select() until its first timer is due; with the
+        # clock moved there first, it does not wait.
+        ready, scheduled = self._ready, self._scheduled  # type: ignore[attr-defined]
+        if not ready and scheduled:
+            self._now = max(self._now, scheduled[0].when())
+        super()._run_once()  # type: ignore[misc]
+
+
+async def _send_phase(shape: PDShape, phase: str) -> tuple[Any, _SendLog, _Recorder]:
     import grpc
 
     recorder = _Recorder()
@@ -47,23 +80,29 @@ async def _send_phase(shape: PDShape, phase: str) -> tuple[Any, list[tuple[float
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            began = time.perf_counter()
-            result = await _phase(pb_grpc.InferenceStub(channel), shape, "s", phase, 1000)
+            log = _SendLog(pb_grpc.InferenceStub(channel))
+            began = asyncio.get_running_loop().time()
+            result = await _phase(log, shape, "s", phase, 1000)
     finally:
         await server.stop(None)
-    return result, [(t - began, ids, n) for t, ids, n in recorder.seen]
+    log.sent = [(t - began, ids) for t, ids in log.sent]
+    return result, log, recorder
 
 
 def test_the_bench_sends_the_phase_requests_at_their_offsets() -> None:
     shape = PDShape(quick=True)
-    result, seen = asyncio.run(_send_phase(shape, WITH_PROMPTS))
+    loop = _VirtualClockLoop()
+    try:
+        result, log, recorder = loop.run_until_complete(_send_phase(shape, WITH_PROMPTS))
+    finally:
+        loop.close()
     expected = phase_requests(shape, WITH_PROMPTS, 1000)
-    by_prompt = {tuple(ids): (t, n) for t, ids, n in seen}
-    assert len(seen) == len(expected) == shape.streams + shape.long_prompts
-    for request in expected:
-        sent_s, max_tokens = by_prompt[request.prompt_ids]
-        assert max_tokens == request.max_tokens
-        assert sent_s == pytest.approx(request.offset_s, abs=0.5), "sent at its offset"
+    assert len(expected) == shape.streams + shape.long_prompts
+    # In their order, each at its offset: the streams at once, then a prompt every interval.
+    assert [ids for _, ids in log.sent] == [r.prompt_ids for r in expected]
+    assert [t for t, _ in log.sent] == pytest.approx([r.offset_s for r in expected])
+    # Each reached the server once, asking for its answer's length.
+    assert sorted(recorder.seen) == sorted((r.prompt_ids, r.max_tokens) for r in expected)
     assert len(result.ttft_s) == shape.long_prompts
     assert len(result.gaps_s) == shape.streams * (shape.decode_tokens - 1)
 
