@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from workers.engine.engine import Engine
     from workers.engine.peer.export import ChunkExporter
     from workers.transfer.chunk import KVChunk
-    from workers.transfer.slots import PullerProcess
+    from workers.transfer.slots import PullerProcess, SlotLease
 
 # ---- the actor ---------------------------------------------------------------------------------
 
@@ -223,6 +223,12 @@ class WorkerActor:
         return await self._exporter.export(
             prompt_ids, cache_salt, start_block, end_block, puller, follow
         )
+
+    async def release_slots(self, leases: Sequence[SlotLease]) -> int:
+        """End the leases of this worker's same-node slots that a puller is done with: its
+        message once it no longer reads them (`workers.transfer.slots`). A lease ends only when
+        named with the capability this worker issued on its pull; how many ended."""
+        return self._exporter.release(leases)
 
     async def prefetch(
         self,

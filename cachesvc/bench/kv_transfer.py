@@ -143,6 +143,10 @@ class BenchHolder:
             self.stager.finish(staging, delivered=True)
             return chunk
 
+    async def release_slots(self, leases: Any) -> int:
+        """A puller's release of the slots it is done with, as a worker ends their leases."""
+        return self.stager.release(leases)
+
     async def noop(self, token_ids: Any, salt: Any, lo: int, hi: int, puller: Any = None) -> None:
         """A chunk's call that stages nothing: what a call costs by itself."""
 

@@ -1,31 +1,39 @@
 """Same-node staging slots: what a holder and a puller on one node share instead of a copy.
 
-A slot is an anonymous shared-memory segment (`memfd`) the holder made and keeps for its
-lifetime: a header page, then room for one chunk. The holder gathers a chunk straight into a
-slot (its only copy), leases the slot to the puller that asked and answers with a `SlotRef`
-(a few bytes through Ray, not the payload). The puller maps the segment through
-`/proc/<holder pid>/fd/<fd>` (no file name in `/dev/shm` to leak if the holder dies), checks and
-lands the rows in place, and releases the lease by writing the lease's generation into the
-header once it no longer holds a view of them (`slot_reader`). A lease outlives the pull: the
-puller may land at its next step. The holder takes a slot back only when its lease was
-released or its puller's process is gone (`slot_ring`).
+A slot is a sealed shared-memory segment (`segment`: it never shrinks or grows, and nobody but
+its holder writes it) the holder made and keeps for its lifetime: a header page, then room for
+one chunk. The holder gathers a chunk straight into a slot (its only copy), leases the slot to
+the pull that asked and answers with a `SlotRef` (a few bytes through Ray, not the payload). The
+puller maps the segment read-only through `/proc/<holder pid>/fd/<fd>` (no file name in
+`/dev/shm` to leak if the holder dies), checks and lands the rows in place, and once it no longer
+holds a view of them ends the lease by a message to the holder (`slot_reader`;
+`WorkerActor.release_slots`). A lease outlives the pull: the puller may land at its next step.
 
-Header words (little-endian uint64): the segment's id, the generation of the last lease, the
-generation the puller last released, the puller's pid and its start time (so a recycled pid is
-not taken for the puller). One writer per word: the holder writes the lease, the puller the
-release; aligned 8-byte stores are whole on the platforms we run on.
+A lease is the pull's, not a process's: the holder issues an unguessable capability with it
+(`SlotRef.capability`, in the pull's reply and nowhere else), and only a release naming it ends
+the lease; the holder keeps its leases in its own memory, never in the segment, so nothing
+another process stores there ends one. The puller also names its process (`PullerProcess`):
+the holder takes a lease back early when that process is gone, and since that is only the
+caller's word, no lease pins a slot past `slot_ring.LEASE_TTL_S` either (`slot_ring`).
+
+Header words (little-endian uint64, written by the holder only): the segment's id, the
+generation of its current lease and a tag of that lease's capability (a hash: the header is
+readable by any process that maps the segment, the capability must not be), both zero between
+leases. The puller refuses a reference they do not match (`slot_reader.StaleSlot`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 DATA_OFFSET = 4096  # the payload starts on its own page, after the header
 HEADER_WORDS = 8
-SEGMENT, LEASED, RELEASED, PULLER_PID, PULLER_START = range(5)
+SEGMENT, LEASED, LEASE_TAG = range(3)
+CAPABILITY_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -39,22 +47,42 @@ class PullerProcess:
 
 
 @dataclass(frozen=True)
+class SlotLease:
+    """What ends a lease: the slot's segment and the capability its holder issued with it."""
+
+    segment_id: int
+    capability: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
 class SlotRef:
     """Where a chunk's payload lies: in the segment `fd` of process `holder_pid`, `nbytes` from
-    `offset`, as an array of `shape` and numpy `dtype`, under lease `generation`."""
+    `offset`, as an array of `shape` and numpy `dtype`, under lease `generation`, whose
+    `capability` the holder issued to this pull alone."""
 
     holder_pid: int
     fd: int
     segment_id: int
     generation: int
+    capability: bytes = field(repr=False)  # never in a log line
     offset: int
     nbytes: int
     shape: tuple[int, ...]
     dtype: str  # numpy's name of the storage dtype ("<f4", "<u2": bfloat16's bits)
 
+    @property
+    def lease(self) -> SlotLease:
+        return SlotLease(self.segment_id, self.capability)
+
+
+def lease_tag(capability: bytes) -> int:
+    """The header word that says which capability a slot's lease was issued with (never 0)."""
+    digest = hashlib.blake2b(capability, digest_size=8, person=b"kv-slot-lease").digest()
+    return int.from_bytes(digest, "little") or 1
+
 
 def header(buffer: memoryview) -> np.ndarray:
-    """The header words of a mapped segment, as a writable view."""
+    """The header words of a mapped segment (writable only in the holder's mapping)."""
     return np.frombuffer(buffer, dtype="<u8", count=HEADER_WORDS)
 
 

@@ -5,13 +5,16 @@ the chunk straight into a slot of its `SlotRing` and answers with the slot's `Sl
 gather is the holder's only copy, and the puller reads the rows in place. For a puller on another
 node, or when the ring is full or off, the holder gathers into one of its reused host buffers and
 the sealed payload is copied into Ray's object store (`ray_link.put_payload`), after which the
-buffer serves the next chunk. Either way the chunk is the same bytes under the same digest.
+buffer serves the next chunk. Either way the chunk is the same bytes under the same digest. A
+slot's lease ends by the puller's message (`release`) or, for a reply that never went out, here
+(`finish`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,7 +22,7 @@ import torch
 
 from workers.transfer.chunk import KVChunk
 from workers.transfer.slot_ring import Slot, SlotRing
-from workers.transfer.slots import PullerProcess, SlotRef
+from workers.transfer.slots import PullerProcess, SlotLease, SlotRef
 
 
 @dataclass(eq=False)
@@ -31,6 +34,7 @@ class Staging:
     slot: Slot | None = None
     puller: PullerProcess | None = None
     ref: SlotRef | None = None  # once the slot is leased
+    written: int | None = None  # bytes of the slot's data the chunk covers, once shipped
 
 
 class Stager:
@@ -60,7 +64,8 @@ class Stager:
         self.ring = SlotRing(slot_bytes, num_slots) if num_slots else None
         self._buffers: list[torch.Tensor] = []  # free ones: fresh host memory's page faults
         # cost more than the copy itself on a CPU, so buffers are reused
-        self._views: dict[Slot, torch.Tensor] = {}
+        # A slot's tensor view, made once; it goes with a slot the ring retired.
+        self._views: weakref.WeakKeyDictionary[Slot, torch.Tensor] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self.num_local = 0  # chunks sent through a slot
 
@@ -102,6 +107,7 @@ class Stager:
             from workers.transfer.ray_link import put_payload
 
             return put_payload(chunk) if chunk.num_blocks else _bare(chunk)
+        staging.written = chunk.payload.nbytes
         if not chunk.num_blocks:
             return _bare(chunk)  # nothing to lease: `finish` gives the slot back
         assert self.ring is not None
@@ -111,27 +117,34 @@ class Stager:
 
     def finish(self, staging: Staging, delivered: bool) -> None:
         """The chunk left (`delivered`: its reply was sent) or was given up: a buffer serves
-        the next chunk; a slot that was never leased is free again, and one leased for a reply
-        that was never sent is taken back (nobody else would end its lease)."""
+        the next chunk; a slot that was never leased is free again (once zeroed), and one leased
+        for a reply that was never sent is taken back (nobody else would end its lease)."""
         if staging.slot is None:
             with self._lock:
                 self._buffers.append(staging.buffer)
             return
         assert self.ring is not None
         if staging.ref is None:
-            self.ring.give_back(staging.slot)
+            self.ring.give_back(staging.slot, staging.written)
         elif not delivered:
-            self.ring.revoke(staging.slot)
+            self.ring.revoke(staging.slot, staging.ref)
+
+    def release(self, leases: Sequence[SlotLease]) -> int:
+        """End the leases a puller is done with (its message): how many were this holder's
+        current leases, named with the capability each was issued with (others end nothing)."""
+        ring = self.ring
+        return 0 if ring is None else sum(ring.release(lease) for lease in leases)
 
     def counters(self) -> dict[str, float]:
         """The ring's state, for the load report: slots made, leased now, taken back from
-        pullers that died; chunks sent through slots."""
+        pullers that died, retired for a lease held too long; chunks sent through slots."""
         ring = self.ring
         return {
             "peer_exported_local_chunks": float(self.num_local),
             "peer_slots": float(0 if ring is None else ring.num_slots()),
             "peer_slots_leased": float(0 if ring is None else ring.num_leased()),
             "peer_slots_reclaimed": float(0 if ring is None else ring.num_reclaimed),
+            "peer_slots_retired": float(0 if ring is None else ring.num_retired),
         }
 
     def close(self) -> None:

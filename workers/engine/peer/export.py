@@ -38,7 +38,7 @@ from workers.engine.peer.stage import (
     unpin,
 )
 from workers.transfer.chunk import KVChunk
-from workers.transfer.slots import PullerProcess
+from workers.transfer.slots import PullerProcess, SlotLease
 from workers.transfer.staging import Stager, Staging
 from workers.transfer.threads import transfer_executor
 
@@ -164,6 +164,12 @@ class ChunkExporter:
     def _unpin_pinned(self, pinning: asyncio.Future[PinnedRun]) -> None:
         if not pinning.cancelled() and pinning.exception() is None:
             self._unpin(pinning.result())
+
+    def release(self, leases: Sequence[SlotLease]) -> int:
+        """End the leases of this worker's slots that a puller is done with (its message): each
+        ends only when it names a current lease and the capability it was issued with. How many
+        ended. Does not block: the slots' rows are zeroed on the ring's thread."""
+        return self.stager.release(leases)
 
     def counters(self) -> dict[str, float]:
         """What this worker sent to pullers, for its load report (`cachesvc_worker_tiering`):
