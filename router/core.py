@@ -118,6 +118,7 @@ class Router:
         # The salt takes the purge epoch now, once: the request keeps its hashes to its end.
         req = dataclasses.replace(req, cache_salt=self.prompts.salt(req.cache_salt))
         ids = await self.prompts.encode(req.prompt)
+        req = dataclasses.replace(req, params=self.prompts.fit(ids, req))
         self.prompts.check_vocab(req.params.stop_token_ids, "sampling.stop_token_ids")
         progress = RequestProgress(ids, asdict(req.params), self.tokenizer)
         outcome = RequestOutcome(req.request_id or f"req-{uuid.uuid4().hex[:16]}", self.policy.name)

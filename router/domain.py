@@ -55,6 +55,8 @@ class GenerateInput:
     params: SamplingParams
     cache_salt: str | None = None
     use_response_cache: bool = True  # False: generate, and do not store the answer
+    # The client set params.max_tokens: past the context it is refused, not lowered to fit.
+    max_tokens_set: bool = False
 
 
 @dataclass(frozen=True)

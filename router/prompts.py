@@ -8,14 +8,16 @@ life, retries and resumes included, and a request that arrives after a purge has
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from cachesvc.hashing import epoch_salt, hash_blocks, root_hash, unshared_salt
 from cachesvc.index import PurgeEpochUnknown
 from cachesvc.types import BlockHash
-from router.domain import InvalidInput, PromptInput
+from router.domain import GenerateInput, InvalidInput, PromptInput
 from router.pool import WorkerPool
 from router.prompt_encoder import PromptEncoder
+from workers.sampling_params import SamplingParams
 from workers.text.tokenizer import Tokenizer, TokenizerError
 
 
@@ -39,12 +41,15 @@ class Prompts:
     async def encode(self, prompt: PromptInput, field: str = "prompt") -> list[int]:
         """Token ids of a prompt as the worker will see them; raises InvalidInput naming the
         field (empty, ids outside the vocabulary, longer than the model's context). Long
-        texts are tokenized off the event loop (`PromptEncoder`)."""
+        texts are tokenized off the event loop (`PromptEncoder`). A chat's rendered template
+        is tokenized without adding special tokens, as vLLM's chat path does: the template
+        writes them (a bos added again would be doubled)."""
         if prompt.token_ids is not None:
             ids = list(prompt.token_ids)
             self.check_vocab(ids, f"{field}.token_ids")
         else:
-            ids = await self._encode_text(self.render(prompt, field), field)
+            text = self.render(prompt, field)
+            ids = await self._encode_text(text, field, special=prompt.text is not None)
         if not ids:
             raise InvalidInput(f"{field} has no tokens")
         limit = self._pool.model.max_model_len
@@ -54,6 +59,24 @@ class Prompts:
                 "(room for at least one output token needed)"
             )
         return ids
+
+    def fit(self, ids: Sequence[int], req: GenerateInput) -> SamplingParams:
+        """The request's sampling parameters for a prompt of `ids`: a `max_tokens` the client
+        set that does not fit the context with the prompt is refused (InvalidInput naming
+        max_tokens, in vLLM's words); a default one is lowered to what fits."""
+        params, limit = req.params, self._pool.model.max_model_len
+        room = limit - len(ids)  # >= 1: encode() refused a prompt that fills the context
+        if params.max_tokens <= room:
+            return params
+        if not req.max_tokens_set:
+            return dataclasses.replace(params, max_tokens=room)
+        where = "messages" if req.prompt.messages is not None else "prompt"
+        raise InvalidInput(
+            f"max_tokens is too large: this model's maximum context length is {limit} tokens. "
+            f"However, you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
+            f"{where}, {params.max_tokens} in the completion). Please reduce the length of the "
+            f"{where} or completion."
+        )
 
     def render(self, prompt: PromptInput, field: str = "prompt") -> str:
         """The text a text or chat prompt is tokenized from (the chat template applied)."""

@@ -18,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -33,22 +33,19 @@ from starlette.types import Receive
 
 from router.auth import Caller, TokenTable, tenant_cache_salt
 from router.core import Router
-from router.domain import GenerateInput
+from router.domain import GenerateInput, PromptInput, RouterError
+from router.http.body import ClientGone, read_json
 from router.http.errors import STATUS_NAMES, HttpError, error_body, from_router_error
 from router.http.parse import OpenAIRequest, parse_chat, parse_completion
 from router.http.render import Answer, StreamChunks, full_response
+from router.request_ids import check_header_id
 from router.streams import merged
 from workers.protocol import StreamDelta
 
 T = TypeVar("T")
-# As gRPC's default limit on a received message: the largest prompt either door takes.
-MAX_BODY_BYTES = 4 * 2**20
 _UNAUTHORIZED = "missing or invalid bearer token: send the header 'Authorization: Bearer <token>'"
+_log = logging.getLogger(__name__)
 Deltas = AsyncGenerator[tuple[int, StreamDelta], None]
-
-
-class ClientGone(Exception):
-    """The client closed the connection before its answer was complete."""
 
 
 class OpenAIDoor:
@@ -98,31 +95,33 @@ class OpenAIDoor:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         method = "ChatCompletions" if chat else "Completions"
+        request_id = request.headers.get("x-request-id")  # the body's, once it is read
         try:
             parsed, response_id = await self._parse(request, chat)
+            request_id = parsed.inputs[0].request_id
             deltas = self._deltas(parsed.inputs)
             if parsed.stream:
                 chunks = StreamChunks(parsed, response_id, self.model_name, int(time.time()))
                 return await self._stream(request, method, chunks, deltas)
             answer = Answer(parsed)
             await _until_disconnect(request.receive, _collect(deltas, answer))
+            body = full_response(parsed, answer, response_id, self.model_name, int(time.time()))
+            response = JSONResponse(body, headers={"x-request-id": response_id})
         except Exception as exc:
-            err = (
-                HttpError(499, "client closed the request")
-                if isinstance(exc, ClientGone)
-                else from_router_error(exc)
-            )
+            err = _http_error(exc, request_id)
             self._count(method, err.status)
             return _error_response(err)
         self._count(method, 200)
-        body = full_response(parsed, answer, response_id, self.model_name, int(time.time()))
-        return JSONResponse(body, headers={"x-request-id": response_id})
+        return response
 
     async def _parse(self, request: Request, chat: bool) -> tuple[OpenAIRequest, str]:
         """The request and its response id; raises HttpError or the core's InvalidInput."""
         caller = self._caller(request)
-        body = await _read_json(request)
-        given = request.headers.get("x-request-id") or uuid.uuid4().hex
+        body = await read_json(request)
+        given = request.headers.get("x-request-id")
+        if given is not None:
+            check_header_id(given, "the x-request-id header")
+        given = given or uuid.uuid4().hex
         if chat:
             max_len = self._router.pool.model.max_model_len
             parsed = parse_chat(body, self._config, given, max_len)
@@ -131,17 +130,23 @@ class OpenAIDoor:
         if parsed.model is not None and parsed.model != self.model_name:
             raise HttpError(
                 404,
-                f"The model `{parsed.model}` does not exist: this server serves "
+                f"The model `{parsed.model[:100]}` does not exist: this server serves "
                 f"`{self.model_name}` (GET /v1/models)",
                 code="model_not_found",
                 param="model",
             )
-        inputs = tuple(
-            dataclasses.replace(inp, cache_salt=tenant_cache_salt(caller.tenant, inp.cache_salt))
-            for inp in parsed.inputs
-        )
+        inputs = []
+        for i, inp in enumerate(parsed.inputs):
+            salt = tenant_cache_salt(caller.tenant, inp.cache_salt)
+            prompt = inp.prompt
+            if not parsed.add_special_tokens and prompt.text is not None:
+                # Tokenized here, without the tokens the model adds to a prompt (bos).
+                field = "prompt" if len(parsed.inputs) == 1 else f"prompt[{i}]"
+                ids = await self._router.prompts.encode_item(prompt, field)
+                prompt = PromptInput(token_ids=tuple(ids))
+            inputs.append(dataclasses.replace(inp, prompt=prompt, cache_salt=salt))
         prefix = "chatcmpl-" if chat else "cmpl-"
-        return dataclasses.replace(parsed, inputs=inputs), prefix + parsed.inputs[0].request_id
+        return dataclasses.replace(parsed, inputs=tuple(inputs)), prefix + inputs[0].request_id
 
     def _deltas(self, inputs: tuple[GenerateInput, ...]) -> Deltas:
         """The core's deltas of every prompt, tagged with the prompt's position."""
@@ -181,7 +186,7 @@ class OpenAIDoor:
             status = 200
             yield chunks.end()
         except Exception as exc:
-            err = from_router_error(exc)
+            err = _http_error(exc, chunks.request.inputs[0].request_id)
             status = err.status
             yield chunks.error(err)
         finally:
@@ -212,30 +217,6 @@ async def _collect(deltas: Deltas, answer: Answer) -> None:
             answer.add(prompt, delta)
 
 
-async def _read_json(request: Request) -> Any:
-    """The body as JSON; HttpError 413 past `MAX_BODY_BYTES` (before reading it when the
-    length is declared), InvalidInput-like 400 when it is not JSON."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise _too_large(int(declared))
-    parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _too_large(size)
-        parts.append(chunk)
-    try:
-        return json.loads(b"".join(parts))
-    except (ValueError, RecursionError) as exc:
-        raise HttpError(400, f"the request body is not valid JSON: {exc}"[:200]) from None
-
-
-def _too_large(size: int) -> HttpError:
-    return HttpError(
-        413, f"the request body has {size}+ bytes; at most {MAX_BODY_BYTES}", code="too_large"
-    )
-
-
 async def _until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     """`work`'s result; cancels it and raises ClientGone when the client disconnects first."""
     task = asyncio.ensure_future(work)
@@ -263,6 +244,16 @@ async def _unrouted(request: Request, exc: Exception) -> Response:
     what = "path" if exc.status_code == 404 else "method"
     message = f"{exc.detail}: {request.method} {request.url.path} (no such {what})"
     return _error_response(HttpError(exc.status_code, message))
+
+
+def _http_error(exc: Exception, request_id: str | None) -> HttpError:
+    """The error answer of `exc`; one that is neither the client's nor the router's own
+    (a bug) is logged with its traceback, as the gRPC door logs it."""
+    if isinstance(exc, ClientGone):
+        return HttpError(499, "client closed the request")
+    if not isinstance(exc, HttpError | RouterError):
+        _log.exception("internal error", exc_info=exc, extra={"request_id": request_id})
+    return from_router_error(exc)
 
 
 def _error_response(err: HttpError) -> Response:

@@ -7,6 +7,12 @@ default: up to the model's context), `max_completion_tokens` (wins over `max_tok
 body, where vLLM puts its own: `top_k` (-1 or 0: off), `cache_salt`, `ignore_eos`,
 `beam_width`, `length_penalty`, `stop_token_ids`, `no_response_cache`, `request_id`,
 `return_token_ids` (each choice, or chunk, also carries its `token_ids`, as in vLLM).
+vLLM's `add_special_tokens` is honoured (completions: true or false; chat: false, as the
+template writes them); `skip_special_tokens` and `spaces_between_special_tokens` only as true
+(the answer's text never holds special tokens; `return_token_ids` gives every id).
+
+A `max_tokens` the client sets must fit the context with the prompt (the router refuses it
+otherwise, as vLLM does); the default is lowered to what fits.
 
 Any other field is refused (InvalidInput naming it) unless its value asks for nothing: null,
 false, an empty string, list or object, or the field's neutral value (a penalty of 0,
@@ -16,6 +22,7 @@ is told, never silently served something else.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,13 +30,17 @@ from typing import Any
 
 from router.config import RouterConfig
 from router.domain import ChatMessage, GenerateInput, InvalidInput, PromptInput
+from router.request_ids import check_header_id
 from workers.sampling_params import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's
 MAX_PROMPTS = 64  # prompts in one completions request (a batch)
 _MAX_STOP_STRINGS = 16  # as on the gRPC door
-_MAX_ID_LEN = 256
+_MAX_SALT_LEN = 256  # as a request id's
 _INT64 = 2**63
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's
+# Fields named in a refusal are cut to this many characters (a body may be megabytes).
+_SHOWN_CHARS = 64
 
 # Fields we do not serve, accepted only with the value that asks for nothing (beyond the
 # generic null / false / empty).
@@ -42,10 +53,9 @@ _NEUTRAL: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     "best_of": lambda v, body: v == body.get("n", 1),
     "tool_choice": lambda v, body: v in ("none", "auto") and not body.get("tools"),
     "parallel_tool_calls": lambda v, _: isinstance(v, bool),
-    "skip_special_tokens": lambda v, _: v is True,
-    "spaces_between_special_tokens": lambda v, _: v is True,
-    "add_special_tokens": lambda v, body: v is ("messages" not in body),
 }
+# vLLM's detokenizing options: served only as what this server always does.
+_ONLY_TRUE = ("skip_special_tokens", "spaces_between_special_tokens")
 _COMMON = (
     "model",
     "max_tokens",
@@ -67,6 +77,8 @@ _COMMON = (
     "no_response_cache",
     "request_id",
     "return_token_ids",
+    "add_special_tokens",
+    *_ONLY_TRUE,
 )
 _COMPLETION_FIELDS = frozenset((*_COMMON, "prompt"))
 _CHAT_FIELDS = frozenset((*_COMMON, "messages", "add_generation_prompt"))
@@ -76,7 +88,8 @@ _CHAT_FIELDS = frozenset((*_COMMON, "messages", "add_generation_prompt"))
 class OpenAIRequest:
     """A parsed completions or chat request: one `GenerateInput` per prompt (a completions
     batch has several; their choices are numbered prompt by prompt, `n` each). `request_id` is
-    the client's (`request_id`), else empty: the door names the request."""
+    the client's (`request_id`), else empty: the door names the request. Without
+    `add_special_tokens` the door tokenizes a text prompt itself, without bos/eos."""
 
     chat: bool
     model: str | None
@@ -85,6 +98,7 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool = False
+    add_special_tokens: bool = True
 
 
 def parse_completion(body: Any, config: RouterConfig, request_id: str) -> OpenAIRequest:
@@ -93,7 +107,9 @@ def parse_completion(body: Any, config: RouterConfig, request_id: str) -> OpenAI
     _check_fields(body, _COMPLETION_FIELDS)
     prompts = _prompts(body.get("prompt"))
     params = _sampling(body, config, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return _request(body, False, prompts, params, request_id)
+    add_special_tokens = _typed(body, "add_special_tokens", bool, True)
+    parsed = _request(body, False, prompts, params, request_id)
+    return dataclasses.replace(parsed, add_special_tokens=add_special_tokens)
 
 
 def parse_chat(
@@ -105,6 +121,11 @@ def parse_chat(
     _check_fields(body, _CHAT_FIELDS)
     messages = _messages(body.get("messages"))
     add_generation_prompt = _typed(body, "add_generation_prompt", bool, True)
+    _check(
+        not _typed(body, "add_special_tokens", bool, False),
+        "add_special_tokens must be false on chat completions: the chat template writes the "
+        "model's special tokens (as in vLLM)",
+    )
     prompt = PromptInput(messages=messages, add_generation_prompt=add_generation_prompt)
     params = _sampling(body, config, max_model_len)
     return _request(body, True, [prompt], params, request_id)
@@ -124,10 +145,17 @@ def _request(
     options = _object(options or {}, "stream_options")
     _check_fields(options, frozenset(("include_usage",)), "stream_options.")
     _typed(body, "user", str, None)
+    for name in _ONLY_TRUE:
+        _check(
+            _typed(body, name, bool, True),
+            f"{name} must be true: this server always leaves special tokens out of the "
+            "answer's text (return_token_ids gives every token id)",
+        )
     salt = _typed(body, "cache_salt", str, None)
     request_id = _typed(body, "request_id", str, None) or request_id
-    _check_len(request_id, "request_id")
-    _check_len(salt or "", "cache_salt")
+    check_header_id(request_id)
+    if salt is not None and len(salt) > _MAX_SALT_LEN:
+        raise InvalidInput(f"cache_salt is {len(salt)} characters; at most {_MAX_SALT_LEN}")
     use_cache = not _typed(body, "no_response_cache", bool, False)
     inputs = tuple(
         GenerateInput(
@@ -136,6 +164,7 @@ def _request(
             params=params,
             cache_salt=salt,
             use_response_cache=use_cache,
+            max_tokens_set=body.get(_max_tokens_field(body)) is not None,
         )
         for i, prompt in enumerate(prompts)
     )
@@ -153,10 +182,10 @@ def _request(
 def _sampling(
     body: dict[str, Any], config: RouterConfig, default_max_tokens: int
 ) -> SamplingParams:
+    field = _max_tokens_field(body)
     max_tokens = _integer(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens")
-    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = default_max_tokens if max_tokens is None else max_tokens
     _check(max_tokens >= 1, f"{field} must be >= 1, got {max_tokens}")
     temperature = _number(body, "temperature", 1.0)
@@ -192,6 +221,14 @@ def _sampling(
         raise InvalidInput(str(exc)) from exc
 
 
+def _max_tokens_field(body: dict[str, Any]) -> str:
+    """The field that sets the token limit (`max_completion_tokens` wins, as in vLLM); the
+    limit is set when that field is present and not null."""
+    return (
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
+
+
 def _prompts(value: Any) -> list[PromptInput]:
     """`prompt`: a string, token ids, or a batch (a list of either)."""
     if isinstance(value, str):
@@ -221,8 +258,10 @@ def _messages(value: Any) -> tuple[ChatMessage, ...]:
         m = _object(m, where)
         _check_fields(m, frozenset(("role", "content")), f"{where}.")
         role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise InvalidInput(f"{where}.role must be a non-empty string")
+        if role not in ROLES:
+            raise InvalidInput(
+                f"{where}.role must be one of {', '.join(ROLES)}; got {_shown(role)}"
+            )
         messages.append(ChatMessage(role, _content(m.get("content"), f"{where}.content")))
     return tuple(messages)
 
@@ -237,8 +276,8 @@ def _content(value: Any, where: str) -> str:
     for j, part in enumerate(value):
         part = _object(part, f"{where}[{j}]")
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type")
-            raise InvalidInput(f"{where}[{j}]: only text parts are supported, got type {kind!r}")
+            kind = _shown(part.get("type"))
+            raise InvalidInput(f"{where}[{j}]: only text parts are supported, got type {kind}")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -274,9 +313,10 @@ def _check_fields(body: dict[str, Any], known: frozenset[str], prefix: str = "")
         if name in known or value is None or value is False or value in ("", [], {}):
             continue
         neutral = _NEUTRAL.get(name)
-        if neutral is not None and not isinstance(value, dict) and neutral(value, body):
+        if neutral is not None and isinstance(value, str | int | float) and neutral(value, body):
             continue
-        raise InvalidInput(f"{prefix}{name} is not supported by this server")
+        shown = name if len(name) <= _SHOWN_CHARS else name[:_SHOWN_CHARS] + "..."
+        raise InvalidInput(f"{prefix}{shown} is not supported by this server")
 
 
 def _object(value: Any, field: str = "the request body") -> dict[str, Any]:
@@ -309,19 +349,29 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value):
         raise InvalidInput(f"{name} must be a finite number, got {_json_kind(value)}")
     return float(value)
+
+
+def _finite(value: int | float) -> bool:
+    """Whether a JSON number is a finite double (an integer past 1.8e308 is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 _KINDS = {bool: "boolean", str: "string", int: "integer", float: "number"}
 
 
 def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return "boolean"
     if isinstance(value, int | float):
-        return "number" if math.isfinite(value) else "non-finite number"
+        return "number" if _finite(value) else "non-finite number"
     if isinstance(value, str):
         return "string"
     return "array" if isinstance(value, list) else "object"
@@ -332,6 +382,8 @@ def _check(ok: bool, message: str) -> None:
         raise InvalidInput(message)
 
 
-def _check_len(value: str, field: str) -> None:
-    if len(value) > _MAX_ID_LEN:
-        raise InvalidInput(f"{field} is {len(value)} characters; at most {_MAX_ID_LEN}")
+def _shown(value: Any) -> str:
+    """A value as a refusal quotes it: a short string itself, anything else its kind."""
+    if isinstance(value, str) and len(value) <= _SHOWN_CHARS:
+        return repr(value)
+    return "a long string" if isinstance(value, str) else _json_kind(value)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from http_support import MODEL_NAME, start_http, stop_http
 
-from router.http.app import MAX_BODY_BYTES
+from router.http.body import MAX_BODY_BYTES
 
 pytestmark = pytest.mark.system
 TOKEN = "wire-token"

@@ -111,6 +111,15 @@ def test_completion_prompt_forms_and_batches() -> None:
         ({"messages": []}, "messages must be a non-empty array"),
         ({"messages": [{"content": "x"}]}, "messages[0].role"),
         ({"beam_width": 2, "n": 2}, "n must be 1 with beam search"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role must be one of"),
+        ({"messages": [{"role": ["user"], "content": "x"}]}, "got array"),
+        ({"temperature": 10**400}, "temperature must be a finite number"),
+        ({"skip_special_tokens": False}, "skip_special_tokens must be true"),
+        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens must be"),
+        ({"add_special_tokens": True}, "add_special_tokens must be false on chat"),
+        ({"request_id": "a\r\nb"}, "request_id must hold no control characters"),
+        ({"request_id": "\u8bf7"}, "request_id must be latin-1"),
+        ({"x" * 5000: 1}, "x" * 64 + r"\.\.\. is not supported"),
     ],
 )
 def test_refusals_name_the_field(body: dict[str, Any], named: str) -> None:
@@ -157,3 +166,19 @@ def test_body_must_be_an_object() -> None:
         parse_completion([1, 2], CONFIG, "rid")
     with pytest.raises(InvalidInput, match="echo"):
         _completion(echo=True)
+
+
+def test_only_a_max_tokens_the_client_set_is_held_to_the_context() -> None:
+    assert not _chat().inputs[0].max_tokens_set, "the default is lowered to fit"
+    assert not _completion(max_tokens=None).inputs[0].max_tokens_set
+    assert _completion(max_tokens=5).inputs[0].max_tokens_set
+    assert _chat(max_tokens=None, max_completion_tokens=5).inputs[0].max_tokens_set
+
+
+def test_special_token_options_as_vllm_serves_them() -> None:
+    assert not _completion(add_special_tokens=False).add_special_tokens
+    assert _completion(add_special_tokens=True).add_special_tokens
+    _chat(add_special_tokens=False, skip_special_tokens=True)
+    _completion(spaces_between_special_tokens=True)
+    with pytest.raises(InvalidInput, match="skip_special_tokens must be true"):
+        _completion(skip_special_tokens=False)
