@@ -6,6 +6,7 @@ running request; continuing a beam with another token forks it (shared blocks, c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -29,9 +30,21 @@ class Hypothesis:
     ended_by_eos: bool
 
 
+_MAX_EXP = 709.0  # math.exp overflows just above 709.78
+
+
 def length_score(cum_logprob: float, length: int, length_penalty: float) -> float:
-    """Hugging Face's length-normalised beam score."""
-    return cum_logprob / max(length, 1) ** length_penalty
+    """Hugging Face's length-normalised beam score, `cum_logprob / length ** length_penalty`.
+
+    Computed in log space, `-exp(log(-cum_logprob) - length_penalty * log(length))`, so that no
+    length and penalty overflows or divides by zero: a score past float's range saturates at
+    -inf (or 0.0 below it), keeping the order of every score that is representable.
+    """
+    if cum_logprob == 0 or math.isnan(cum_logprob):
+        return 0.0 if cum_logprob == 0 else -math.inf
+    log_scale = math.log(abs(cum_logprob)) - length_penalty * math.log(max(length, 1))
+    magnitude = math.inf if log_scale > _MAX_EXP else math.exp(log_scale)
+    return math.copysign(magnitude, cum_logprob)
 
 
 def expand(
