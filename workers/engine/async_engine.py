@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from cachesvc.types import RequestId
 from workers.engine.engine import Engine
-from workers.engine.outputs import RequestOutput
+from workers.engine.outputs import RequestFailed, RequestOutput
 from workers.engine.request import PeerSource
 from workers.sampling_params import SamplingParams
 
@@ -149,8 +149,10 @@ class AsyncEngine:
         """Stream snapshots of a request (of each of its `params.n` samples, interleaved).
 
         Raises the engine's PromptError / ValueError before yielding anything when the prompt is
-        unusable. Closing or cancelling the iterator early aborts the request and frees its
-        blocks.
+        unusable, and RequestFailed when the engine failed this request (any of its samples: the
+        others are aborted) while serving it; the other streams go on. Closing or cancelling the
+        iterator early aborts the request and frees its blocks. When a whole step fails (the
+        model run raised), every open stream raises that error.
         """
         base = request_id or f"req-{uuid.uuid4().hex[:12]}"
         queue: asyncio.Queue[_Item] = asyncio.Queue()
@@ -164,6 +166,9 @@ class AsyncEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if isinstance(item, RequestOutput) and item.error is not None:
+                    remaining.discard(item.request_id)  # the engine dropped it already
+                    raise RequestFailed(item.request_id, item.error)
                 if isinstance(item, _Aborted):
                     if item.request_id not in remaining:
                         continue  # it had finished before the abort arrived
@@ -269,7 +274,8 @@ class AsyncEngine:
         self._stale = False  # the step's thread measures every request added so far
         try:
             outputs = await self._in_thread(self.engine.step)
-        except Exception as exc:  # Engine.step undid the step; every stream ends with the error
+        except Exception as exc:  # the model run failed: Engine.step undid the step and cannot
+            # tell which request caused it, so every stream ends with the error
             _log.exception("engine step failed")
             self._fail_all(exc)
             return

@@ -70,15 +70,22 @@ class BeamSearch:
             group.add_finished(r.output_token_ids, cum, eos=False)
         return self._finish(group, continuing, now)
 
-    def abort(self, rid: RequestId) -> None:
-        """Drop every beam of the group whose public id is `rid`."""
+    def abort(self, rid: RequestId) -> Request | None:
+        """Drop every beam of the group of `rid` (its public id or one of its beams); returns
+        the group's first request (its prompt and parameters), None for an unknown id. Safe on
+        a group left half-advanced by an error: every request of the group goes."""
         group = self.group_of.get(rid)
         if group is None:
             group = next((g for g in self.group_of.values() if g.public_id == rid), None)
-        if group is not None:
-            for b in list(group.beams):
-                self._forget(self.requests[b])
-            self._origin.pop(group.public_id, None)
+        if group is None:
+            return None
+        members = {b for b, g in self.group_of.items() if g is group} | set(group.beams)
+        for b in sorted(members):
+            request = self.requests.get(b)
+            if request is not None:
+                self._forget(request)
+            self.group_of.pop(b, None)
+        return self._origin.pop(group.public_id, None)
 
     def _continue(
         self, group: BeamGroup, members: list[Request], keep: list[Candidate], now: float

@@ -8,7 +8,9 @@ start-up live in `cache_admin`; the engine's methods delegate to it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,14 +26,14 @@ from workers.engine.beam_search import BeamSearch
 from workers.engine.cache_admin import blocks_for_budget, start_cache
 from workers.engine.forking import Forker
 from workers.engine.kv_manager import KVCacheManager
-from workers.engine.outputs import RequestOutput
+from workers.engine.outputs import RequestFailed, RequestOutput
+from workers.engine.prompt import PromptError, encode_prompt
 from workers.engine.request import FinishReason, PeerSource, Request
-from workers.engine.runner import ModelRunner
+from workers.engine.runner import ModelRunner, StepResult
 from workers.engine.sampler import sample
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.scoring import ScoreError, ScoreInput, validate
 from workers.engine.scoring import score as run_score
-from workers.engine.stop import check_stop
 from workers.engine.tracking import Tracked, snapshot
 from workers.model.loader import LoadedModel, load_model
 from workers.sampling_params import SamplingParams
@@ -41,6 +43,7 @@ from workers.text.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from workers.engine.peer.pull import PeerLink
 
+_log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LOAD_WAIT_S = 0.01  # a step with only pulls in flight waits this long for one to land
 
@@ -50,10 +53,6 @@ def _load_tokenizer(path: Path) -> Tokenizer | None:
     if path.is_dir() and not (path / "tokenizer.json").exists():
         return None
     return Tokenizer.from_path(path)
-
-
-class PromptError(ValueError):
-    """A prompt the engine cannot serve (empty, too long, bad token ids)."""
 
 
 class Engine:
@@ -143,30 +142,14 @@ class Engine:
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt given as text or ids; raises PromptError when unusable."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise PromptError("prompt is empty")
-            if self.tokenizer is None:
-                raise PromptError("this model has no tokenizer: give token ids, not text")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise PromptError("prompt has no tokens")
-        vocab = self.loaded.config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise PromptError(f"prompt token ids must lie in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise PromptError(
-                f"prompt has {len(ids)} tokens; the model's context is "
-                f"{self.max_model_len} (room for at least one output token needed)"
-            )
-        if self.kv.num_blocks_for(len(ids) + 1) > self.pool.num_blocks:
-            raise PromptError(
-                f"prompt of {len(ids)} tokens does not fit the KV pool of "
-                f"{self.pool.num_blocks} blocks"
-            )
-        return ids
+        return encode_prompt(
+            prompt,
+            self.tokenizer,
+            self.loaded.config.vocab_size,
+            self.max_model_len,
+            self.pool.num_blocks,
+            self.kv.num_blocks_for,
+        )
 
     def add_request(
         self,
@@ -240,9 +223,12 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns a snapshot of every request that advanced.
 
-        If the model run raises, the blocks this step registered are forgotten before the error
-        propagates (their KV was never written: nothing may match or demote them), and the
-        batch's requests go back to the queue to be recomputed, as if preempted.
+        An exception while handling one request (sampling its row, its stop check, detokenizing,
+        forking its samples, advancing its beams) fails that request alone (`_fail`); the
+        batch's other requests go on as if it had not been there. If the model run itself raises
+        (nothing says which request caused it), the blocks this step registered are forgotten
+        before the error propagates (their KV was never written: nothing may match or demote
+        them), and the batch's requests go back to the queue to be recomputed, as if preempted.
         """
         output = self.scheduler.schedule()
         self.cache_admin.after_evictions()
@@ -269,19 +255,36 @@ class Engine:
             tracked = self._tracked.get(rid)
             if tracked is not None:
                 tracked.count_computed(chunk.start_pos, len(chunk.token_ids))
-            if rid not in result.sampled:
-                continue
-            if self.beams.is_beam(rid):
-                self.beams.on_logits(rid, result.logits[rid], now)
-                continue
-            if rid in self._fork_plans:
-                outputs.extend(self._fork_samples(rid, result.logits[rid], now))
-            assert tracked is not None
-            outputs.append(self._on_token(tracked, result.sampled[rid], now))
+            known = self._requests.get(rid)
+            if known is None:
+                continue  # a beam whose group failed earlier in this loop
+            error = result.failed.get(rid)
+            if error is None and rid in result.sampled:
+                try:
+                    outputs.extend(self._on_sampled(rid, result, now))
+                except Exception as exc:  # this request's own failure, see the docstring
+                    error = exc
+            if error is not None:
+                outputs.append(self._fail(rid, error, now, known))
         for group in self.beams.ready_groups():
-            finished = self.beams.advance(group, now)
-            if finished is not None:
-                outputs.append(self._beam_output(finished))
+            finished = None
+            try:
+                finished = self.beams.advance(group, now)
+                if finished is not None:
+                    outputs.append(self._beam_output(finished))
+            except Exception as exc:
+                outputs.append(self._fail(group.public_id, exc, now, finished))
+        return outputs
+
+    def _on_sampled(self, rid: RequestId, result: StepResult, now: float) -> list[RequestOutput]:
+        """What a request that sampled this step reports (nothing yet for a beam)."""
+        if self.beams.is_beam(rid):
+            self.beams.on_logits(rid, result.logits[rid], now)
+            return []
+        outputs = []
+        if rid in self._fork_plans:
+            outputs = self._fork_samples(rid, result.logits[rid], now)
+        outputs.append(self._on_token(self._tracked[rid], result.sampled[rid], now))
         return outputs
 
     def _fork_samples(
@@ -298,6 +301,27 @@ class Engine:
             outputs.append(self._on_token(tracked, token, now))
         return outputs
 
+    def _fail(
+        self, rid: RequestId, exc: Exception, now: float, known: Request | None
+    ) -> RequestOutput:
+        """Drop request `rid` after `exc` while serving it, with its whole beam group and the
+        samples it was yet to fork (the stream of its samples ends with it); its final output,
+        finish reason "error". `known`: the request as the step found it (it may be gone from
+        the engine's books already, e.g. a stop check that raised after it finished)."""
+        _log.error("request %s failed in an engine step", rid, exc_info=exc)
+        origin = self.beams.abort(rid)  # a beam's output goes by its group's public id
+        request = origin or self._requests.get(rid) or known
+        assert request is not None, f"request {rid} failed unknown"
+        self._fork_plans.pop(request.request_id, None)
+        tracked = self._tracked.pop(request.request_id, None) or Tracked(request, None)
+        self._drop(request)
+        request.finish(FinishReason.ERROR, now)
+        # Whatever a failure cut off half-made (a fork not yet on the books) holds no block.
+        for orphan in [*self.scheduler.running, *self.scheduler.waiting]:
+            if orphan.request_id not in self._requests:
+                self.scheduler.finish(orphan)
+        return dataclasses.replace(snapshot(tracked, ""), error=f"{type(exc).__name__}: {exc}")
+
     def _tier_usage(self, request_id: RequestId) -> dict[str, int] | None:
         return None if self.tiering is None else self.tiering.usage(request_id)
 
@@ -313,18 +337,8 @@ class Engine:
 
     def _on_token(self, tracked: Tracked, token_id: int, now: float) -> RequestOutput:
         request = tracked.request
-        request.append_token(token_id, now)
-        before = len(tracked.text)
-        delta = "" if tracked.detok is None else tracked.detok.add(token_id)
-        tracked.text += delta
-        decision = check_stop(request, tracked.text, before, self.max_model_len)
+        delta, decision = tracked.add_token(token_id, now, self.max_model_len)
         if decision is not None:
-            if decision.truncate_text_at is None and tracked.detok is not None:
-                # Release text held back for an incomplete character at the very end.
-                tracked.text += tracked.detok.finish()
-            if decision.truncate_text_at is not None:
-                tracked.text = tracked.text[: decision.truncate_text_at]
-            delta = tracked.text[before:]
             self._drop(request)
             request.finish(decision.reason, now, decision.stop_reason)
             del self._tracked[request.request_id]
@@ -372,7 +386,8 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams],
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; the final output of each, in order (n samples in a row)."""
+        """Run prompts to completion; the final output of each, in order (n samples in a row).
+        Raises RequestFailed, once every prompt has finished, when the engine failed one."""
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
@@ -385,4 +400,7 @@ class Engine:
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out
+        failed = next((out for out in final.values() if out.error is not None), None)
+        if failed is not None:
+            raise RequestFailed(failed.request_id, failed.error or "")
         return [final[rid] for rid in order]

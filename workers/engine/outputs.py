@@ -14,7 +14,9 @@ class RequestOutput:
 
     `token_ids` and `text` are the whole output so far; `delta_text` is what this step added.
     `num_cached_tokens` prompt tokens came from the prefix cache, `num_computed_tokens` were
-    computed (recomputation after a preemption counts again).
+    computed (recomputation after a preemption counts again). A request the engine failed while
+    serving it (it alone: see `Engine.step`) ends with finish reason "error" and `error` says
+    why.
     """
 
     request_id: RequestId
@@ -33,3 +35,18 @@ class RequestOutput:
     cached_tokens_by_tier: Mapping[str, int] = field(default_factory=dict)
     # Some of the KV it was computed over came from a lossy (quantized) tier.
     lossy_kv: bool = False
+    error: str | None = None  # set with finish reason "error" only
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed while serving this request, for a reason of its own: the other
+    requests of its steps went on. Raised by `Engine.generate` and by an `AsyncEngine` stream;
+    retrying the request elsewhere would most likely fail the same way."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(request_id, message)
+        self.request_id = request_id
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"request {self.request_id} failed: {self.message}"

@@ -23,6 +23,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens reached or the model's context is full
     STOP = "stop"  # an EOS, a stop token id or a stop string
     ABORT = "abort"
+    ERROR = "error"  # the engine failed while serving it (RequestOutput.error says why)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from workers.attention.base import AttentionBackend
 from workers.attention.schemes import SchemeCosts
 from workers.engine.kv_copy import copy_blocks
 from workers.engine.request import Request
-from workers.engine.sampler import sample
+from workers.engine.sampler import pick
 from workers.engine.scheduler import SchedulerOutput
 from workers.engine.scheme_plan import plan_step
 from workers.model.llama import LlamaModel
@@ -20,10 +20,12 @@ from workers.model.llama import LlamaModel
 
 @dataclass(frozen=True)
 class StepResult:
-    """Sampled tokens, and the raw logits rows that the engine asked to keep."""
+    """Sampled tokens, the raw logits rows that the engine asked to keep, and the requests whose
+    sampling raised (each its own error: the others of the batch sampled as usual)."""
 
     sampled: dict[RequestId, int]
     logits: dict[RequestId, torch.Tensor] = field(default_factory=dict)  # float32 [vocab]
+    failed: dict[RequestId, Exception] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -56,7 +58,10 @@ class ModelRunner:
         keep_logits: Collection[RequestId] = (),
     ) -> StepResult:
         """Compute every scheduled chunk; sample the next token of each chunk that reaches the
-        end of its request, and keep the logits of the requests in `keep_logits`."""
+        end of its request, and keep the logits of the requests in `keep_logits`.
+
+        Raises when the model run does (the whole batch is lost); a request whose own sampling
+        raises is reported in `StepResult.failed` instead."""
         plan = plan_step(
             output.chunks,
             self.block_size,
@@ -87,14 +92,11 @@ class ModelRunner:
         )
         logits = logits.float().cpu()
         sampled = [requests[c.request_id] for c in chunks if c.sample]
-        token_out = sample(
-            logits, [r.params for r in sampled], [r.next_generator() for r in sampled]
-        )
         kept = {
             r.request_id: logits[i] for i, r in enumerate(sampled) if r.request_id in keep_logits
         }
-        tokens = {r.request_id: t for r, t in zip(sampled, token_out, strict=True)}
-        return StepResult(tokens, kept)
+        tokens, failed = _sample_each(logits, sampled)
+        return StepResult(tokens, kept, failed)
 
     @torch.inference_mode()
     def forward_layout(
@@ -124,3 +126,21 @@ class ModelRunner:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
         copy_blocks(self.kv_caches, src, dst)
+
+
+def _sample_each(
+    logits: torch.Tensor, requests: Sequence[Request]
+) -> tuple[dict[RequestId, int], dict[RequestId, Exception]]:
+    """Row i of `logits` sampled for `requests[i]`: the tokens, and the errors of the rows that
+    raised, each kept to its own request."""
+    argmax = logits.argmax(dim=-1).tolist()  # every greedy row at once
+    tokens: dict[RequestId, int] = {}
+    failed: dict[RequestId, Exception] = {}
+    for row, request in enumerate(requests):
+        try:
+            tokens[request.request_id] = pick(
+                logits[row], request.params, request.next_generator(), argmax[row]
+            )
+        except Exception as exc:  # this request's alone: the engine fails it, not the step
+            failed[request.request_id] = exc
+    return tokens, failed

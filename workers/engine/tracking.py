@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from workers.engine.outputs import RequestOutput
 from workers.engine.request import Request
+from workers.engine.stop import StopDecision, check_stop
 from workers.text.detokenizer import IncrementalDetokenizer
 
 
@@ -24,6 +25,23 @@ class Tracked:
         preemption; recomputation after one counts again)."""
         end = min(self.request.num_prompt_tokens, start_pos + num_tokens)
         self.num_computed += max(0, end - start_pos)
+
+    def add_token(
+        self, token_id: int, now: float, max_model_len: int
+    ) -> tuple[str, StopDecision | None]:
+        """Record a sampled token: the text it adds, and whether the request must stop now
+        (then the text is final: a stop string cut off, held-back bytes released). Mutates
+        the request and the text; the caller finishes the request."""
+        self.request.append_token(token_id, now)
+        before = len(self.text)
+        self.text += "" if self.detok is None else self.detok.add(token_id)
+        decision = check_stop(self.request, self.text, before, max_model_len)
+        if decision is not None and decision.truncate_text_at is not None:
+            self.text = self.text[: decision.truncate_text_at]
+        elif decision is not None and self.detok is not None:
+            # Release text held back for an incomplete character at the very end.
+            self.text += self.detok.finish()
+        return self.text[before:], decision
 
 
 def snapshot(
