@@ -225,30 +225,36 @@ class Gate:
     request's first token, and each worker's inter-token gaps from its streams (`clock`)."""
 
     def __init__(
-        self, pool: WorkerPool, admission: Admission, refused: Counter, mean_answer: MeanAnswer
+        self,
+        pool: WorkerPool,
+        admission: Admission,
+        refused: Counter,
+        mean_answer: MeanAnswer,
+        now: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
+        self.now = now  # the clock gaps are timed on
         self.admission = CalibratedAdmission(admission)
         self.refused = refused
         self.mean_answer = mean_answer
         self.gaps: dict[WorkerId, RecentGaps] = {}
 
-    def clock(self, worker: WorkerId) -> Callable[[int], None]:
-        """For one stream on `worker`: call it with the number of tokens each delta brings;
-        the gaps since its previous ones join the worker's `RecentGaps` (with a streams'
-        target only)."""
+    def clock(self, worker: WorkerId) -> Callable[[int, int], None]:
+        """For one stream on `worker`: call it with each delta's sample index and the number of
+        tokens it brings; the gaps since that sample's previous ones join the worker's
+        `RecentGaps` (with a streams' target only). Timed per sample: a stream of `n` samples
+        gets `n` deltas a step, and its gaps are the steps', not a step's `n`th."""
         if self.admission.admission.itl_s is None:
-            return lambda num_tokens: None
+            return lambda sample, num_tokens: None
         gaps = self.gaps.setdefault(worker, RecentGaps())
-        last_s: float | None = None
+        last_s: dict[int, float] = {}  # each sample's previous tokens
 
-        def tick(num_tokens: int) -> None:
-            nonlocal last_s
+        def tick(sample: int, num_tokens: int) -> None:
             if num_tokens:
-                now_s = time.monotonic()
-                if last_s is not None:
-                    gaps.observe(now_s, now_s - last_s, num_tokens)
-                last_s = now_s
+                now_s = self.now()
+                if sample in last_s:
+                    gaps.observe(now_s, now_s - last_s[sample], num_tokens)
+                last_s[sample] = now_s
 
         return tick
 
@@ -272,7 +278,7 @@ class Gate:
         outcome.admit_predicted_s = predicted_s
 
     def _streams(self, stalls: Sequence[Stall]) -> str | None:
-        now_s = time.monotonic()
+        now_s = self.now()
         touched = (
             (worker, gaps.mean_s(now_s), stall_s, self.pool.state(worker).num_requests)
             for worker, stall_s in stalls

@@ -243,6 +243,9 @@ class Router:
                     )
             except Exhausted as exc:
                 last_error = exc
+            finally:  # its pull is over, or will not come: the prefill worker's pins go
+                if handoff is not None:
+                    handoff.let_go()
             excluded.add(decision.worker)
             if not self.placement.candidates_left(excluded):
                 break
@@ -303,7 +306,7 @@ class Router:
                     if not prefilled:
                         prefilled = True
                         state.num_inflight_tokens -= uncached
-                    tick(len(delta.token_ids))
+                    tick(delta.index, len(delta.token_ids))
                     if delta.usage is not None:
                         num_finished += 1
                         if num_finished == part.num_samples:

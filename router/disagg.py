@@ -24,35 +24,34 @@ always colocated.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import copy
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from cachesvc.index import PrefixMatch
 from cachesvc.types import BlockHash, WorkerId
 from router.admission import Stall, stalls_of
 from router.answers import Answer, MeanAnswer
 from router.config import RouterConfig
-from router.costs import PEER, prefill_token_s
-from router.domain import Exhausted, Unavailable
-from router.handoff import Handoff
+from router.domain import Exhausted
+from router.handoff import Handoff, HandoffCost
 from router.metrics import RequestOutcome, RouterMetrics
 from router.pd import (
     DECODE,
     MIXED,
     PREFILL,
     SLO,
-    DecodeSide,
     PDDecision,
-    PrefillSide,
     decide,
     with_answers,
 )
-from router.pd_pick import DecodeLoad, PrefillShare, pick_decode, pick_prefill
+from router.pd_pick import PrefillShare, fastest_prefill, pick_decode, pick_prefill
+from router.pd_sides import Seen, decode_load, decode_side, prefill_side
 from router.placement import Placed, Placement, role_of
 from router.policy import RouteDecision
 from router.pool import WorkerDied, WorkerPool
@@ -65,24 +64,10 @@ _log = logging.getLogger(__name__)
 
 # Roles that serve whole requests (colocated) and decode handed-off ones.
 SERVING_ROLES = frozenset({MIXED, DECODE})
-# A hand-off's fixed cost before any is measured, and the weight of each measurement.
+# A hand-off's fixed cost before any is measured (`HandoffCost` learns it).
 HANDOFF_FIXED_PRIOR_S = 0.02
-_CALIBRATION_WEIGHT = 0.2
 
 PartStream = Callable[..., AsyncGenerator[StreamDelta, None]]
-
-
-@dataclass(frozen=True)
-class _Seen:
-    """What one plan reads of the cluster, once: each worker's cached match of the prompt and
-    the share of its time it lately spent on prompts (healthy workers only)."""
-
-    matches: Mapping[WorkerId, PrefixMatch]
-    shares: Mapping[WorkerId, float]
-
-    def held(self, worker: WorkerId) -> int:
-        match = self.matches.get(worker)
-        return 0 if match is None else match.num_blocks
 
 
 class Disaggregation:
@@ -97,7 +82,8 @@ class Disaggregation:
         self.metrics = metrics
         # What a hand-off costs whatever its size (a second call to a worker, a step on each
         # side), learnt from measured hand-offs; the prior is what one took on a CPU worker.
-        self.handoff_fixed_s = HANDOFF_FIXED_PRIOR_S
+        self.handoff_cost = HandoffCost(HANDOFF_FIXED_PRIOR_S)
+        self._releases: set[asyncio.Task[None]] = set()  # holds being let go on prefill workers
         ttft, itl = config.pd_ttft_slo_ms, config.pd_itl_slo_ms
         self._slo = SLO(None if ttft is None else ttft / 1e3, None if itl is None else itl / 1e3)
         # The answers' mean length, over which the targets spread a stream's stall.
@@ -111,10 +97,6 @@ class Disaggregation:
         if usage.decode_tokens_per_s and usage.completion_tokens > 1:
             decode_s = (usage.completion_tokens - 1) / usage.decode_tokens_per_s
         self.mean_answer.observe(usage.completion_tokens, decode_s)
-
-    def _calibrate(self, measured_s: float, variable_s: float) -> None:
-        residual = max(0.0, measured_s - variable_s)
-        self.handoff_fixed_s += _CALIBRATION_WEIGHT * (residual - self.handoff_fixed_s)
 
     def active(self) -> bool:
         """Whether some healthy worker is a prefill worker (else nothing is disaggregated)."""
@@ -149,53 +131,85 @@ class Disaggregation:
         if not mixed and not self.active():
             return None
         num_tokens = len(progress.prompt_ids)
+        # The policy notes its choice as given the request (its tie-breaks, its memory of
+        # recent work): a handed-off request does not run there, so what it noted is undone
+        # unless that worker takes a part of the request after all (between mixed workers).
+        policy = self.placement.policy
+        noted = copy.deepcopy(vars(policy))
         colocated = self.placement.route(num_tokens, hashes, excluded, SERVING_ROLES)
-        max_tokens = progress.params.get("max_tokens")
-        answer = Answer.of(None if max_tokens is None else int(max_tokens), self.mean_answer)
+        answer = Answer.of(self._room(progress), self.mean_answer)
         now_s = time.monotonic()
         healthy = [s.worker_id for s in self.pool.healthy()]
-        seen = _Seen(self.pool.index.longest_prefix(hashes), self.shares.shares(now_s, healthy))
+        seen = Seen(self.pool.index.longest_prefix(hashes), self.shares.shares(now_s, healthy))
         prefill: RouteDecision | None
         if mixed:  # the prompt runs where it stalls least; the decode may go to another
             prefill = self._mixed_prefill(num_tokens, seen, colocated.decision, excluded)
             decode = self._decode_choice(excluded | {prefill.worker}, seen)
         else:
-            prefill = self._prefill_choice(num_tokens, hashes, excluded)
+            prefill = self._prefill_choice(num_tokens, seen, excluded)
             decode = self._decode_choice(excluded, seen)
-        decision = self._decide(num_tokens, seen, colocated, prefill, decode, answer)
+        decision = self._decide(num_tokens, seen, colocated, prefill, decode, answer, now_s)
         if self.config.pd_mode == "always" and prefill is not None and decode is not None:
             decision = dataclasses.replace(decision, disaggregate=True, reason="always")
         prefill_id = None if prefill is None else prefill.worker
         decode_id = None if decode is None else decode.worker_id
-        admit(decision, stalls_of(decision, colocated.decision.worker, prefill_id, decode_id))
+        stalls = stalls_of(decision, colocated.decision.worker, prefill_id, decode_id)
+        used = {worker for worker, _ in stalls}
+        try:
+            admit(decision, stalls)
+        except Exception:  # refused: it runs nowhere
+            _restore(policy, noted)
+            raise
+        if colocated.decision.worker not in used:
+            _restore(policy, noted)
         self.metrics.pd_decisions.labels(decision.mode).inc()
-        handoff = Handoff(decision, colocated, calibrate=self._calibrate)
+        handoff = Handoff(decision, colocated, cost=self.handoff_cost)
         if not decision.disaggregate or prefill is None or decode is None:
             self.shares.add(colocated.decision.worker, decision.prefill_s, now_s)
             handoff._placed.append(colocated)
             return handoff
         self.shares.add(prefill.worker, decision.prefill_s, now_s)
         handoff.prefill, handoff.decode = prefill, decode.worker_id
+        block_size = self.pool.model.block_size
+        handoff.full_tokens = num_tokens // block_size * block_size
         return handoff
 
+    def _room(self, progress: RequestProgress) -> int:
+        """Tokens the answer may have: its `max_tokens`, or fewer where the model's context
+        ends first (the prompt and one token fill it: the first token ends the request)."""
+        max_tokens = int(progress.params.get("max_tokens", 1))
+        return min(max_tokens, self.pool.model.max_model_len - len(progress.prompt_ids))
+
     def _prefill_choice(
-        self, num_tokens: int, hashes: list[BlockHash], excluded: set[WorkerId]
+        self, num_tokens: int, seen: Seen, excluded: set[WorkerId]
     ) -> RouteDecision | None:
-        try:
-            placed = self.placement.route(num_tokens, hashes, excluded, (PREFILL,))
-        except (Unavailable, Exhausted):
+        """The prefill worker where the prompt's first token comes soonest (`fastest_prefill`:
+        its queue and what it does not hold of the prompt); None without one. Not the policy's
+        choice: the policy is asked once, for the colocated side."""
+        limit = self.config.max_queued_per_worker
+        block_size, prefetch = self.pool.model.block_size, self.config.pd_prefetch
+        sides = [
+            prefill_side(s, num_tokens, seen.held(s.worker_id), block_size, prefetch)
+            for s in self.pool.healthy()
+            if s.worker_id not in excluded
+            and role_of(s) == PREFILL
+            and (limit is None or s.num_requests < limit)
+        ]
+        if not sides:
             return None
-        chosen = self.pool.state(placed.decision.worker)
-        return placed.decision if role_of(chosen) == PREFILL else None
+        picked = fastest_prefill(sides)
+        held = seen.held(picked.worker)
+        return RouteDecision(picked.worker, "pd", held, None, "first token soonest")
 
     def _mixed_prefill(
-        self, num_tokens: int, seen: _Seen, chosen: RouteDecision, excluded: set[WorkerId]
+        self, num_tokens: int, seen: Seen, chosen: RouteDecision, excluded: set[WorkerId]
     ) -> RouteDecision:
         """Between mixed workers, where the prompt runs if it is handed off: the policy's
         `chosen` worker, or one holding as much of it with no more queued where its prefill
         stalls fewer streams (`pick_prefill`)."""
+        block_size, prefetch = self.pool.model.block_size, self.config.pd_prefetch
         sides = [
-            self._prefill_side(s, num_tokens, seen.held(s.worker_id))
+            prefill_side(s, num_tokens, seen.held(s.worker_id), block_size, prefetch)
             for s in self.pool.healthy()
             if s.worker_id not in excluded
         ]
@@ -209,74 +223,40 @@ class Disaggregation:
         reason = "prefill where it stalls fewer streams than on the policy's choice"
         return RouteDecision(picked.worker, "pd", seen.held(picked.worker), None, reason)
 
-    def _decode_choice(self, excluded: set[WorkerId], seen: _Seen) -> WorkerState | None:
+    def _decode_choice(self, excluded: set[WorkerId], seen: Seen) -> WorkerState | None:
         states = [
             s for s in self.pool.healthy() if s.worker_id not in excluded and role_of(s) != PREFILL
         ]
         if not states:
             return None
-        loads = [
-            DecodeLoad(
-                s.worker_id,
-                s.load.num_running,
-                s.num_requests - s.load.num_running,
-                _free_blocks(s),
-                s.num_queued_tokens,
-                seen.shares.get(s.worker_id, 0.0),
-            )
-            for s in states
-        ]
+        loads = [decode_load(s, seen) for s in states]
         return self.pool.state(pick_decode(loads))
 
     def _decide(
         self,
         num_tokens: int,
-        seen: _Seen,
+        seen: Seen,
         colocated: Placed,
         prefill: RouteDecision | None,
         decode: WorkerState | None,
         answer: Answer,
+        now_s: float,
     ) -> PDDecision:
         block_size = self.pool.model.block_size
         at = self.pool.state(colocated.decision.worker)
-        here = self._decode_side(at, num_tokens, colocated.decision.matched_blocks, seen)
+        here = decode_side(at, num_tokens, colocated.decision.matched_blocks, block_size, seen)
         if prefill is None or decode is None:
             return decide(num_tokens, block_size, here, None)
         p = self.pool.state(prefill.worker)
-        there = self._prefill_side(p, num_tokens, prefill.matched_blocks)
+        prefetch = self.config.pd_prefetch
+        there = prefill_side(p, num_tokens, prefill.matched_blocks, block_size, prefetch)
         away = here
         if decode.worker_id != at.worker_id:
-            away = self._decode_side(decode, num_tokens, seen.held(decode.worker_id), seen)
+            held = seen.held(decode.worker_id)
+            away = decode_side(decode, num_tokens, held, block_size, seen)
         slo, weight = with_answers(self._slo, self.mean_answer.tokens, self.config.pd_stall_weight)
-        fixed_s = self.handoff_fixed_s
+        fixed_s = self.handoff_cost.value(now_s)
         return decide(num_tokens, block_size, here, there, away, weight, fixed_s, slo, answer)
-
-    def _prefill_side(self, state: WorkerState, num_tokens: int, held_blocks: int) -> PrefillSide:
-        block_size = self.pool.model.block_size
-        streams = 0 if role_of(state) == PREFILL else state.load.num_running  # a mixed worker's
-        info = state.info  # its chunk: what an early pull moves before the token
-        chunk = info.step_tokens if self.config.pd_prefetch and info is not None else None
-        uncached = max(0, num_tokens - held_blocks * block_size)
-        per_token = prefill_token_s(state.load.block_costs, block_size)
-        return PrefillSide(
-            state.worker_id, uncached, state.num_queued_tokens, per_token, streams, chunk
-        )
-
-    def _decode_side(
-        self, state: WorkerState, num_tokens: int, matched_blocks: int, seen: _Seen
-    ) -> DecodeSide:
-        block_size = self.pool.model.block_size
-        costs = state.load.block_costs
-        pull_s = None if costs is None else costs.fetch_s.get(PEER)
-        return DecodeSide(
-            state.worker_id,
-            max(0, num_tokens - matched_blocks * block_size),
-            state.num_queued_tokens,
-            state.load.num_running,
-            prefill_token_s(costs, block_size),
-            pull_s,
-            seen.shares.get(state.worker_id, 0.0),
-        )
 
     async def prefill(
         self,
@@ -305,17 +285,17 @@ class Disaggregation:
         decode = self.pool.state(handoff.decode)
         decode.num_inflight += 1
         prefetch = None
-        if self.config.pd_prefetch and int(progress.params.get("max_tokens", 1)) > 1:
-            prefetch = start_prefetch(
-                decode,
-                self.pool.state(handoff.prefill.worker),
-                progress.prompt_ids,
-                req.cache_salt,
-                self.pool.model.block_size,
-                handoff.decision.predicted_ttft_s,
-                request_id,
-            )
         try:
+            if self.config.pd_prefetch and self._room(progress) > 1:
+                prefetch = start_prefetch(
+                    decode,
+                    self.pool.state(handoff.prefill.worker),
+                    progress.prompt_ids,
+                    req.cache_salt,
+                    self.pool.model.block_size,
+                    handoff.decision.predicted_ttft_s,
+                    request_id,
+                )
             async with contextlib.aclosing(
                 self._prefill(handoff, progress, request_id, outcome, part_stream, record, req)
             ) as deltas:
@@ -323,8 +303,10 @@ class Disaggregation:
                     yield delta
         finally:
             decode.num_inflight -= 1
-            if prefetch is not None and not handoff.handed_off:  # served colocated after all
-                prefetch.cancel()
+            if not handoff.handed_off:  # ended here, or served colocated after all: no pull
+                handoff.let_go()
+                if prefetch is not None:
+                    prefetch.cancel()
 
     async def _prefill(
         self,
@@ -339,17 +321,22 @@ class Disaggregation:
         assert handoff.prefill is not None and handoff.decode is not None
         params = {**progress.params, "max_tokens": 1}
         part = Part(None, progress.prompt_ids, params)
-        limit = int(progress.params.get("max_tokens", 1))
+        limit = self._room(progress)
         # The prefill worker keeps the prompt's KV pinned for the decode worker's pull, when a
-        # pull will follow (a one-token request ends there).
+        # pull will follow (a one-token answer, or one the context ends, ends there), until the
+        # router lets go of it (`Handoff.let_go`).
         hold = limit > 1
+        if hold:
+            handoff.release = functools.partial(
+                self._let_go, handoff.prefill.worker, progress.prompt_ids, req.cache_salt
+            )
         stream = part_stream(handoff.prefill, part, f"{request_id}.prefill", req, hold_kv=hold)
         try:
             async for raw in stream:
                 delta = raw
                 if raw.usage is not None:
                     handoff.prefill_usage = raw.usage
-                    if raw.finish_reason == "length" and limit > 1:  # ours, not the client's
+                    if raw.finish_reason == "length" and hold:  # ours, not the client's
                         # From here the router detokenizes: the worker flushed an unfinished
                         # character at its end, which the decode worker's tokens may finish.
                         progress.hand_off()
@@ -393,7 +380,26 @@ class Disaggregation:
         )
         handoff._placed.append(Placed(decision, holder))
 
+    def _let_go(self, worker: WorkerId, prompt_ids: list[int], cache_salt: str | None) -> None:
+        """Tell `worker` to unpin the prompt it keeps for a pull that is over or will not come,
+        in the background (nobody waits for it)."""
+        task = asyncio.get_running_loop().create_task(
+            self._release_hold(worker, prompt_ids, cache_salt)
+        )
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
-def _free_blocks(state: WorkerState) -> int:
-    hbm = state.load.blocks.get("hbm")
-    return 0 if hbm is None else hbm.total - hbm.used
+    async def _release_hold(
+        self, worker: WorkerId, prompt_ids: list[int], cache_salt: str | None
+    ) -> None:
+        try:
+            await self.pool.call(worker, "release_hold", prompt_ids, cache_salt)
+        except Exception as exc:  # gone (its pins with it), or an older build: the pins expire
+            _log.debug("releasing a hold on %s failed: %s", worker, exc)
+
+
+def _restore(policy: object, noted: dict[str, Any]) -> None:
+    """Put back the policy's state as it was before a choice it noted (a deep copy of it)."""
+    state = vars(policy)
+    state.clear()
+    state.update(noted)

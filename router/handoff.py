@@ -1,6 +1,6 @@
 """One request's prefill/decode plan as the router carries it through the request: the
 decision, the placements, what the prefill phase brought back, and the hand-off's timing and
-merged usage.
+merged usage; and the learnt fixed cost of a hand-off (`HandoffCost`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,48 @@ from router.placement import Placed
 from router.policy import RouteDecision
 from workers.protocol import PEER_TOKENS, StreamDelta, Usage
 
+# The weight of each measured hand-off in the learnt fixed cost; the most a residual counts for,
+# in multiples of the estimate (or the prior, when higher); and the half-life (seconds) over
+# which the estimate returns to its prior when no hand-off is measured.
+HANDOFF_WEIGHT = 0.2
+MAX_RESIDUAL_RATIO = 4.0
+HANDOFF_HALF_LIFE_S = 60.0
+
+
+@dataclass
+class HandoffCost:
+    """What a hand-off costs whatever its size (a second call to a worker, a step on each
+    side), learnt from measured hand-offs whose pull succeeded; mutated by `observe`.
+
+    Robust to the odd slow hand-off: each residual counts for at most `MAX_RESIDUAL_RATIO`
+    times the estimate (a pull that waited out a frozen holder moves it by a few tens of
+    percent, not by seconds; a real rise is still learnt, 1.6x per hand-off), a pull that
+    failed or timed out is not learnt from at all (its wait is the timeout's, not the
+    hand-off's), and the estimate decays toward `prior_s` with time. So a wrong estimate that
+    keeps every request colocated, and hence measures no hand-off, still recovers."""
+
+    prior_s: float
+    weight: float = HANDOFF_WEIGHT
+    half_life_s: float = HANDOFF_HALF_LIFE_S
+    _learnt_s: float | None = None
+    _at_s: float = 0.0
+
+    def value(self, now_s: float) -> float:
+        """The estimate at `now_s` (seconds on a monotonic clock)."""
+        if self._learnt_s is None:
+            return self.prior_s
+        decay = 0.5 ** (max(0.0, now_s - self._at_s) / self.half_life_s)
+        return self.prior_s + (self._learnt_s - self.prior_s) * decay
+
+    def observe(self, residual_s: float, now_s: float) -> None:
+        """A successful hand-off measured `residual_s` beyond the part of its prediction that
+        scales with the request."""
+        current = self.value(now_s)
+        ceiling = MAX_RESIDUAL_RATIO * max(current, self.prior_s)
+        clamped = min(max(0.0, residual_s), ceiling)
+        self._learnt_s = current + self.weight * (clamped - current)
+        self._at_s = now_s
+
 
 @dataclass
 class Handoff:
@@ -29,35 +71,51 @@ class Handoff:
     prefill_usage: Usage | None = None
     handed_off: bool = False
     first_token_s: float | None = None  # when the prefill worker's token reached the client
-    # Told each measured hand-off (seconds) with the part of the prediction that scales with
-    # the request (seconds), to learn the fixed part.
-    calibrate: Callable[[float, float], None] | None = None
+    # Learns the fixed part of hand-offs whose pull succeeded (None: nothing learns).
+    cost: HandoffCost | None = None
+    # Tokens of the prompt's full blocks: what a decode worker whose pull succeeded did not
+    # compute itself.
+    full_tokens: int = 0
+    # Tells the prefill worker to let go of the prompt's KV it keeps pinned for the pull (set
+    # while it keeps some); called once, when the decode worker has its prompt or the hand-off
+    # does not happen.
+    release: Callable[[], None] | None = None
     _placed: list[Placed] = field(default_factory=list)
+    _residual_s: float | None = None  # measured hand-off less its predicted variable part
 
     def take(self) -> Placed | None:
         """The placement of the first attempt after planning (None afterwards: route anew)."""
         return self._placed.pop() if self._placed else None
 
+    def let_go(self) -> None:
+        """The prefill worker's pinned copy of the prompt is needed no more (idempotent)."""
+        release, self.release = self.release, None
+        if release is not None:
+            release()
+
     def observe(self, delta: StreamDelta, metrics: RouterMetrics, outcome: RequestOutcome) -> None:
         """Time the hand-off at the decode worker's first delta (once): measured against
-        predicted, in the metrics and the request's log line."""
+        predicted, in the metrics and the request's log line. The decode worker has the prompt
+        by then: the prefill worker's pins are let go."""
         if not self.handed_off or self.first_token_s is None or outcome.pd_handoff_ms is not None:
             return
+        self.let_go()
         measured_s = time.perf_counter() - self.first_token_s
         outcome.pd_handoff_ms = round(measured_s * 1e3, 2)
         predicted_s = self.decision.handoff_s
         if predicted_s > 0:
             metrics.pd_error.labels("handoff").observe(measured_s / predicted_s)
-        if self.calibrate is not None:
-            self.calibrate(measured_s, predicted_s - self.decision.handoff_fixed_s)
+        self._residual_s = measured_s - (predicted_s - self.decision.handoff_fixed_s)
 
     def merged(self, delta: StreamDelta) -> StreamDelta:
         """The decode worker's last delta with the whole request's usage: the prompt's cached
         and computed tokens as the prefill worker counted them (the decode worker's tail
-        added), and the KV it pulled."""
+        added), and the KV it pulled. A hand-off whose pull succeeded (the decode worker
+        computed none of the prompt's full blocks) is learnt from here."""
         if not self.handed_off or delta.usage is None or self.prefill_usage is None:
             return delta
         first, last = self.prefill_usage, delta.usage
+        self._learn(last)
         usage = dataclasses.replace(
             last,
             cached_tokens=dict(first.cached_tokens),
@@ -68,3 +126,10 @@ class Handoff:
             kv_transfer_tokens=last.cached_tokens.get(PEER_TOKENS, 0),
         )
         return dataclasses.replace(delta, usage=usage)
+
+    def _learn(self, decoded: Usage) -> None:
+        residual, self._residual_s = self._residual_s, None
+        if residual is None or self.cost is None:
+            return
+        if sum(decoded.cached_tokens.values()) >= self.full_tokens:  # nothing recomputed
+            self.cost.observe(residual, time.monotonic())

@@ -92,3 +92,13 @@ def pick_decode(loads: Sequence[DecodeLoad]) -> WorkerId:
         return streams, w.num_queued_tokens, -w.free_blocks
 
     return min(loads, key=load).worker
+
+
+def fastest_prefill(candidates: Sequence[PrefillSide]) -> PrefillSide:
+    """The prefill worker (of `candidates`, never empty) where a prompt's first token comes
+    soonest: its queued prefill and the prompt's part it does not hold, at its own speed; ties
+    go to the one that holds more of the prompt, then to the first."""
+    return min(
+        candidates,
+        key=lambda c: ((c.queued_tokens + c.uncached_tokens) * c.token_s, c.uncached_tokens),
+    )

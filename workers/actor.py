@@ -193,15 +193,30 @@ class WorkerActor:
             await self._exporter.hold(prompt_ids, cache_salt)
         sent: dict[int, int] = {}
         self._open.add(request_id)
+        pulled = False  # a sample ended for its max_tokens: the hand-off's pull follows
         try:
             stream = self._engine.generate(prompt_ids, sampling, request_id, cache_salt, peer)
             async for out in stream:
                 worker = self._info.worker_id
-                yield stream_delta(out, request_id, sampling.n, sent, worker, prefetched)
+                delta = stream_delta(out, request_id, sampling.n, sent, worker, prefetched)
+                pulled = pulled or delta.finish_reason == "length"
+                yield delta
         except PromptError as exc:
             yield StreamError("invalid_argument", f"prompt: {exc}")
         finally:
             self._open.discard(request_id)
+            if hold_kv and not pulled:  # aborted, failed or stopped: no pull will come
+                self._release_hold(prompt_ids, cache_salt)
+
+    async def release_hold(self, prompt_ids: list[int], cache_salt: str | None) -> None:
+        """Unpin the prompt kept for a hand-off's pull (`hold_kv`): the pull is over, or the
+        hand-off will not happen (the router's word). Nothing when none is kept."""
+        self._release_hold(prompt_ids, cache_salt)
+
+    def _release_hold(self, prompt_ids: Sequence[int], cache_salt: str | None) -> None:
+        holds = self._exporter.holds
+        if holds.release(prompt_ids, cache_salt):  # its pins go now, or at the step's end
+            self._engine.try_call(holds.at_boundary)
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)

@@ -15,8 +15,10 @@ leading blocks computed since the last (a prompt prefilled in chunks grows its r
 and a pull that asks for blocks not computed yet may wait for them (`wait_for`). So a decode
 worker can pull a handed-off prompt while its prefill still runs (`workers.engine.peer.prefetch`).
 
-The pins go back at a step boundary once every block has been sent, or `ttl_s` after they were
-taken (a decode worker that never asks), never while a copy of them is under way. A hold still
+The pins go back at a step boundary once every block has been sent, when the hold is released
+(`release`: its request was aborted or stopped before a pull, or the router says the hand-off is
+over or will not happen), or `ttl_s` after they were taken (a decode worker that never asks and a
+router that never says), never while a copy of them is under way. A hold still
 waiting for its blocks (its request queued behind others) is dropped after `PENDING_TTL_S`.
 Holds take at most `max_blocks` of the device pool: beyond that a request is not held (its pull
 pins at boundaries as any other).
@@ -54,6 +56,7 @@ class _Hold:
     runs: list[PinnedRun] = field(default_factory=list)
     leased: int = 0  # copies of its blocks under way
     sent: set[int] = field(default_factory=set)  # block indexes shipped at least once
+    released: bool = False  # no pull needs it any more: it pins nothing more and serves none
 
     @property
     def num_pinned(self) -> int:
@@ -110,7 +113,7 @@ class HandoffHolds:
             # Waiting for its prompt to be reached is long; between its chunks, or for its
             # puller once some are pinned, it is not.
             ttl = self.ttl_s if hold.runs else PENDING_TTL_S
-            expired = now - hold.since_s > ttl
+            expired = now - hold.since_s > ttl or hold.released
             if hold.leased == 0 and (hold.done or expired):
                 for run in hold.runs:
                     unpin(engine, run)
@@ -177,7 +180,11 @@ class HandoffHolds:
         if start >= len(hashes):
             return None
         return next(
-            (h for h in self._holds if start < len(h.hashes) and h.hashes[start] == hashes[start]),
+            (
+                h
+                for h in self._holds
+                if not h.released and start < len(h.hashes) and h.hashes[start] == hashes[start]
+            ),
             None,
         )
 
@@ -191,7 +198,7 @@ class HandoffHolds:
             return None
         for hold in self._holds:
             run = hold.run_at(start)
-            if run is None or hold.hashes[start] != hashes[start]:
+            if run is None or hold.released or hold.hashes[start] != hashes[start]:
                 continue  # block hashes chain: one equal hash is an equal prefix up to it
             stop = min(end, start + max_blocks, run.end_block, len(hashes))
             stop = next((i for i in range(start, stop) if hold.hashes[i] != hashes[i]), stop)
@@ -202,6 +209,27 @@ class HandoffHolds:
             self._leases[id(part)] = hold
             return part
         return None
+
+    def release(self, ids: Sequence[int], cache_salt: str | None) -> bool:
+        """Let go of the hold of prompt `ids` under `cache_salt`: no pull of it will come (its
+        request was aborted, or ended before a hand-off) or none is needed any more. Its pins go
+        back at the next boundary, or once the copies of them under way end; a later pull of the
+        prompt pins the usual way. True when there was one: the caller runs `at_boundary` when
+        it can. On the actor's event loop."""
+        wanted = list(ids)
+        hold = next(
+            (
+                h
+                for h in self._holds
+                if not h.released and h.cache_salt == cache_salt and h.ids == wanted
+            ),
+            None,
+        )
+        if hold is None:
+            return False
+        hold.released = True
+        self._wake()  # a pull waiting for its blocks stops waiting
+        return True
 
     def give_back(self, run: PinnedRun, delivered: bool) -> bool:
         """A leased run's copy is over (`delivered`: it reached the puller). True when its hold
