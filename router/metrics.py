@@ -365,7 +365,12 @@ class _ResponseCacheCollector:
             ),
             ("dropped", "Answers not stored: the write queue was full", s.dropped),
             ("too_large", "Answers not stored: over the entry size limit", s.too_large),
-            ("skipped", "Store calls skipped while the breaker had Redis down", s.skipped),
+            (
+                "skipped",
+                "Store calls not made: Redis down (breaker open or not connected), or every "
+                "lookup connection busy",
+                s.skipped,
+            ),
             ("breaker_opens", "Times the response store's breaker opened", s.breaker_opens),
         ):
             yield CounterMetricFamily(f"cachesvc_response_cache_{name}", doc, value=value)
@@ -375,3 +380,10 @@ class _ResponseCacheCollector:
         yield GaugeMetricFamily(
             "cachesvc_response_cache_entries", "Answers held (memory store)", value=s.entries
         )
+        if s.redis_up is not None:
+            yield GaugeMetricFamily(
+                "cachesvc_response_cache_redis_up",
+                "1 while the response cache's lookup connections to Redis are open; 0 while "
+                "it (re)connects in the background and every lookup is a miss",
+                value=float(s.redis_up),
+            )

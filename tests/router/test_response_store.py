@@ -37,12 +37,21 @@ class Clock:
         return self.now
 
 
-def _cache(
+async def _cache(
     url: str, namespace: str, secret: bytes = SECRET, breaker: CircuitBreaker | None = None
 ) -> ResponseCache:
+    """A cache of a Redis store whose lookup connections are open (when Redis answers)."""
     stats = StoreStats()
-    store = RedisResponseStore.from_url(url, namespace, 60, stats, breaker=breaker)
+    store = RedisResponseStore.from_url(
+        url, namespace, 60, stats, breaker=breaker, connect_timeout_s=0.3
+    )
+    await store.connect()
     return ResponseCache(store, EntryCodec(secret), stats)
+
+
+def _store(cache: ResponseCache) -> RedisResponseStore:
+    assert isinstance(cache.store, RedisResponseStore)
+    return cache.store
 
 
 @pytest.fixture
@@ -55,8 +64,8 @@ def frozen_later(own_redis: LocalRedis) -> Iterator[LocalRedis]:
 
 def test_routers_of_one_key_share_entries_and_other_keys_are_refused(redis_url: str) -> None:
     async def run() -> None:
-        one, two = _cache(redis_url, "rc-share"), _cache(redis_url, "rc-share")
-        stranger = _cache(redis_url, "rc-share", secret=b"x" * 32)
+        one, two = await _cache(redis_url, "rc-share"), await _cache(redis_url, "rc-share")
+        stranger = await _cache(redis_url, "rc-share", secret=b"x" * 32)
         one.offer(KEY, ANSWER)
         await one.flush()
         assert await two.get(KEY, SHAPE) == ANSWER  # another router sees it
@@ -72,7 +81,7 @@ def test_routers_of_one_key_share_entries_and_other_keys_are_refused(redis_url: 
 
 def test_entries_written_into_redis_by_others_are_counted_misses(redis_url: str) -> None:
     async def run() -> None:
-        cache = _cache(redis_url, "rc-forged")
+        cache = await _cache(redis_url, "rc-forged")
         raw = async_redis_client(redis_url, 0.5)
         name = "rc-forged:response:"
         genuine = EntryCodec(SECRET).encode(KEY, ANSWER)
@@ -117,15 +126,19 @@ def test_a_frozen_redis_is_a_miss_then_skipped_then_used_again(frozen_later: Loc
     breaker = CircuitBreaker(max_failures=3, cooldown_s=10.0, clock=clock)
 
     async def run() -> None:
-        cache = _cache(frozen_later.url, "rc", breaker=breaker)
+        cache = await _cache(frozen_later.url, "rc", breaker=breaker)
+        store = _store(cache)
         assert await cache.put(KEY, ANSWER)
         assert await cache.get(KEY, SHAPE) == ANSWER
         os.kill(frozen_later.proc.pid, signal.SIGSTOP)
-        # Lookups time out as misses; the loop keeps running other tasks meanwhile.
+        # A lookup times out as a miss; the loop keeps running other tasks meanwhile.
         found, ticks = await _ticking_while(cache.get(KEY, SHAPE))
         assert found is None and ticks > 0
-        assert await cache.get(KEY, SHAPE) is None
-        assert breaker.state == CLOSED
+        # Its connection is closed: the next lookup is a miss at once, reconnecting meanwhile
+        # in the background, which fails too.
+        assert await cache.get(KEY, SHAPE) is None and cache.stats.skipped == 1
+        assert not await store.connect()
+        assert breaker.state == CLOSED and cache.stats.errors == 2
         assert not await cache.put(KEY, ANSWER)  # the third failure in a row opens it
         assert breaker.state == OPEN and cache.stats.breaker_opens == 1
         assert cache.stats.errors == 3
@@ -133,11 +146,12 @@ def test_a_frozen_redis_is_a_miss_then_skipped_then_used_again(frozen_later: Loc
         assert await cache.get(KEY, SHAPE) is None
         cache.offer(KEY, ANSWER)
         await cache.flush()
-        assert cache.stats.skipped == 2 and cache.stats.errors == 3
+        assert cache.stats.skipped == 3 and cache.stats.errors == 3
         os.kill(frozen_later.proc.pid, signal.SIGCONT)
         clock.now += 11.0  # cooled down: the next call probes Redis, and it answers
+        assert await cache.get(KEY, SHAPE) is None  # the probe is a reconnect
+        assert await store.connect() and breaker.state == CLOSED
         assert await cache.get(KEY, SHAPE) == ANSWER
-        assert breaker.state == CLOSED
         await cache.close()
 
     asyncio.run(run())
@@ -145,7 +159,7 @@ def test_a_frozen_redis_is_a_miss_then_skipped_then_used_again(frozen_later: Loc
 
 def test_a_dead_redis_is_a_miss(own_redis: LocalRedis) -> None:
     async def run() -> None:
-        cache = _cache(own_redis.url, "rc")
+        cache = await _cache(own_redis.url, "rc")
         assert await cache.put(KEY, ANSWER)
         own_redis.stop(kill=True)
         assert await cache.get(KEY, SHAPE) is None
@@ -161,7 +175,7 @@ def test_puts_behind_a_stalled_write_overflow_the_queue(frozen_later: LocalRedis
     assert frozen_later.proc is not None
 
     async def run() -> None:
-        cache = _cache(frozen_later.url, "rc")
+        cache = await _cache(frozen_later.url, "rc")
         cache.queue_entries = 2
         os.kill(frozen_later.proc.pid, signal.SIGSTOP)
         cache.offer(b"0" * 16, ANSWER)
