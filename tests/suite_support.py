@@ -1,9 +1,11 @@
 """What tests anywhere in the suite share: a tool a test needs that is not installed (a skip on
-a developer's machine, a failure under CI)."""
+a developer's machine, a failure under CI), and waiting until a condition holds."""
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from typing import NoReturn
 
 import pytest
@@ -24,3 +26,12 @@ def require_redis_server() -> None:
     """Return when `redis-server` is installed; else `unavailable`."""
     if redis_server_binary() is None:
         unavailable("redis-server is not installed (apt-get install redis-server)")
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `check` until it holds; fails naming `what` after `timeout_s` (a bound on a hang,
+    not a measure of speed: give it ample room)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"waited {timeout_s:.0f} s for {what}"
+        time.sleep(0.05)
