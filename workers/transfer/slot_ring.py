@@ -64,6 +64,7 @@ class SlotState(enum.Enum):
     TAKEN = "taken"  # being staged into by the holder, not leased yet
     LEASED = "leased"
     DIRTY = "dirty"  # its last use ended: zeroed on the ring's thread, then free
+    RETIRED = "retired"  # closed with a lease past its time: never written again
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,7 @@ class SlotRing:
             elif now - lease.since > self.lease_ttl_s:
                 self._slots.remove(slot)
                 os.close(slot.fd)  # no process opens it through this holder from now on
+                slot.state, slot.lease = SlotState.RETIRED, None
                 self.num_retired += 1
 
     def _end(self, slot: Slot) -> None:
