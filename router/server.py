@@ -26,7 +26,14 @@ from router import wire
 from router.auth import BearerTokenInterceptor, TokenTable, tenant_cache_salt
 from router.config import RouterConfig, ServerTls
 from router.core import Router
-from router.domain import Exhausted, InvalidInput, RouterError, Unavailable, Unimplemented
+from router.domain import (
+    Exhausted,
+    InvalidInput,
+    RequestFailed,
+    RouterError,
+    Unavailable,
+    Unimplemented,
+)
 from router.metrics import MetricsHttpServer
 
 _log = logging.getLogger(__name__)
@@ -38,14 +45,16 @@ _CODES: dict[type[RouterError], grpc.StatusCode] = {
     Exhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
+    RequestFailed: grpc.StatusCode.INTERNAL,
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class _Undecodable:
-    """Stands for a request body that did not parse as `expected`."""
+    """Stands for a request body that did not parse; `reason` says why, naming the message
+    type and, where it can be told, the field."""
 
-    expected: str
+    reason: str
 
 
 def _lenient(cls: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
@@ -53,7 +62,7 @@ def _lenient(cls: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
         try:
             return cls.FromString(data)
         except (DecodeError, RuntimeWarning):
-            return _Undecodable(cls.DESCRIPTOR.full_name)
+            return _Undecodable(wire.undecodable_reason(cls.DESCRIPTOR, data))
 
     return parse
 
@@ -74,10 +83,7 @@ async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> NoRetu
 
 async def _decoded(request: Any, context: grpc.aio.ServicerContext) -> Any:
     if isinstance(request, _Undecodable):
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"request body is not a valid {request.expected} message",
-        )
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
     return request
 
 

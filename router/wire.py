@@ -5,7 +5,12 @@ Only this module and `server.py` import the generated proto modules.
 
 from __future__ import annotations
 
+import functools
 import math
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import Descriptor, FieldDescriptor, FileDescriptor
+from google.protobuf.message import DecodeError, Message
 
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from router.config import RouterConfig
@@ -24,6 +29,9 @@ from workers.sampling_params import SamplingParams
 
 _MAX_ID_LEN = 256
 _MAX_STOP_STRINGS = 16
+# A Score answer is one message, and a gRPC client takes at most 4 MiB in one by default.
+_MAX_ANSWER_BYTES = 4 * 2**20 - 2**10  # a margin for worker_id and the framing
+_ITEM_BYTES = 10  # an ItemScores beside its log-probs: two tags, two lengths (varints)
 _HEALTH = {
     "healthy": pb.WorkerInfo.HEALTHY,
     "unhealthy": pb.WorkerInfo.UNHEALTHY,
@@ -116,7 +124,20 @@ def score_from_proto(msg: pb.ScoreRequest) -> ScoreInput:
             raise InvalidInput(f"items[{i}] must be text or token_ids")
         items.append(prompt_from_proto(item, f"items[{i}]"))
     prefix = prompt_from_proto(msg.prefix, "prefix")
+    _check_score_answer_size(len(items), len(msg.label_token_ids))
     return ScoreInput(msg.request_id, prefix, tuple(items), tuple(msg.label_token_ids), salt)
+
+
+def _check_score_answer_size(num_items: int, num_labels: int) -> None:
+    """Refuse before any work a Score whose answer (a float32 per item and label) would be
+    larger than a client takes in one message: it could never be delivered."""
+    size = num_items * (4 * num_labels + _ITEM_BYTES)
+    _check(
+        size <= _MAX_ANSWER_BYTES,
+        f"items x label_token_ids: {num_items} x {num_labels} log-probs make an answer of "
+        f"{size} bytes, over the {_MAX_ANSWER_BYTES} a gRPC message holds; "
+        "send fewer items or label_token_ids",
+    )
 
 
 def delta_to_proto(request_id: str, delta: StreamDelta) -> pb.GenerateResponse:
@@ -194,3 +215,81 @@ def _check(ok: bool, message: str) -> None:
 def _check_id(value: str, field: str) -> None:
     if len(value) > _MAX_ID_LEN:
         raise InvalidInput(f"{field} is {len(value)} characters; at most {_MAX_ID_LEN}")
+
+
+# ---- bodies that do not parse -------------------------------------------------------------
+
+
+def undecodable_reason(descriptor: Descriptor, data: bytes) -> str:
+    """Why `data` (which did not parse as `descriptor`'s message) is no such message, naming
+    the field where that can be told: a string field of invalid UTF-8 (proto3 refuses those)
+    is found by parsing the body again with every string field read as bytes."""
+    try:
+        twin = _bytes_twin(descriptor).FromString(data)
+    except DecodeError:
+        return f"request body is not a valid {descriptor.full_name} message"
+    path = _bad_utf8_field(twin, descriptor, "")
+    suffix = f": {path} is not valid UTF-8" if path else ""
+    return f"request body is not a valid {descriptor.full_name} message{suffix}"
+
+
+@functools.cache
+def _bytes_twin(descriptor: Descriptor) -> type[Message]:
+    """`descriptor`'s message with each string field declared bytes (the same wire format), in
+    a pool of its own."""
+    pool = descriptor_pool.DescriptorPool()
+    _add_twin(pool, descriptor.file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(descriptor.full_name))
+
+
+def _add_twin(pool: descriptor_pool.DescriptorPool, file: FileDescriptor) -> None:
+    try:
+        pool.FindFileByName(file.name)
+        return  # added already (a dependency of two files)
+    except KeyError:
+        pass
+    for dependency in file.dependencies:
+        _add_twin(pool, dependency)
+    proto = descriptor_pb2.FileDescriptorProto()
+    file.CopyToProto(proto)
+    todo = list(proto.message_type)
+    while todo:
+        message = todo.pop()
+        todo.extend(message.nested_type)
+        if message.options.map_entry:
+            continue  # a map's key may not be bytes: an invalid key stays unnamed
+        for f in message.field:
+            if f.type == descriptor_pb2.FieldDescriptorProto.TYPE_STRING:
+                f.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
+    pool.Add(proto)
+
+
+def _bad_utf8_field(twin: Message, original: Descriptor, path: str) -> str | None:
+    """The path (`prompt.chat.messages[2].content`) of the first string field in `twin` that
+    is not UTF-8; `original` says which of its bytes fields are strings."""
+    for f, value in twin.ListFields():
+        declared = original.fields_by_number[f.number]
+        is_map = f.message_type is not None and f.message_type.GetOptions().map_entry
+        if is_map or declared.type not in (
+            FieldDescriptor.TYPE_STRING,
+            FieldDescriptor.TYPE_MESSAGE,
+        ):
+            continue
+        values = list(enumerate(value)) if f.is_repeated else [(None, value)]
+        for i, v in values:
+            where = f"{path}{f.name}" + ("" if i is None else f"[{i}]")
+            if declared.type == FieldDescriptor.TYPE_MESSAGE:
+                found = _bad_utf8_field(v, declared.message_type, f"{where}.")
+                if found is not None:
+                    return found
+            elif not _is_utf8(v):
+                return where
+    return None
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
