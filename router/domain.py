@@ -32,6 +32,11 @@ class Unimplemented(RouterError):
     """The request needs a feature this deployment lacks (UNIMPLEMENTED)."""
 
 
+class RequestFailed(RouterError):
+    """A worker failed while serving this request, for a reason of the request's own (INTERNAL,
+    HTTP 500): the worker is fine, and another would fail alike, so it is not retried."""
+
+
 @dataclass(frozen=True)
 class ChatMessage:
     role: str

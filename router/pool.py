@@ -24,7 +24,7 @@ from typing import Any
 from cachesvc.index import PrefixIndex
 from cachesvc.types import WorkerId
 from router.config import RouterConfig
-from router.domain import Exhausted, InvalidInput, Unimplemented
+from router.domain import Exhausted, InvalidInput, RequestFailed, Unimplemented
 from router.events_source import EventSource, make_event_source
 from router.index_sync import IndexSync
 from router.ray_failures import Failure, actor_state, classify, off_loop, ray_error_types
@@ -61,7 +61,11 @@ class ModelInfo:
     max_model_len: int
 
 
-_ERRORS = {"invalid_argument": InvalidInput, "resource_exhausted": Exhausted}
+_ERRORS = {
+    "invalid_argument": InvalidInput,
+    "resource_exhausted": Exhausted,
+    "internal": RequestFailed,
+}
 
 
 def raise_stream_error(error: StreamError) -> None:

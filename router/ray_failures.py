@@ -8,8 +8,12 @@ fails over (or the client gets UNAVAILABLE), and the worker's health changes by 
 - UNAVAILABLE: it may answer later (restarting, unreachable, its process killed by Ray's memory
   monitor, a crashed task worker, a lost object, a dead node, a system error);
 - TIMEOUT: it did not answer in time (frozen, or a very long step);
-- TASK: the actor is fine but the call raised (an engine failure ended the request): the
-  request fails over, the worker's health does not change.
+- TASK: the actor is fine but the call raised (a failed model run ended every request of
+  its step): the request fails over, the worker's health does not change.
+
+A failure of one request alone (the engine raised while handling it, not the batch) is no Ray
+error: the worker answers it as a `StreamError` "internal", which the router passes to the
+client (`router.domain.RequestFailed`) without failing over: another worker would fail alike.
 
 Ray is imported inside the functions only.
 """

@@ -158,12 +158,15 @@ class WorkerActor:
         """Stream deltas of every sample (call with num_returns="streaming").
 
         Refusals are yielded as one StreamError, never raised, so the router can tell a bad
-        request from a dead worker. With `holder` (and `peer_pull` configured), the load
-        planner may pull the blocks of the prompt it holds beyond what this worker holds.
+        request from a dead worker; so is a failure of the engine while serving this request
+        alone ("internal": the router does not retry it elsewhere, where it would fail alike).
+        With `holder` (and `peer_pull` configured), the load planner may pull the blocks of the
+        prompt it holds beyond what this worker holds.
         `hold_kv`: another worker will pull this prompt's blocks (a prefill handed off): they
         stay pinned from the step that computes them, so the pull waits for no step here.
         """
-        from workers.engine.engine import PromptError
+        from workers.engine.outputs import RequestFailed
+        from workers.engine.prompt import PromptError
         from workers.sampling_params import SamplingParams
 
         self._ensure_tasks()
@@ -203,6 +206,9 @@ class WorkerActor:
                 yield delta
         except PromptError as exc:
             yield StreamError("invalid_argument", f"prompt: {exc}")
+        except RequestFailed as exc:
+            where = self._info.worker_id
+            yield StreamError("internal", f"the request failed on worker {where}: {exc.message}")
         finally:
             self._open.discard(request_id)
             if hold_kv and not pulled:  # aborted, failed or stopped: no pull will come

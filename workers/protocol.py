@@ -142,7 +142,7 @@ class StreamDelta:
 @dataclass(frozen=True)
 class StreamError:
     """A request the worker refused; `code` is invalid_argument | resource_exhausted |
-    unimplemented."""
+    unimplemented, or internal: the engine failed while serving this request alone."""
 
     code: str
     message: str
