@@ -24,10 +24,10 @@ from router.domain import (
     ScoreResult,
     WorkerStatus,
 )
+from router.request_ids import MAX_ID_LEN, check_request_id
 from workers.protocol import StreamDelta
 from workers.sampling_params import SamplingParams
 
-_MAX_ID_LEN = 256
 _MAX_STOP_STRINGS = 16
 # A Score answer is one message, and a gRPC client takes at most 4 MiB in one by default.
 _MAX_ANSWER_BYTES = 4 * 2**20 - 2**10  # a margin for worker_id and the framing
@@ -101,23 +101,25 @@ def sampling_from_proto(msg: pb.SamplingParams, config: RouterConfig) -> Samplin
 
 
 def generate_from_proto(msg: pb.GenerateRequest, config: RouterConfig) -> GenerateInput:
-    _check_id(msg.request_id, "request_id")
+    check_request_id(msg.request_id)
     params = sampling_from_proto(msg.sampling, config)
     salt = msg.cache_salt if msg.HasField("cache_salt") else None
-    _check_id(salt or "", "cache_salt")
+    _check_salt(salt)
     return GenerateInput(
         request_id=msg.request_id,
         prompt=prompt_from_proto(msg.prompt),
         params=params,
         cache_salt=salt,
         use_response_cache=not msg.no_response_cache,
+        # Set, it is the client's: past the context it is refused (unset, lowered to fit).
+        max_tokens_set=msg.sampling.HasField("max_tokens"),
     )
 
 
 def score_from_proto(msg: pb.ScoreRequest) -> ScoreInput:
-    _check_id(msg.request_id, "request_id")
+    check_request_id(msg.request_id)
     salt = msg.cache_salt if msg.HasField("cache_salt") else None
-    _check_id(salt or "", "cache_salt")
+    _check_salt(salt)
     items = []
     for i, item in enumerate(msg.items):
         if item.WhichOneof("kind") not in ("text", "token_ids"):
@@ -212,9 +214,10 @@ def _check(ok: bool, message: str) -> None:
         raise InvalidInput(message)
 
 
-def _check_id(value: str, field: str) -> None:
-    if len(value) > _MAX_ID_LEN:
-        raise InvalidInput(f"{field} is {len(value)} characters; at most {_MAX_ID_LEN}")
+def _check_salt(salt: str | None) -> None:
+    # Hashed into block keys, not echoed or logged: any text, of a bounded length.
+    if salt is not None and len(salt) > MAX_ID_LEN:
+        raise InvalidInput(f"cache_salt is {len(salt)} characters; at most {MAX_ID_LEN}")
 
 
 # ---- bodies that do not parse -------------------------------------------------------------

@@ -1,16 +1,20 @@
-"""The wire's edges: a Score whose answer could not be sent is refused before any work, and a
-body that does not parse is refused naming the field of invalid UTF-8."""
+"""The wire's edges: a Score whose answer could not be sent is refused before any work, a body
+that does not parse is refused naming the field of invalid UTF-8, request ids follow the rule
+both doors share, and a max_tokens the client set is marked so (past the context it is refused,
+not lowered)."""
 
 from __future__ import annotations
 
 import pytest
 
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
+from router.config import RouterConfig
 from router.domain import InvalidInput
-from router.wire import score_from_proto, undecodable_reason
+from router.wire import generate_from_proto, score_from_proto, undecodable_reason
 
 CLIENT_LIMIT = 4 * 2**20  # the largest message a gRPC client takes by default
 MARK = "\x01" * 8
+CONFIG = RouterConfig()
 
 
 def _score(num_items: int, num_labels: int) -> pb.ScoreRequest:
@@ -89,3 +93,30 @@ def test_invalid_utf8_is_named_by_its_field(
 def test_a_body_broken_otherwise_names_the_message(body: bytes) -> None:
     reason = undecodable_reason(pb.TokenizeRequest.DESCRIPTOR, body)
     assert reason == "request body is not a valid cachesvc.v1.TokenizeRequest message"
+
+
+@pytest.mark.parametrize("request_id", ["line\r\nbreak", "nul\x00", "bell\x07", "c1\x85"])
+def test_a_request_id_with_control_characters_is_refused_on_both_rpcs(request_id: str) -> None:
+    generate = pb.GenerateRequest(request_id=request_id, prompt=pb.Prompt(text="hi"))
+    with pytest.raises(InvalidInput, match="request_id must hold no control characters"):
+        generate_from_proto(generate, CONFIG)
+    score = _score(1, 1)
+    score.request_id = request_id
+    with pytest.raises(InvalidInput, match="request_id must hold no control characters"):
+        score_from_proto(score)
+
+
+def test_printable_unicode_ids_and_any_salt_are_taken() -> None:
+    request = pb.GenerateRequest(
+        request_id="réq-\u202e-\U0001f600", prompt=pb.Prompt(text="hi"), cache_salt="a\x00b"
+    )
+    assert generate_from_proto(request, CONFIG).cache_salt == "a\x00b"
+
+
+def test_max_tokens_set_says_whether_the_client_chose_it() -> None:
+    unset = pb.GenerateRequest(prompt=pb.Prompt(text="hi"))
+    explicit = pb.GenerateRequest(
+        prompt=pb.Prompt(text="hi"), sampling=pb.SamplingParams(max_tokens=16)
+    )
+    assert not generate_from_proto(unset, CONFIG).max_tokens_set
+    assert generate_from_proto(explicit, CONFIG).max_tokens_set

@@ -291,6 +291,36 @@ def test_score_answers_logprobs_or_a_named_refusal(
     assert all(math.isfinite(x) and x <= 0 for row in answer.scores for x in row.logprobs)
 
 
+CONTEXT = 512  # the tiny model's
+
+
+@settings(FUZZ, max_examples=15)
+@given(prompt_len=st.integers(CONTEXT - 24, CONTEXT), max_tokens=st.none() | st.integers(1, 40))
+def test_an_answer_past_the_context_is_refused_when_asked_for_and_cut_by_default(
+    server: Any, beside: Beside, prompt_len: int, max_tokens: int | None
+) -> None:
+    """As vLLM: a max_tokens the client set that does not fit the context with the prompt is
+    INVALID_ARGUMENT naming it; the default (16) is lowered to what fits."""
+    sampling = pb.SamplingParams(temperature=0.0, ignore_eos=True)
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    request = pb.GenerateRequest(prompt=_ids([7] * prompt_len), sampling=sampling)
+    stub = pb_grpc.InferenceStub(server.channel())
+    try:
+        messages = list(stub.Generate(request, timeout=120))
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        field = "prompt" if prompt_len >= CONTEXT else "max_tokens"
+        assert field in (err.details() or ""), err.details()
+        past = max_tokens is not None and prompt_len + max_tokens > CONTEXT
+        assert prompt_len >= CONTEXT or past, "a request that fits was refused"
+        return
+    room = CONTEXT - prompt_len
+    assert max_tokens is None or max_tokens <= room
+    assert messages[-1].usage.completion_tokens == min(max_tokens or 16, room)
+    assert messages[-1].finish_reason == "length"
+
+
 def test_streams_beside_the_fuzzing_kept_their_tokens(beside: Beside, reference: Reference) -> None:
     beside.check(reference)
 
