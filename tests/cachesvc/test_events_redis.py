@@ -7,10 +7,11 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from suite_support import wait_for
 
 from cachesvc.bench.local_redis import LocalRedis
 from cachesvc.events import BlockMoved, BlockRemoved, BlockStored, Cleared, Event
@@ -155,10 +156,10 @@ def test_publisher_rides_out_a_redis_outage(own_redis: LocalRedis) -> None:
     config, key = _stream(own_redis.url)
     publisher = StreamPublisher(_client(own_redis.url), key, config.maxlen, retry_s=0.05)
     publisher.publish("inc", EVENTS[:3])
-    _wait(lambda: publisher.num_published == 3)
+    wait_for(lambda: publisher.num_published == 3, 10, "the first three published")
     own_redis.stop(kill=True)
     publisher.publish("inc", EVENTS[3:])  # never raises, never blocks
-    _wait(lambda: publisher.num_errors > 0)
+    wait_for(lambda: publisher.num_errors > 0, 10, "a failed write")
     own_redis.start()  # same port, empty: what landed before the outage is gone with it
     assert publisher.close(timeout_s=10)
     assert _read_all(own_redis.url, key) == [("inc", e) for e in EVENTS[3:]]
@@ -169,7 +170,7 @@ def test_publisher_overflow_drops_the_oldest(own_redis: LocalRedis) -> None:
     own_redis.stop(kill=True)
     publisher = StreamPublisher(_client(own_redis.url), key, 1000, max_pending=4, retry_s=0.05)
     publisher.publish("inc", EVENTS)
-    _wait(lambda: publisher.num_dropped == 2)
+    wait_for(lambda: publisher.num_dropped == 2, 10, "the two oldest dropped")
     own_redis.start()
     assert publisher.close(timeout_s=10)
     # The first two are lost: a reader sees the stream start at seq 2 and resyncs.
@@ -180,13 +181,6 @@ def _client(url: str) -> Any:
     import redis
 
     return redis.Redis.from_url(url, decode_responses=True, socket_timeout=0.5)
-
-
-def _wait(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 # ---- routers sharing one index apply the same stream ---------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 from local_ray import start_local_ray
+from worker_support import spawn_one
 
 from cachesvc.config import EngineConfig
 from cachesvc.types import WorkerId
@@ -59,13 +60,8 @@ def ray_cluster() -> Iterator[None]:
 
 
 def spawn_pair(config: EngineConfig) -> dict[WorkerId, Any]:
-    """Two worker actors; half a CPU each so a second pair fits while one is torn down."""
-    from workers.spawn import spawn_worker
-
-    return {
-        WorkerId(f"worker-{i}"): spawn_worker(f"worker-{i}", config, num_cpus=0.5, max_restarts=0)
-        for i in range(2)
-    }
+    """Two worker actors (`worker_support.spawn_one`)."""
+    return {WorkerId(f"worker-{i}"): spawn_one(config, f"worker-{i}") for i in range(2)}
 
 
 def kill_all(actors: dict[WorkerId, Any]) -> None:

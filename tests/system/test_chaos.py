@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
+from worker_support import pid_of, spawn_one
 
 from cachesvc.config import EngineConfig
 from cachesvc.types import WorkerId
@@ -50,18 +51,6 @@ def _request(ids: list[int], request_id: str = "") -> pb.GenerateRequest:
         prompt=pb.Prompt(token_ids=pb.TokenIds(ids=ids)),
         sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
     )
-
-
-def _spawn(config: EngineConfig, worker: str) -> Any:
-    from workers.spawn import spawn_worker
-
-    return spawn_worker(worker, config, num_cpus=0.5, max_restarts=0)
-
-
-def _pid(actor: Any) -> int:
-    import ray
-
-    return int(ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60))
 
 
 def _fail_next_step(actor: Any) -> None:
@@ -152,11 +141,11 @@ def chaos(
 ) -> Iterator[tuple[Chaos, dict[WorkerId, Any]]]:
     import ray
 
-    actors = {WorkerId(f"worker-{i}"): _spawn(engine_config, f"worker-{i}") for i in range(2)}
+    actors = {WorkerId(f"worker-{i}"): spawn_one(engine_config, f"worker-{i}") for i in range(2)}
     spawned = list(actors.values())
 
     def replace(worker: WorkerId) -> Any:
-        actors[worker] = _spawn(engine_config, str(worker))
+        actors[worker] = spawn_one(engine_config, str(worker))
         spawned.append(actors[worker])
         return actors[worker]
 
@@ -191,7 +180,7 @@ def test_every_fault_costs_no_wrong_token_and_no_request(
     frozen: list[int] = []
 
     def freeze(worker: str) -> None:
-        frozen.append(_pid(actors[WorkerId(worker)]))
+        frozen.append(pid_of(actors[WorkerId(worker)]))
         os.kill(frozen[-1], signal.SIGSTOP)
 
     try:

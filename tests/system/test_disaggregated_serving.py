@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from pd_support import spawn_pulling
+from worker_support import pid_of
 
 from cachesvc.config import EngineConfig
 from cachesvc.types import WorkerId
@@ -183,8 +184,6 @@ def test_frozen_prefill_worker_costs_a_recompute(
     import os
     import signal
 
-    import ray
-
     ids = _prompt(90)
     reference = start_router(roles, pd_mode="never")
     expected, _, _ = _answer(_generate(reference, ids, GREEDY))
@@ -192,7 +191,7 @@ def test_frozen_prefill_worker_costs_a_recompute(
     server = start_router(
         roles, pd_mode="always", ping_timeout_s=0.3, stall_check_s=0.1, max_missed_polls=2
     )
-    pid = int(ray.get(roles[PREFILL].__ray_call__.remote(lambda self: os.getpid()), timeout=60))
+    pid = pid_of(roles[PREFILL])
     os.kill(pid, signal.SIGSTOP)
     try:
         tokens, _, usage = _answer(_generate(server, ids, GREEDY))
@@ -214,8 +213,6 @@ def test_decode_worker_counts_the_request_while_its_prefill_runs(
     import signal
     import threading
 
-    import ray
-
     server = start_router(roles, pd_mode="always")
     admin = pb_grpc.AdminStub(server.channel())
 
@@ -223,7 +220,7 @@ def test_decode_worker_counts_the_request_while_its_prefill_runs(
         listed = admin.ListWorkers(pb.ListWorkersRequest()).workers
         return {w.worker_id: w.num_inflight for w in listed}
 
-    pid = int(ray.get(roles[PREFILL].__ray_call__.remote(lambda self: os.getpid()), timeout=60))
+    pid = pid_of(roles[PREFILL])
     answers: list[Any] = []
     os.kill(pid, signal.SIGSTOP)
     try:

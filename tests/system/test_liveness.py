@@ -18,6 +18,8 @@ from typing import Any
 
 import grpc
 import pytest
+from suite_support import wait_for
+from worker_support import pid_of, spawn_one, worker_health
 
 from cachesvc.config import EngineConfig
 from cachesvc.types import WorkerId
@@ -38,18 +40,6 @@ SHORT = {
 HANG = {**SHORT, "ping_timeout_s": 5.0, "hang_after_s": 2.0}
 PROMPTS = [[7 + 13 * p + i for i in range(30 + 5 * p)] for p in range(6)]
 MAX_TOKENS = 4
-
-
-def _spawn(config: EngineConfig, worker: str) -> Any:
-    from workers.spawn import spawn_worker
-
-    return spawn_worker(worker, config, num_cpus=0.5, max_restarts=0)
-
-
-def _pid(actor: Any) -> int:
-    import ray
-
-    return int(ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60))
 
 
 def _slow_steps(actor: Any, step_s: float) -> None:
@@ -112,26 +102,15 @@ def _generate_all(stub: pb_grpc.InferenceStub) -> dict[int, list[pb.GenerateResp
     return results
 
 
-def _health(admin: pb_grpc.AdminStub) -> dict[str, int]:
-    return {w.worker_id: w.health for w in admin.ListWorkers(pb.ListWorkersRequest()).workers}
-
-
 def _unhealthy_logs(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "unhealthy" in r.getMessage()]
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"waited {timeout_s:.0f} s for {what}"
-        time.sleep(0.1)
 
 
 @pytest.fixture
 def one_worker(ray_cluster: None, engine_config: EngineConfig) -> Iterator[Any]:
     import ray
 
-    actor = _spawn(engine_config, "worker-0")
+    actor = spawn_one(engine_config, "worker-0")
     yield actor
     ray.kill(actor)
 
@@ -140,7 +119,7 @@ def one_worker(ray_cluster: None, engine_config: EngineConfig) -> Iterator[Any]:
 def two_workers(ray_cluster: None, engine_config: EngineConfig) -> Iterator[dict[WorkerId, Any]]:
     import ray
 
-    pair = {WorkerId(f"worker-{i}"): _spawn(engine_config, f"worker-{i}") for i in range(2)}
+    pair = {WorkerId(f"worker-{i}"): spawn_one(engine_config, f"worker-{i}") for i in range(2)}
     yield pair
     for actor in pair.values():
         ray.kill(actor)
@@ -165,7 +144,7 @@ class Failover:
         received += list(stream)  # the rest comes from the other worker
         assert _tokens(received) == self.clean
         assert received[-1].usage.worker_id != victim
-        assert _health(self.admin)[victim] == pb.WorkerInfo.UNHEALTHY
+        assert worker_health(self.admin)[victim] == pb.WorkerInfo.UNHEALTHY
         return victim
 
 
@@ -189,7 +168,7 @@ def test_steps_longer_than_every_timeout_keep_a_live_worker_healthy(
         assert _tokens(messages) == clean[p]
         assert messages[-1].usage.worker_id == "worker-0"
     assert not _unhealthy_logs(caplog)
-    assert _health(admin)["worker-0"] == pb.WorkerInfo.HEALTHY
+    assert worker_health(admin)["worker-0"] == pb.WorkerInfo.HEALTHY
     stats = admin.Stats(pb.StatsRequest())
     assert stats.num_failed == 0 and stats.num_retries == 0
 
@@ -203,7 +182,7 @@ def test_a_frozen_process_among_slow_steps_is_failed_over(
     frozen: list[int] = []
 
     def freeze(victim: WorkerId) -> None:
-        frozen.append(_pid(two_workers[victim]))
+        frozen.append(pid_of(two_workers[victim]))
         os.kill(frozen[-1], signal.SIGSTOP)
 
     try:
@@ -211,7 +190,9 @@ def test_a_frozen_process_among_slow_steps_is_failed_over(
     finally:
         for pid in frozen:
             os.kill(pid, signal.SIGCONT)
-    wait_for(lambda: _health(run.admin)[victim] == pb.WorkerInfo.HEALTHY, 60, "the thawed one")
+    wait_for(
+        lambda: worker_health(run.admin)[victim] == pb.WorkerInfo.HEALTHY, 60, "the thawed one"
+    )
 
 
 def test_a_step_that_never_ends_is_a_hang_though_pings_answer(
@@ -243,4 +224,6 @@ def test_an_event_loop_that_stopped_turning_is_a_hang_though_pings_answer(
     victim = run.run(block_loop)
     [reason] = _unhealthy_logs(caplog)
     assert "no progress" in reason and "event loop" in reason
-    wait_for(lambda: _health(run.admin)[victim] == pb.WorkerInfo.HEALTHY, 90, "its loop again")
+    wait_for(
+        lambda: worker_health(run.admin)[victim] == pb.WorkerInfo.HEALTHY, 90, "its loop again"
+    )

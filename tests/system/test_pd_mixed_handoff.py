@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 from pd_support import slow_steps, spawn_pulling
+from worker_support import pid_of
 
 from cachesvc.config import EngineConfig
 from cachesvc.types import WorkerId
@@ -152,8 +153,6 @@ def test_a_frozen_prompt_worker_falls_back_on_the_other(
     import os
     import signal
 
-    import ray
-
     ids = [(11 * j) % 250 + 3 for j in range(PROMPT_TOKENS)]
     sampling = pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     reference = start_router(mixed, pd_mode="never", pd_mixed=True)
@@ -163,7 +162,7 @@ def test_a_frozen_prompt_worker_falls_back_on_the_other(
     # The default ping timeouts: shorter ones declare the other worker dead too on a busy host.
     server = start_router(mixed, pd_mode="always", pd_mixed=True, max_retries=0)
     actor = mixed[holder]
-    pid = int(ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60))
+    pid = pid_of(actor)
     os.kill(pid, signal.SIGSTOP)
     try:
         tokens, _, usage, _ = _answer(server, ids, sampling)

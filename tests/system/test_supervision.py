@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from suite_support import wait_for
+from worker_support import pid_of, spawn_one, worker_health
 
 from cachesvc.config import EngineConfig
 from cachesvc.types import WorkerId
@@ -23,25 +24,6 @@ pytestmark = pytest.mark.system
 FAST = {"ping_timeout_s": 0.5, "max_missed_polls": 2, "stall_check_s": 0.2}
 
 
-def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"waited {timeout_s:.0f} s for {what}"
-        time.sleep(0.1)
-
-
-def _spawn(config: EngineConfig, worker: str) -> Any:
-    from workers.spawn import spawn_worker
-
-    return spawn_worker(worker, config, num_cpus=0.5, max_restarts=0)
-
-
-def _pid(actor: Any) -> int:
-    import ray
-
-    return int(ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60))
-
-
 def _request(max_tokens: int) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         prompt=pb.Prompt(token_ids=pb.TokenIds(ids=[5, 17, 33, 99, 250, 3, 8, 64])),
@@ -49,15 +31,11 @@ def _request(max_tokens: int) -> pb.GenerateRequest:
     )
 
 
-def _health(admin: pb_grpc.AdminStub) -> dict[str, int]:
-    return {w.worker_id: w.health for w in admin.ListWorkers(pb.ListWorkersRequest()).workers}
-
-
 @pytest.fixture
 def actors(ray_cluster: None, engine_config: EngineConfig) -> Iterator[dict[WorkerId, Any]]:
     import ray
 
-    pair = {WorkerId(f"worker-{i}"): _spawn(engine_config, f"worker-{i}") for i in range(2)}
+    pair = {WorkerId(f"worker-{i}"): spawn_one(engine_config, f"worker-{i}") for i in range(2)}
     yield pair
     for actor in pair.values():
         ray.kill(actor)
@@ -69,7 +47,7 @@ def test_a_frozen_worker_s_stream_fails_over_and_the_worker_comes_back(
     server = start_router(actors, **FAST)
     stub = pb_grpc.InferenceStub(server.channel())
     admin = pb_grpc.AdminStub(server.channel())
-    pids = {worker: _pid(actor) for worker, actor in actors.items()}
+    pids = {worker: pid_of(actor) for worker, actor in actors.items()}
     max_tokens = 400
     expected = [t for m in stub.Generate(_request(max_tokens), timeout=120) for t in m.token_ids]
     stream = stub.Generate(_request(max_tokens), timeout=120)
@@ -81,10 +59,10 @@ def test_a_frozen_worker_s_stream_fails_over_and_the_worker_comes_back(
         received += list(stream)  # the rest comes from the other worker
         assert [t for m in received for t in m.token_ids] == expected
         assert received[-1].usage.worker_id != victim
-        assert _health(admin)[victim] == pb.WorkerInfo.UNHEALTHY
+        assert worker_health(admin)[victim] == pb.WorkerInfo.UNHEALTHY
     finally:
         os.kill(pids[WorkerId(victim)], signal.SIGCONT)
-    wait_for(lambda: _health(admin)[victim] == pb.WorkerInfo.HEALTHY, 30, "the thawed worker")
+    wait_for(lambda: worker_health(admin)[victim] == pb.WorkerInfo.HEALTHY, 30, "the thawed worker")
     assert admin.Stats(pb.StatsRequest()).num_failed == 0
 
 
@@ -98,10 +76,10 @@ def test_a_worker_dead_for_good_is_replaced_and_health_follows(
 
     def replace(worker: WorkerId) -> Any:
         assert gate.wait(60), "the test never let the replacement start"
-        spawned.append(_spawn(engine_config, str(worker)))
+        spawned.append(spawn_one(engine_config, str(worker)))
         return spawned[-1]
 
-    first = _spawn(engine_config, "worker-0")
+    first = spawn_one(engine_config, "worker-0")
     server = start_router({WorkerId("worker-0"): first}, replace, **FAST, replace_backoff_s=0.1)
     try:
         channel = server.channel()
@@ -125,7 +103,7 @@ def test_a_worker_dead_for_good_is_replaced_and_health_follows(
         assert after.token_ids == before.token_ids or after.finish_reason == "length"
         assert server.router.supervisor.num_replacements == 1
         admin = pb_grpc.AdminStub(channel)
-        assert _health(admin)["worker-0"] == pb.WorkerInfo.HEALTHY
+        assert worker_health(admin)["worker-0"] == pb.WorkerInfo.HEALTHY
     finally:
         server.stop()
         for actor in spawned:
