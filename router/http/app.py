@@ -1,16 +1,17 @@
 """The OpenAI-compatible endpoints (a Starlette app) over a started `router.core.Router`.
 
 Translate and delegate, as `router/server.py` does for gRPC: the bearer token names the
-caller and its tenant (the same `TokenTable`), the body becomes `GenerateInput`s
-(`router.http.parse`), the core's deltas become OpenAI JSON or server-sent events
-(`router.http.render`), the core's errors OpenAI error bodies (`router.http.errors`).
+caller and its tenant (the same `TokenTable`), the body (`router.http.body`) becomes
+`GenerateInput`s (`router.http.parse`), the core's deltas become OpenAI JSON or server-sent
+events (`router.http.render`), the core's errors OpenAI error bodies (`router.http.errors`); any
+other exception is a 500 that names only its class, logged with its traceback and request id.
 
 A request costs nothing before it is known to be wanted: the token is checked before the body
 is read, a declared length over the limit is refused before reading, and the body is read
 only up to the limit. The first delta of a stream is awaited before the response starts, so a
 refusal (bad input, full, no worker) still gets its status code. A client that goes away (a
 closed connection, before or during the answer) cancels the core's stream, which aborts the
-request on its worker.
+request on its worker; one that goes away while sending its body is counted as cancelled.
 """
 
 from __future__ import annotations
@@ -135,18 +136,25 @@ class OpenAIDoor:
                 code="model_not_found",
                 param="model",
             )
-        inputs = []
-        for i, inp in enumerate(parsed.inputs):
-            salt = tenant_cache_salt(caller.tenant, inp.cache_salt)
-            prompt = inp.prompt
-            if not parsed.add_special_tokens and prompt.text is not None:
-                # Tokenized here, without the tokens the model adds to a prompt (bos).
-                field = "prompt" if len(parsed.inputs) == 1 else f"prompt[{i}]"
-                ids = await self._router.prompts.encode_item(prompt, field)
-                prompt = PromptInput(token_ids=tuple(ids))
-            inputs.append(dataclasses.replace(inp, prompt=prompt, cache_salt=salt))
+        inputs = [
+            dataclasses.replace(
+                inp,
+                prompt=await self._prompt(parsed, i),
+                cache_salt=tenant_cache_salt(caller.tenant, inp.cache_salt),
+            )
+            for i, inp in enumerate(parsed.inputs)
+        ]
         prefix = "chatcmpl-" if chat else "cmpl-"
         return dataclasses.replace(parsed, inputs=tuple(inputs)), prefix + inputs[0].request_id
+
+    async def _prompt(self, parsed: OpenAIRequest, i: int) -> PromptInput:
+        """Prompt `i` as the core takes it: a text the client asked to tokenize without the
+        tokens the model adds to a prompt (`add_special_tokens: false`) is tokenized here."""
+        prompt = parsed.inputs[i].prompt
+        if parsed.add_special_tokens or prompt.text is None:
+            return prompt
+        field = "prompt" if len(parsed.inputs) == 1 else f"prompt[{i}]"
+        return PromptInput(token_ids=tuple(await self._router.prompts.encode_item(prompt, field)))
 
     def _deltas(self, inputs: tuple[GenerateInput, ...]) -> Deltas:
         """The core's deltas of every prompt, tagged with the prompt's position."""
