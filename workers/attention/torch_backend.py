@@ -1,24 +1,29 @@
 """The pure-PyTorch attention backend: FlashInfer's semantics on CPU (or any torch device).
 
-It reads the same `BatchLayout` index tensors FlashInfer's `plan()` takes, gathers the pages, and
-attends with `ops` (research notes §10). It is both the production CPU path and the oracle the
-FlashInfer backend is tested against. It implements plain paged attention only; cascade,
-multi-item scoring and custom masks take the interface's torch defaults.
+It reads the same `BatchLayout` index tensors FlashInfer's `plan()` takes and attends with `ops`
+(research notes §10). It is both the production CPU path and the oracle the FlashInfer backend is
+tested against. It implements plain paged attention only; cascade, multi-item scoring and custom
+masks take the interface's torch defaults.
 
-Decode requests (one new token each) are gathered page by page into padded batches of similar
-lengths, each attended in a single kernel call; prefill requests are attended one at a time,
-since their query lengths differ.
+Decode requests (one new token each) attend on CPU straight over their pages, through the
+paged-decode kernel (`paged_decode.py`): the context's KV is read once per layer, not copied
+first. Where the kernel cannot be built (no compiler), on other devices, or with
+`decode_in_place=False`, they are gathered page by page into padded batches of similar lengths,
+each attended in a single call. Prefill requests are gathered and attended one at a time, since
+their query lengths differ.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from workers.attention.base import Attention, AttentionBackend, AttentionLayout, kernel_layout
 from workers.attention.layout import BatchLayout
 from workers.attention.ops import attend, attend_padded
+from workers.attention.paged_decode import load as load_paged_decode
+from workers.attention.paged_decode import paged_decode
 
 
 @dataclass(frozen=True)
@@ -81,12 +86,47 @@ class _Decodes:
     gather: _KVGather
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Plan:
-    """Per-layout gather tables, built once and reused by every layer's `forward`."""
+    """Per-layout tables, built once and reused by every layer's `forward`.
 
-    decodes: list[_Decodes]
+    The decode tables are built at first use: a step needs the kernel's table or the gather
+    groups, not both.
+    """
+
+    layout: BatchLayout
+    decode_batch: list[int]  # batch indexes of the one-token requests
     prefills: list[_Prefill]
+    _table: torch.Tensor | None = field(default=None, init=False)
+    _groups: list[_Decodes] | None = field(default=None, init=False)
+
+    def decode_table(self) -> torch.Tensor:
+        """int64 `[n, 3]` for the kernel: each decode's query row, first page, KV length."""
+        if self._table is None:
+            layout = self.layout
+            starts = layout.qo_indptr.tolist()
+            first = layout.kv_indptr.tolist()
+            self._table = torch.tensor(
+                [[starts[b], first[b], layout.kv_lens[b]] for b in self.decode_batch],
+                dtype=torch.int64,
+            ).view(-1, 3)
+        return self._table
+
+    @property
+    def decodes(self) -> list[_Decodes]:
+        """The decodes in padded groups of similar lengths, for the gather path."""
+        if self._groups is None:
+            layout = self.layout
+            device = layout.kv_indices.device
+            starts = layout.qo_indptr.tolist()
+            self._groups = [
+                _Decodes(
+                    torch.tensor([starts[b] for b in group], dtype=torch.int64, device=device),
+                    _gather_for(layout, group),
+                )
+                for group in _decode_groups(layout, self.decode_batch)
+            ]
+        return self._groups
 
 
 # A decode group pads every request to its longest: a request joins the group while its pages
@@ -112,7 +152,7 @@ def _decode_groups(layout: BatchLayout, decodes: list[int]) -> list[list[int]]:
 
 
 def _build_plan(layout: BatchLayout) -> _Plan:
-    """Split the batch into padded decode groups and per-request prefills."""
+    """Split the batch into decodes and per-request prefills."""
     starts = [0]
     for qo_len in layout.qo_lens:
         starts.append(starts[-1] + qo_len)
@@ -121,25 +161,37 @@ def _build_plan(layout: BatchLayout) -> _Plan:
         for b, qo_len in enumerate(layout.qo_lens)
         if qo_len > 1
     ]
-    device = layout.kv_indices.device
     decodes = [b for b, qo_len in enumerate(layout.qo_lens) if qo_len == 1]
-    groups = [
-        _Decodes(
-            torch.tensor([starts[b] for b in group], dtype=torch.int64, device=device),
-            _gather_for(layout, group),
-        )
-        for group in _decode_groups(layout, decodes)
-    ]
-    return _Plan(decodes=groups, prefills=prefills)
+    return _Plan(layout, decodes, prefills)
+
+
+def _kernel_fits(q: torch.Tensor, kv_cache: torch.Tensor, layout: BatchLayout) -> bool:
+    """Whether the paged-decode kernel takes these tensors (it is built by then)."""
+    return (
+        q.device.type == "cpu"
+        and kv_cache.device.type == "cpu"
+        and q.dtype == kv_cache.dtype
+        and q.stride(-1) == 1
+        and kv_cache.stride(-1) == 1
+        and layout.kv_indices.dtype == torch.int32
+        and layout.kv_indices.is_contiguous()
+        and layout.page_size <= 64
+    )
 
 
 class TorchBackend(AttentionBackend):
-    """Paged attention in plain PyTorch; `plan` caches the gather tables for the layers."""
+    """Paged attention in plain PyTorch, decode through the CPU kernel where it is built;
+    `plan` caches the page tables for the layers.
+
+    `decode_in_place=False` keeps decode on the gather path (the reference, and the baseline the
+    step benchmark measures the kernel against).
+    """
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, *, decode_in_place: bool = True) -> None:
         self._planned: tuple[BatchLayout, _Plan] | None = None
+        self.decode_in_place = decode_in_place
 
     def plan(self, layout: AttentionLayout) -> None:
         # Only plain paged attention has gather tables; a cascade's levels plan at first use.
@@ -165,12 +217,8 @@ class TorchBackend(AttentionBackend):
         plan = self._plan_for(layout)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        for group in plan.decodes:
-            k, v = group.gather.read(kv_cache)
-            q_dec = q[group.rows][:, None]
-            o, s = attend_padded(q_dec, k, v, group.gather.visible[:, None], sm_scale)
-            out[group.rows] = o[:, 0]
-            lse[group.rows] = s[:, 0]
+        if plan.decode_batch:
+            self._decode(q, kv_cache, plan, sm_scale, out, lse)
         for p in plan.prefills:
             k, v = p.gather.read(kv_cache)
             # Cutting the tail of the last page off also aligns the causal diagonal to kv_len.
@@ -178,3 +226,25 @@ class TorchBackend(AttentionBackend):
             o, s = attend(q[p.rows], k[0, :n], v[0, :n], sm_scale=sm_scale, causal=layout.causal)
             out[p.rows], lse[p.rows] = o, s
         return (out, lse) if return_lse else out
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: _Plan,
+        sm_scale: float,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        """Attention of the one-token requests into their rows of `out` and `lse`."""
+        if self.decode_in_place and _kernel_fits(q, kv_cache, plan.layout) and load_paged_decode():
+            paged_decode(
+                q, kv_cache, plan.layout.kv_indices, plan.decode_table(), sm_scale, out, lse
+            )
+            return
+        for group in plan.decodes:
+            k, v = group.gather.read(kv_cache)
+            q_dec = q[group.rows][:, None]
+            o, s = attend_padded(q_dec, k, v, group.gather.visible[:, None], sm_scale)
+            out[group.rows] = o[:, 0]
+            lse[group.rows] = s[:, 0]
