@@ -15,6 +15,7 @@ import grpc
 import pytest
 from grpc_fuzz_support import (
     FLOATS,
+    ID_TEXT,
     INT32,
     INT64,
     NASTY,
@@ -103,7 +104,7 @@ GENERATE_FIELDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]
         st.lists(INT64, max_size=4)
         | st.builds(lambda k: list(range(VOCAB)) * k, st.integers(1, 500)),
     ),
-    "request_id": (st.text(max_size=40), WILD_TEXT),
+    "request_id": (ID_TEXT, WILD_TEXT),
     "cache_salt": (
         _maybe(st.text(max_size=40)),
         st.sampled_from(["tenant:a", "purge:1"]) | WILD_TEXT,
@@ -113,17 +114,21 @@ _OPTIONAL = ("max_tokens", "temperature", "top_p", "seed", "n", "beam_width")
 
 
 @st.composite
-def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
-    """Plain values but for up to four fields drawn hostile; now and then no sampling at all."""
+def generate_requests(draw: st.DrawFn) -> tuple[pb.GenerateRequest, bool]:
+    """Plain values but for up to four fields drawn hostile; now and then no sampling at all.
+    Returns the request and whether it is valid (no field drawn hostile)."""
     wild = draw(st.sets(st.sampled_from(sorted(GENERATE_FIELDS)), max_size=4))
     v = {name: draw(GENERATE_FIELDS[name][name in wild]) for name in GENERATE_FIELDS}
+    if not {"n", "beam_width"} & wild and (v["n"] or 1) > 1 and (v["beam_width"] or 1) > 1:
+        v["beam_width"] = None  # beam search takes n = 1: both above 1 is no valid request
     request = pb.GenerateRequest(
         request_id=v["request_id"], prompt=v["prompt"], no_response_cache=draw(st.booleans())
     )
     if v["cache_salt"] is not None:
         request.cache_salt = v["cache_salt"]
     if draw(st.integers(0, 9)) == 0:
-        return request  # sampling unset: every default
+        # Sampling unset: its fields, hostile or not, are not sent.
+        return request, not wild & {"prompt", "request_id", "cache_salt"}
     s = request.sampling
     s.top_k, s.ignore_eos = v["top_k"], draw(st.booleans())
     s.stop.extend(v["stop"])
@@ -131,7 +136,7 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     for name in _OPTIONAL:
         if v[name] is not None:
             setattr(s, name, v[name])
-    return request
+    return request, not wild
 
 
 @pytest.fixture(scope="module")
@@ -169,26 +174,29 @@ def _check_stream(request: pb.GenerateRequest, messages: list[pb.GenerateRespons
         assert final.HasField("usage") and final.usage.completion_tokens <= _max_tokens(request)
 
 
-def _sampled(**sampling: Any) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt=_text("hello"), sampling=pb.SamplingParams(**sampling))
+def _sampled(**sampling: Any) -> tuple[pb.GenerateRequest, bool]:
+    request = pb.GenerateRequest(prompt=_text("hello"), sampling=pb.SamplingParams(**sampling))
+    return request, False  # an edge: a client error or served, either is right
 
 
 @FUZZ
-@given(request=generate_requests(), read=st.sampled_from(["all", "first", "none"]))
-@example(request=_sampled(max_tokens=4, top_k=2**31 - 1), read="all")
-@example(request=_sampled(max_tokens=4, temperature=1.4e-45), read="all")
-@example(request=_sampled(max_tokens=4, top_p=1.4e-45), read="all")
-@example(request=_sampled(max_tokens=4, temperature=3.4028235e38, top_p=1.4e-45), read="all")
-@example(request=_sampled(max_tokens=4, seed=2**63 - 1, n=16), read="all")
-@example(request=_sampled(max_tokens=4, seed=-(2**63), n=3, top_k=1), read="all")
-@example(request=_sampled(max_tokens=4, beam_width=16, temperature=0.0), read="all")
-@example(request=_sampled(max_tokens=4, stop_token_ids=list(range(VOCAB))), read="all")
-@example(request=_sampled(max_tokens=6, stop=[NASTY[0] * 200_000, "\U0010ffff" * 16]), read="all")
-@example(request=_sampled(max_tokens=2**31 - 1, ignore_eos=True, n=16), read="first")
+@given(drawn=generate_requests(), read=st.sampled_from(["all", "first", "none"]))
+@example(drawn=_sampled(max_tokens=4, top_k=2**31 - 1), read="all")
+@example(drawn=_sampled(max_tokens=4, temperature=1.4e-45), read="all")
+@example(drawn=_sampled(max_tokens=4, top_p=1.4e-45), read="all")
+@example(drawn=_sampled(max_tokens=4, temperature=3.4028235e38, top_p=1.4e-45), read="all")
+@example(drawn=_sampled(max_tokens=4, seed=2**63 - 1, n=16), read="all")
+@example(drawn=_sampled(max_tokens=4, seed=-(2**63), n=3, top_k=1), read="all")
+@example(drawn=_sampled(max_tokens=4, beam_width=16, temperature=0.0), read="all")
+@example(drawn=_sampled(max_tokens=4, stop_token_ids=list(range(VOCAB))), read="all")
+@example(drawn=_sampled(max_tokens=6, stop=[NASTY[0] * 200_000, "\U0010ffff" * 16]), read="all")
+@example(drawn=_sampled(max_tokens=2**31 - 1, ignore_eos=True, n=16), read="first")
 def test_generate_answers_a_stream_or_a_named_refusal(
-    server: Any, beside: Beside, request: pb.GenerateRequest, read: str
+    server: Any, beside: Beside, drawn: tuple[pb.GenerateRequest, bool], read: str
 ) -> None:
-    """`read`: the whole stream; its first message and then hang up; hang up at once."""
+    """`read`: the whole stream; its first message and then hang up; hang up at once. A valid
+    request is served."""
+    request, valid = drawn
     if _max_tokens(request) > 32 and read == "all":
         read = "first"  # bounded run time: a long answer is read until it starts
     stub = pb_grpc.InferenceStub(server.channel())
@@ -207,6 +215,7 @@ def test_generate_answers_a_stream_or_a_named_refusal(
             return
         event(err.code().name)
         check_refusal(err, pb.GenerateRequest.DESCRIPTOR, request.ByteSize())
+        assert not valid, ("a valid request was refused", err.details())
         return
     event(f"answered ({read})")
 
@@ -248,7 +257,7 @@ SCORE_FIELDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] =
         st.lists(INT64, max_size=4)
         | st.builds(lambda t, k: [t] * k, TOKEN, st.integers(1000, 300_000)),
     ),
-    "request_id": (st.text(max_size=40), WILD_TEXT),
+    "request_id": (ID_TEXT, WILD_TEXT),
     "cache_salt": (
         _maybe(st.text(max_size=40)),
         st.sampled_from(["tenant:a", "purge:1"]) | WILD_TEXT,
@@ -257,33 +266,39 @@ SCORE_FIELDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] =
 
 
 @st.composite
-def score_requests(draw: st.DrawFn) -> pb.ScoreRequest:
-    """Plain values but for up to three fields drawn hostile."""
+def score_requests(draw: st.DrawFn) -> tuple[pb.ScoreRequest, bool]:
+    """Plain values but for up to three fields drawn hostile; and whether none was."""
     wild = draw(st.sets(st.sampled_from(sorted(SCORE_FIELDS)), max_size=3))
     v = {name: draw(SCORE_FIELDS[name][name in wild]) for name in SCORE_FIELDS}
     salt = v.pop("cache_salt")
     request = pb.ScoreRequest(**v)
     if salt is not None:
         request.cache_salt = salt
-    return request
+    return request, not wild
 
 
 @FUZZ
-@given(request=score_requests())
+@given(drawn=score_requests())
 @example(  # an answer of 1.2 million log-probs: more than a gRPC message holds
-    request=pb.ScoreRequest(
-        prefix=_text("hello"), items=[_ids([5, 6])] * 4, label_token_ids=[3] * 300_000
+    drawn=(
+        pb.ScoreRequest(
+            prefix=_text("hello"), items=[_ids([5, 6])] * 4, label_token_ids=[3] * 300_000
+        ),
+        False,
     )
 )
 def test_score_answers_logprobs_or_a_named_refusal(
-    server: Any, beside: Beside, request: pb.ScoreRequest
+    server: Any, beside: Beside, drawn: tuple[pb.ScoreRequest, bool]
 ) -> None:
+    request, valid = drawn
     stub = pb_grpc.InferenceStub(server.channel())
     try:
         answer = stub.Score(request, timeout=120)
     except grpc.RpcError as err:
         event(err.code().name)
         check_refusal(err, pb.ScoreRequest.DESCRIPTOR, request.ByteSize())
+        # Too few free KV blocks right now is the server's load, not the request's fault.
+        assert not valid or err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
         return
     event("answered")
     num_labels = len(request.label_token_ids)
