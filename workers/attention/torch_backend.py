@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from workers.attention.base import Attention, AttentionBackend, AttentionLayout, kernel_layout
 from workers.attention.layout import BatchLayout
@@ -220,12 +221,18 @@ class TorchBackend(AttentionBackend):
         if plan.decode_batch:
             self._decode(q, kv_cache, plan, sm_scale, out, lse)
         for p in plan.prefills:
-            k, v = p.gather.read(kv_cache)
+            k, v = self.read_pages(p.gather, kv_cache)
             # Cutting the tail of the last page off also aligns the causal diagonal to kv_len.
             n = p.kv_len
             o, s = attend(q[p.rows], k[0, :n], v[0, :n], sm_scale=sm_scale, causal=layout.causal)
             out[p.rows], lse[p.rows] = o, s
         return (out, lse) if return_lse else out
+
+    def read_pages(self, gather: _KVGather, kv_cache: torch.Tensor) -> tuple[Tensor, Tensor]:
+        """The gather path's copy of a group's pages out of the cache: keys and values
+        `[n, max_pages * page_size, Hk, D]`. A method of its own so that the step benchmark can
+        time the copy apart from the attention over it."""
+        return gather.read(kv_cache)
 
     def _decode(
         self,
@@ -243,7 +250,7 @@ class TorchBackend(AttentionBackend):
             )
             return
         for group in plan.decodes:
-            k, v = group.gather.read(kv_cache)
+            k, v = self.read_pages(group.gather, kv_cache)
             q_dec = q[group.rows][:, None]
             o, s = attend_padded(q_dec, k, v, group.gather.visible[:, None], sm_scale)
             out[group.rows] = o[:, 0]

@@ -91,6 +91,13 @@ def add_bench_parser(sub: Any) -> None:
         action="store_true",
         help="the decode worker pulls only after the first token (the router's pd_prefetch off)",
     )
+    step = bench_sub.add_parser(
+        "step", help="one decode step by phase, in-place attention vs gather, beside its floor"
+    )
+    _add_live_bench_flags(step, "batch 1 and 4 over 128 and 1K tokens")
+    step.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    step.add_argument("--steps", type=int, default=None, help="timed steps a round (8; quick 4)")
+    step.add_argument("--rounds", type=int, default=None, help="rounds of each path (5; quick 3)")
     _add_admission_parser(bench_sub)
     _add_routing_bench_parser(bench_sub)
     _add_agreement_parser(bench_sub)
@@ -168,6 +175,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return run_pd_bench(
             _bench_args(PDBenchArgs, args, prefill_chunk_tokens=chunk, prefetch=prefetch)
         )
+    if args.suite == "step":
+        from cachesvc.bench.step import StepBenchArgs, run_step_bench
+
+        return run_step_bench(_bench_args(StepBenchArgs, args, grid=None))
     if args.suite == "admission":
         from cachesvc.bench.admission import AdmissionBenchArgs, run_admission_bench
 
