@@ -78,9 +78,36 @@ inline void prefetch_page(const KV* page, const CacheStrides& st, int64_t page_s
   }
 }
 
+// acc [D] = acc * rescale + sum over the page's tokens t of w[t] * v[t]. With the head dim known
+// at compile time the row is a local array the compiler keeps in registers across the tokens.
+template <typename KV, int64_t kD>
+inline void accumulate_values(float* acc, float rescale, const float* w, const KV* v,
+                              int64_t n, int64_t token_stride, int64_t head_dim) {
+  if constexpr (kD > 0) {
+    float a[kD];
+#pragma omp simd
+    for (int64_t d = 0; d < kD; ++d) a[d] = acc[d] * rescale;
+    for (int64_t t = 0; t < n; ++t) {
+      const KV* row = v + t * token_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < kD; ++d) a[d] += w[t] * to_float(row[d]);
+    }
+#pragma omp simd
+    for (int64_t d = 0; d < kD; ++d) acc[d] = a[d];
+  } else {
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] *= rescale;
+    for (int64_t t = 0; t < n; ++t) {
+      const KV* row = v + t * token_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += w[t] * to_float(row[d]);
+    }
+  }
+}
+
 // Online softmax of every query head `q [Hq, D]` (scaled by sm_scale * log2 e) over pages
 // [lo, hi) of one request. Leaves the running max `m [Hq]`, sum `l [Hq]` and the unnormalised
-// output `acc [Hq, D]`; `scores` is scratch of Hq * kMaxPage floats. `kD` is the head dim when
+// output `acc [Hq, D]`; `scores` is scratch of kMaxPage floats. `kD` is the head dim when
 // known at compile time (then the loops over it unroll into registers), 0 otherwise.
 template <typename KV, int64_t kD>
 void attend_pages(const float* q, const KV* kv, const int32_t* pages, int64_t lo, int64_t hi,
@@ -96,31 +123,24 @@ void attend_pages(const float* q, const KV* kv, const int32_t* pages, int64_t lo
     const KV* k_page = kv + static_cast<int64_t>(pages[p]) * st.page;
     const KV* v_page = k_page + st.kv;
     if (p + 1 < hi) prefetch_page(kv + static_cast<int64_t>(pages[p + 1]) * st.page, st, ps);
-    // Token by token through the page, every head: the page's keys are read in address order,
-    // and each key row once for all the query heads of its KV head.
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t h = 0; h < sh.num_kv_heads; ++h) {
-        const KV* k = k_page + t * st.token + h * st.head;
-        for (int64_t g = h * G; g < (h + 1) * G; ++g) {
-          const float* qg = q + g * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * to_float(k[d]);
-          scores[g * kMaxPage + t] = s;
-        }
-      }
-    }
+    // One query head at a time over the page: its key and value rows (a few KB, in L1 after
+    // the first head of the group) are read again for each head of the group, while the
+    // head's scores and output row stay in registers.
     for (int64_t g = 0; g < Hq; ++g) {
-      float* w = scores + g * kMaxPage;
+      const int64_t h = g / G;
+      const float* qg = q + g * D;
+      float* w = scores;
+      for (int64_t t = 0; t < n; ++t) {
+        const KV* k = k_page + t * st.token + h * st.head;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += qg[d] * to_float(k[d]);
+        w[t] = s;
+      }
       float page_max = w[0];
       for (int64_t t = 1; t < n; ++t) page_max = std::max(page_max, w[t]);
       const float m_new = std::max(m[g], page_max);
       const float rescale = exp2_neg(m[g] - m_new);  // ~0 on the first page (m = -inf)
-      if (rescale != 1.f) {
-        float* a = acc + g * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
-      }
       float sum = l[g] * rescale;
 #pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < n; ++t) {
@@ -129,17 +149,7 @@ void attend_pages(const float* q, const KV* kv, const int32_t* pages, int64_t lo
       }
       l[g] = sum;
       m[g] = m_new;
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t h = 0; h < sh.num_kv_heads; ++h) {
-        const KV* v = v_page + t * st.token + h * st.head;
-        for (int64_t g = h * G; g < (h + 1) * G; ++g) {
-          float* a = acc + g * D;
-          const float w = scores[g * kMaxPage + t];
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += w * to_float(v[d]);
-        }
-      }
+      accumulate_values<KV, kD>(acc + g * D, rescale, w, v_page + h * st.head, n, st.token, D);
     }
   }
 }
