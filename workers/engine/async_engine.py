@@ -151,8 +151,11 @@ class AsyncEngine:
         Raises the engine's PromptError / ValueError before yielding anything when the prompt is
         unusable, and RequestFailed when the engine failed this request (any of its samples: the
         others are aborted) while serving it; the other streams go on. Closing or cancelling the
-        iterator early aborts the request and frees its blocks. When a whole step fails (the
-        model run raised), every open stream raises that error.
+        iterator early aborts the request and frees its blocks. A model run that raises fails
+        no stream at once: the engine runs the batch's requests alone to find the one that
+        breaks it, whose stream then raises RequestFailed (`workers.engine.suspects`); when runs
+        fail whatever request they hold (the worker is at fault), every open stream raises the
+        run's error.
         """
         base = request_id or f"req-{uuid.uuid4().hex[:12]}"
         queue: asyncio.Queue[_Item] = asyncio.Queue()
@@ -274,8 +277,8 @@ class AsyncEngine:
         self._stale = False  # the step's thread measures every request added so far
         try:
             outputs = await self._in_thread(self.engine.step)
-        except Exception as exc:  # the model run failed: Engine.step undid the step and cannot
-            # tell which request caused it, so every stream ends with the error
+        except Exception as exc:  # model runs failed whatever request they held (Engine.step
+            # undid the step): the worker is at fault, so every stream ends with the error
             _log.exception("engine step failed")
             self._fail_all(exc)
             return

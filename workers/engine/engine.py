@@ -31,9 +31,10 @@ from workers.engine.prompt import PromptError, encode_prompt
 from workers.engine.request import FinishReason, PeerSource, Request
 from workers.engine.runner import ModelRunner, StepResult
 from workers.engine.sampler import sample
-from workers.engine.scheduler import Scheduler, SchedulerConfig
-from workers.engine.scoring import ScoreError, ScoreInput, validate
+from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.engine.scoring import encode_input, validate
 from workers.engine.scoring import score as run_score
+from workers.engine.suspects import Verdict
 from workers.engine.tracking import Tracked, snapshot
 from workers.model.loader import LoadedModel, load_model
 from workers.sampling_params import SamplingParams
@@ -225,10 +226,10 @@ class Engine:
 
         An exception while handling one request (sampling its row, its stop check, detokenizing,
         forking its samples, advancing its beams) fails that request alone (`_fail`); the
-        batch's other requests go on as if it had not been there. If the model run itself raises
-        (nothing says which request caused it), the blocks this step registered are forgotten
-        before the error propagates (their KV was never written: nothing may match or demote
-        them), and the batch's requests go back to the queue to be recomputed, as if preempted.
+        batch's other requests go on as if it had not been there. A model run that raises
+        (nothing says which request caused it) undoes the step: the blocks it registered are
+        forgotten (their KV was never written), its requests requeued as if preempted; then it
+        fails whom `workers.engine.suspects` says (`_on_failed_run`).
         """
         output = self.scheduler.schedule()
         self.cache_admin.after_evictions()
@@ -240,10 +241,12 @@ class Engine:
         start = time.perf_counter()
         try:
             result = self.runner.execute(output, self._requests, keep)
-        except BaseException:
+        except BaseException as exc:
             self.kv.abort_step()
             self.scheduler.requeue(output)
-            raise
+            if not isinstance(exc, Exception):
+                raise
+            return self._on_failed_run(output, exc)
         compute_s = time.perf_counter() - start
         self.scheduler.update(output)  # may land a fetch that ran during the compute (Cake)
         if self.tiering is not None:
@@ -276,6 +279,18 @@ class Engine:
                 outputs.append(self._fail(group.public_id, exc, now, finished))
         return outputs
 
+    def _on_failed_run(self, output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The model run of `output` raised and the step was undone. It fails no one yet (the
+        requests run again, a failed batch's alone), the request that failed alone twice (its
+        output says so), or all of them: `exc` propagates, as from a faulty worker."""
+        verdict = self.scheduler.suspects.on_failed_run(output.chunks)
+        if verdict is Verdict.WORKER_FAULT:
+            raise exc
+        if verdict is Verdict.REQUEUED:
+            _log.warning("a model run of %d request(s) failed", len(output.chunks), exc_info=exc)
+            return []
+        return [self._fail(output.chunks[0].request_id, exc, time.perf_counter())]
+
     def _on_sampled(self, rid: RequestId, result: StepResult, now: float) -> list[RequestOutput]:
         """What a request that sampled this step reports (nothing yet for a beam)."""
         if self.beams.is_beam(rid):
@@ -302,7 +317,7 @@ class Engine:
         return outputs
 
     def _fail(
-        self, rid: RequestId, exc: Exception, now: float, known: Request | None
+        self, rid: RequestId, exc: Exception, now: float, known: Request | None = None
     ) -> RequestOutput:
         """Drop request `rid` after `exc` while serving it, with its whole beam group and the
         samples it was yet to fork (the stream of its samples ends with it); its final output,
@@ -358,27 +373,12 @@ class Engine:
         fit the pool, and NoFreeBlocksError when too few blocks are free right now (requests hold
         them: retry later). Run it between steps.
         """
-        inp = ScoreInput(
-            tuple(self._score_ids(prefix, "prefix", special=True)),
-            tuple(tuple(self._score_ids(it, f"items[{i}]")) for i, it in enumerate(items)),
-            tuple(int(t) for t in label_token_ids),
-        )
+        inp = encode_input(self.tokenizer, prefix, items, label_token_ids)
         validate(inp, self.loaded.config.vocab_size, self.max_model_len)
         try:
             return run_score(self.runner, self.pool, self.config.block_size, inp)
         finally:
             self.cache_admin.after_evictions()
-
-    def _score_ids(
-        self, text_or_ids: str | Sequence[int], field: str, special: bool = False
-    ) -> list[int]:
-        # The prefix is encoded as a prompt (BOS where the model adds one), items as
-        # continuations of it.
-        if not isinstance(text_or_ids, str):
-            return [int(t) for t in text_or_ids]
-        if self.tokenizer is None:
-            raise ScoreError(f"{field}: this model has no tokenizer; give token ids")
-        return self.tokenizer.encode(text_or_ids, add_special_tokens=special)
 
     def generate(
         self,

@@ -5,16 +5,21 @@ first (decodes and unfinished prefill chunks), then waiting ones in arrival orde
 token budget or the sequence limit is reached. When the pool cannot hold a running request's next
 tokens, the most recently arrived running request is preempted: its blocks are freed and it goes
 back to the head of the queue, to be recomputed later.
+
+The requests of a failed model run become suspects (`workers.engine.suspects`): while one has
+work, a step holds that one alone, and no suspect joins a batch of others.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachesvc.types import BlockId, RequestId
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.request import Request, RequestStatus
+from workers.engine.suspects import Suspects
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.suspects = Suspects()  # told how each model run went by the engine
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -67,9 +73,21 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work; allocates blocks and may preempt running requests."""
-        budget = self.config.max_num_batched_tokens
+        """Pick this step's work; allocates blocks and may preempt running requests.
+
+        While a suspect has work, the step holds the first such (in the suspects' order, one
+        already running first) alone; when it cannot be placed now, the others run instead."""
         self.kv.begin_step()
+        suspect = self._next_suspect()
+        if suspect is not None:
+            output = self._pick(lambda r: r is suspect)
+            if output.chunks or output.preempted:
+                return output
+        return self._pick(lambda r: r.request_id not in self.suspects)
+
+    def _pick(self, eligible: Callable[[Request], bool]) -> SchedulerOutput:
+        """Schedule the `eligible` requests: running ones first, then waiting ones in order."""
+        budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[RequestId] = []
         scheduled: list[Request] = []
@@ -77,6 +95,8 @@ class Scheduler:
             if budget == 0 or request not in self.running:
                 continue
             self.kv.land_ready(request)  # a pull that arrived since the last step
+            if not eligible(request):
+                continue
             num_new = min(self.kv.num_computable(request), budget)
             if num_new == 0:
                 continue  # a beam waiting for its siblings' logits has nothing to compute
@@ -86,16 +106,29 @@ class Scheduler:
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
         if not preempted:
-            budget = self._admit_waiting(budget, chunks)
+            budget = self._admit_waiting(budget, chunks, eligible)
         return SchedulerOutput(tuple(chunks), tuple(preempted))
 
+    def _next_suspect(self) -> Request | None:
+        """The suspect to run alone now: the first in order that has work, a running one (it
+        holds blocks) before a waiting one; None when there is none."""
+        if not self.suspects:
+            return None
+        order = {rid: i for i, rid in enumerate(self.suspects.in_order())}
+        candidates = [
+            r for r in self.running if r.request_id in order and self.kv.num_computable(r) > 0
+        ] or [r for r in self.waiting if r.request_id in order]
+        return min(candidates, key=lambda r: order[r.request_id], default=None)
+
     def update(self, output: SchedulerOutput) -> None:
-        """Advance the counters of every request computed in `output`."""
+        """The model run of `output` succeeded: advance the counters of every request it
+        computed, and tell the suspects."""
         by_id = {r.request_id: r for r in self.running}
         for chunk in output.chunks:
             request = by_id[chunk.request_id]
             request.num_computed_tokens += len(chunk.token_ids)
             self.kv.on_computed(request)  # a fetch planned to land here lands now
+        self.suspects.on_run(output.chunks)
 
     def requeue(self, output: SchedulerOutput) -> None:
         """The step computing `output` failed: each of its requests gives its blocks back and
@@ -114,6 +147,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+        self.suspects.discard(request.request_id)
 
     def _allocate_or_preempt(
         self,
@@ -133,10 +167,15 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+    def _admit_waiting(
+        self, budget: int, chunks: list[ScheduledChunk], eligible: Callable[[Request], bool]
+    ) -> int:
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
+            if not eligible(request):
+                deferred.append(request)  # keeps its place in the queue
+                continue
             match = self.kv.match_prefix(request)
             if match.joins_pull or (match.stopped_at_in_flight and self.kv.in_batch == "defer"):
                 # Batch split + cache: wait for the blocks this step computes (or another

@@ -8,6 +8,7 @@ scoring `prefix + item` as its own request, while the prefix is computed once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ from cachesvc.block_pool import BlockPool, NoFreeBlocksError
 from cachesvc.types import BlockId
 from workers.attention.schemes import build_scheme_layout
 from workers.engine.runner import ModelRunner
+from workers.text.tokenizer import Tokenizer
 
 
 class ScoreError(ValueError):
@@ -27,6 +29,30 @@ class ScoreInput:
     prefix_ids: tuple[int, ...]
     items_ids: tuple[tuple[int, ...], ...]
     label_token_ids: tuple[int, ...]
+
+
+def encode_input(
+    tokenizer: Tokenizer | None,
+    prefix: str | Sequence[int],
+    items: Sequence[str | Sequence[int]],
+    label_token_ids: Sequence[int],
+) -> ScoreInput:
+    """The ids of a scoring request given as text or ids: the prefix is encoded as a prompt
+    (BOS where the model adds one), items as continuations of it. Raises ScoreError naming a
+    field given as text to a model without a tokenizer; `validate` checks the rest."""
+
+    def ids(text_or_ids: str | Sequence[int], field: str, special: bool = False) -> list[int]:
+        if not isinstance(text_or_ids, str):
+            return [int(t) for t in text_or_ids]
+        if tokenizer is None:
+            raise ScoreError(f"{field}: this model has no tokenizer; give token ids")
+        return tokenizer.encode(text_or_ids, add_special_tokens=special)
+
+    return ScoreInput(
+        tuple(ids(prefix, "prefix", special=True)),
+        tuple(tuple(ids(it, f"items[{i}]")) for i, it in enumerate(items)),
+        tuple(int(t) for t in label_token_ids),
+    )
 
 
 def validate(inp: ScoreInput, vocab_size: int, max_model_len: int) -> None:
