@@ -20,6 +20,8 @@ from router.worker_state import Health
 
 pytestmark = pytest.mark.system
 POISON = [7, 7, 7, 7, 7, 7]  # a prompt starting so makes the armed engines raise
+# A prompt starting so breaks the armed model forward (unlike POISON, never served and cached).
+FORWARD_POISON = [9, 9, 9, 9, 9, 9]
 PROMPTS = [[11 + 5 * p + i for i in range(10 + 3 * p)] for p in range(4)]
 MAX_TOKENS = 40
 
@@ -54,6 +56,35 @@ def _chat(**extra: Any) -> dict[str, Any]:
         "ignore_eos": True,
         **extra,
     }
+
+
+def _beside_streams(
+    stub: pb_grpc.InferenceStub, poisoned: list[int]
+) -> tuple[dict[int, list[int] | grpc.RpcError], grpc.RpcError]:
+    """A stream of each of PROMPTS, and `poisoned` sent once they run: what each stream ended
+    with (its tokens or its error), and the error `poisoned` was answered with."""
+    results: dict[int, list[int] | grpc.RpcError] = {}
+    started = threading.Event()
+
+    def one(p: int) -> None:
+        try:
+            out: list[int] = []
+            for message in stub.Generate(_grpc_request(PROMPTS[p]), timeout=120):
+                out += message.token_ids
+                started.set()
+            results[p] = out
+        except grpc.RpcError as exc:
+            results[p] = exc
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    assert started.wait(60)
+    with pytest.raises(grpc.RpcError) as info:
+        _tokens(stub, poisoned)
+    for thread in threads:
+        thread.join(120)
+    return results, info.value
 
 
 def _healthy(server: Any) -> bool:
@@ -170,29 +201,9 @@ def test_a_poisoned_request_fails_alone_and_is_not_retried(
     server, http, stub = doors
     clean = {p: _tokens(stub, ids) for p, ids in enumerate(PROMPTS)}
     retries = server.router.stats().num_retries
-    results: dict[int, list[int] | grpc.RpcError] = {}
-    started = threading.Event()
-
-    def one(p: int) -> None:
-        try:
-            out: list[int] = []
-            for message in stub.Generate(_grpc_request(PROMPTS[p]), timeout=120):
-                out += message.token_ids
-                started.set()
-            results[p] = out
-        except grpc.RpcError as exc:
-            results[p] = exc
-
-    threads = [threading.Thread(target=one, args=(p,)) for p in range(len(PROMPTS))]
-    for thread in threads:
-        thread.start()
-    assert started.wait(60)
-    with pytest.raises(grpc.RpcError) as info:
-        _tokens(stub, POISON + PROMPTS[0])
-    for thread in threads:
-        thread.join(120)
-    assert info.value.code() is grpc.StatusCode.INTERNAL
-    assert "RuntimeError: poisoned request" in (info.value.details() or "")
+    results, error = _beside_streams(stub, POISON + PROMPTS[0])
+    assert error.code() is grpc.StatusCode.INTERNAL
+    assert "RuntimeError: poisoned request" in (error.details() or "")
     assert results == clean  # every stream of the batch, on either worker, finished intact
     assert sorted(armed()) == [0, 1]  # it ran once, on one worker: not retried on the other
     # The HTTP door answers it as a 500 that says why.
@@ -201,6 +212,69 @@ def test_a_poisoned_request_fails_alone_and_is_not_retried(
     assert status == 500, body
     assert "RuntimeError: poisoned request" in error_of(body)["message"]
     assert sum(armed()) == 2
+    assert server.router.stats().num_retries == retries
+    assert _healthy(server)
+    assert _tokens(stub, PROMPTS[2]) == clean[2]
+
+
+@pytest.fixture
+def armed_forward(worker_pair: dict[str, Any]) -> Iterator[Any]:
+    """In both workers' processes, the model forward raises whenever its input holds the start
+    of a poisoned prompt (its first tokens at positions 0 on): whatever batch it is in. Yields a
+    function that says how many model runs each worker's poison broke."""
+    import ray
+
+    poison = list(FORWARD_POISON)
+
+    def arm(worker: Any) -> None:
+        runner = worker._engine.engine.runner
+        model = runner.model
+        worker.forward_hits, worker.real_model = 0, model
+
+        def forward(token_ids: Any, positions: Any, *args: Any) -> Any:
+            ids = token_ids.tolist()
+            starts = (positions == 0).nonzero().flatten().tolist()
+            if any(ids[s : s + len(poison)] == poison for s in starts):
+                worker.forward_hits += 1
+                raise RuntimeError("poisoned forward")
+            return model(token_ids, positions, *args)
+
+        runner.model = forward
+
+    def disarm(worker: Any) -> None:
+        worker._engine.engine.runner.model = worker.real_model
+
+    def hits(worker: Any) -> int:
+        return int(worker.forward_hits)
+
+    actors = list(worker_pair.values())
+    ray.get([a.__ray_call__.remote(arm) for a in actors], timeout=60)
+    yield lambda: ray.get([a.__ray_call__.remote(hits) for a in actors], timeout=60)
+    ray.get([a.__ray_call__.remote(disarm) for a in actors], timeout=60)
+
+
+def test_a_prompt_that_breaks_the_forward_fails_alone_and_is_not_retried(
+    doors: tuple[Any, Any, pb_grpc.InferenceStub], armed_forward: Any
+) -> None:
+    # The poisoned prompt breaks every model run it is in: its batch's requests run alone on
+    # that worker until it is found (it fails alone, twice), and the batch's streams go on.
+    server, http, stub = doors
+    clean = {p: _tokens(stub, ids) for p, ids in enumerate(PROMPTS)}
+    retries = server.router.stats().num_retries
+    results, error = _beside_streams(stub, FORWARD_POISON + PROMPTS[0])
+    assert error.code() is grpc.StatusCode.INTERNAL
+    assert "RuntimeError: poisoned forward" in (error.details() or "")
+    assert results == clean  # every stream, on either worker, finished with its clean tokens
+    # It broke runs on one worker only (a batch, when it joined one, then twice alone): it was
+    # not retried on the other.
+    hits = sorted(armed_forward())
+    assert hits[0] == 0 and hits[1] in (2, 3), hits
+    # The HTTP door answers it as a 500 that says why; alone on a worker it breaks two runs.
+    poisoned = {"model": MODEL_NAME, "prompt": FORWARD_POISON + PROMPTS[1], "max_tokens": 8}
+    status, _, body = call(http, "POST", "/v1/completions", {**poisoned, "temperature": 0})
+    assert status == 500, body
+    assert "RuntimeError: poisoned forward" in error_of(body)["message"]
+    assert sum(armed_forward()) == sum(hits) + 2
     assert server.router.stats().num_retries == retries
     assert _healthy(server)
     assert _tokens(stub, PROMPTS[2]) == clean[2]
