@@ -25,6 +25,7 @@ _CLOCKS = (
     "layout",
     "model",
     "attention",
+    "kv_write",
     "gather",
     "sampling",
     "detokenize",
@@ -35,7 +36,8 @@ PHASES = {
     "layout": "block tables to index tensors (plan_step, backend plan)",
     "weights": "the layers' matmuls and elementwise ops (model minus attention)",
     "attn_gather": "copying the context's pages out of the cache (gather path only)",
-    "attn_compute": "attention proper, and writing the new K/V",
+    "attn_compute": "attention proper over the context",
+    "kv_write": "writing the new tokens' K/V into their pages",
     "sampling": "sampling the next tokens",
     "detokenize": "token ids to text deltas",
 }
@@ -72,13 +74,14 @@ class PhaseClock:
     def take(self) -> dict[str, float]:
         """The exclusive phases (seconds) since the last take, with `step` and `other`; resets."""
         t = self.totals
-        attention = t["attention"]
+        attention = t["attention"] + t["kv_write"]
         phases = {
             "schedule": t["schedule"],
             "layout": t["layout"],
             "weights": max(t["model"] - attention, 0.0),
             "attn_gather": t["gather"],
-            "attn_compute": max(attention - t["gather"], 0.0),
+            "attn_compute": max(t["attention"] - t["gather"], 0.0),
+            "kv_write": t["kv_write"],
             "sampling": t["sampling"],
             "detokenize": t["detokenize"],
         }
@@ -142,7 +145,7 @@ def instrument(engine: Any, clock: PhaseClock, backends: list[Any]) -> Iterator[
         for backend in backends:
             wrap(backend, "plan", "layout")
             wrap(backend, "forward", "attention")
-            wrap(backend, "write_kv", "attention")
+            wrap(backend, "write_kv", "kv_write")
             for part in _backend_parts(backend)[1:]:
                 if hasattr(part, "read_pages"):
                     wrap(part, "read_pages", "gather")
