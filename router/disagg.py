@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import dataclasses
 import functools
 import logging
@@ -124,20 +123,20 @@ class Disaggregation:
         """Colocated or disaggregated for a request not started yet (None: no prefill workers
         and no hand-offs between mixed ones, or a request that cannot be handed off).
         `admit(decision, stalls)` may refuse it (raising) before it is counted anywhere; `stalls`
-        are the workers whose streams it joins or stalls (`router.admission.stalls_of`)."""
+        are the workers whose streams it joins or stalls (`router.admission.stalls_of`). The
+        policy is asked once and told only where the request runs (`Asked.record`): its own
+        choice kept colocated, a hand-off's decode worker, or the prefill worker that the
+        first token ends it on; nothing when refused."""
         if self.config.pd_mode == "never" or not progress.resumable:
             return None
         mixed = self.mixed(excluded)
         if not mixed and not self.active():
             return None
         num_tokens = len(progress.prompt_ids)
-        # The policy notes its choice as given the request (its tie-breaks, its memory of
-        # recent work): a handed-off request does not run there, so what it noted is undone
-        # unless that worker takes a part of the request after all (between mixed workers).
-        policy = self.placement.policy
-        noted = copy.deepcopy(vars(policy))
-        colocated = self.placement.route(num_tokens, hashes, excluded, SERVING_ROLES)
-        answer = Answer.of(self._room(progress), self.mean_answer)
+        # The policy's choice, not recorded: it is told where the request runs once decided.
+        colocated = self.placement.choose(num_tokens, hashes, excluded, SERVING_ROLES)
+        room = self._room(progress)
+        answer = Answer.of(room, self.mean_answer)
         now_s = time.monotonic()
         healthy = [s.worker_id for s in self.pool.healthy()]
         seen = Seen(self.pool.index.longest_prefix(hashes), self.shares.shares(now_s, healthy))
@@ -153,25 +152,23 @@ class Disaggregation:
             decision = dataclasses.replace(decision, disaggregate=True, reason="always")
         prefill_id = None if prefill is None else prefill.worker
         decode_id = None if decode is None else decode.worker_id
-        stalls = stalls_of(decision, colocated.decision.worker, prefill_id, decode_id)
-        used = {worker for worker, _ in stalls}
-        try:
-            admit(decision, stalls)
-        except Exception:  # refused: it runs nowhere
-            _restore(policy, noted)
-            raise
-        if colocated.decision.worker not in used:
-            _restore(policy, noted)
+        admit(decision, stalls_of(decision, colocated.decision.worker, prefill_id, decode_id))
         self.metrics.pd_decisions.labels(decision.mode).inc()
         handoff = Handoff(decision, colocated, cost=self.handoff_cost)
+        assert colocated.asked is not None
         if not decision.disaggregate or prefill is None or decode is None:
+            colocated.asked.record(colocated.decision.worker)
             self.shares.add(colocated.decision.worker, decision.prefill_s, now_s)
             handoff._placed.append(colocated)
             return handoff
+        full_blocks = num_tokens // self.pool.model.block_size
+        if room > 1:  # the decode worker pulls the prompt's full blocks and decodes the rest
+            colocated.asked.record(decode.worker_id, full_blocks)
+        else:  # the first token ends it: it runs on the prefill worker alone
+            colocated.asked.record(prefill.worker)
         self.shares.add(prefill.worker, decision.prefill_s, now_s)
         handoff.prefill, handoff.decode = prefill, decode.worker_id
-        block_size = self.pool.model.block_size
-        handoff.full_tokens = num_tokens // block_size * block_size
+        handoff.full_tokens = full_blocks * self.pool.model.block_size
         return handoff
 
     def _room(self, progress: RequestProgress) -> int:
@@ -396,10 +393,3 @@ class Disaggregation:
             await self.pool.call(worker, "release_hold", prompt_ids, cache_salt)
         except Exception as exc:  # gone (its pins with it), or an older build: the pins expire
             _log.debug("releasing a hold on %s failed: %s", worker, exc)
-
-
-def _restore(policy: object, noted: dict[str, Any]) -> None:
-    """Put back the policy's state as it was before a choice it noted (a deep copy of it)."""
-    state = vars(policy)
-    state.clear()
-    state.update(noted)

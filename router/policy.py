@@ -1,9 +1,11 @@
 """Routing policies, picked by name from a registry: pure choices over candidate snapshots.
 
 A policy sees, per live worker, its load, its cached prefix of the request and its calibrated
-per-block costs (`Candidate`), and returns a `RouteDecision` that says why. Policies keep only a
-little state of their own (who was chosen when, the requests routed lately, how busy each
-worker was), so they are tested with tables of cases and short runs of decisions.
+per-block costs (`Candidate`), and returns a `RouteDecision` that says why (`choose`, pure).
+What it remembers (who was given a request when, the requests routed lately, how busy each
+worker was) is noted apart, for the worker the request runs on once known (`record`; a request
+handed off is noted where it decodes, one refused nowhere). Tested with tables of cases and
+short runs of decisions (`choose_and_record`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from router.costs import (
     pull_blocks,
     seconds_per_token,
 )
-from router.recent import BusySeconds, RecentAmounts
+from router.recent import BusySeconds, Lately, RecentAmounts, mean_of
 
 # What a policy sees and what a request costs live in `router.costs`; named here too, where
 # policies are looked for.
@@ -41,6 +43,7 @@ __all__ = [
     "RouteDecision",
     "RouteRequest",
     "can_pull",
+    "choose_and_record",
     "estimated_cost",
     "fetch_weights",
     "make_policy",
@@ -73,8 +76,24 @@ class Policy(Protocol):
     name: str
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
-        """Pick one of `candidates` (never empty); may update tie-breaking state."""
+        """Pick one of `candidates` (never empty); pure: the policy's memory is only read."""
         ...
+
+    def record(
+        self, request: RouteRequest, candidates: Sequence[Candidate], worker: WorkerId
+    ) -> None:
+        """Note that `request`, asked over `candidates` as `choose` saw them, runs on `worker`
+        (one of them). Mutates; called once a request, for where it runs only."""
+        ...
+
+
+def choose_and_record(
+    policy: Policy, request: RouteRequest, candidates: Sequence[Candidate]
+) -> RouteDecision:
+    """`policy`'s choice among `candidates`, recorded: the request runs where it chose."""
+    decision = policy.choose(request, candidates)
+    policy.record(request, candidates, decision.worker)
+    return decision
 
 
 @dataclass
@@ -93,47 +112,47 @@ class _Recency:
     def pick(
         self, candidates: Sequence[Candidate], key: Callable[[Candidate], tuple[int, ...]]
     ) -> Candidate:
-        """The candidate with the least `key`, ties to the one chosen longest ago; noted."""
-        best = min(candidates, key=lambda c: (*key(c), self.age_key(c.worker), c.worker))
-        self.chosen(best.worker)
-        return best
+        """The candidate with the least `key`, ties to the one chosen longest ago (pure)."""
+        return min(candidates, key=lambda c: (*key(c), self.age_key(c.worker), c.worker))
 
 
-class RoundRobin:
+class _Ties:
+    """A policy whose only memory is its tie-breaks: who was given a request when."""
+
+    def __init__(self) -> None:
+        self._recency = _Recency()
+
+    def record(
+        self, request: RouteRequest, candidates: Sequence[Candidate], worker: WorkerId
+    ) -> None:
+        self._recency.chosen(worker)
+
+
+class RoundRobin(_Ties):
     """Each worker in turn, whatever it holds."""
 
     name = "round_robin"
 
-    def __init__(self) -> None:
-        self._recency = _Recency()
-
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
         pick = min(candidates, key=lambda c: (self._recency.age_key(c.worker), c.worker))
-        self._recency.chosen(pick.worker)
         return RouteDecision(pick.worker, self.name, _matched(pick), reason="next in turn")
 
 
-class LeastLoaded:
+class LeastLoaded(_Ties):
     """The worker with the fewest queued tokens, then the fewest requests."""
 
     name = "least_loaded"
-
-    def __init__(self) -> None:
-        self._recency = _Recency()
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
         pick = self._recency.pick(candidates, lambda c: (c.num_queued_tokens, c.num_requests))
         return RouteDecision(pick.worker, self.name, _matched(pick), reason="least queued work")
 
 
-class LongestPrefix:
+class LongestPrefix(_Ties):
     """Pure cache affinity: the worker holding the longest prefix of the request (any tier),
     then the least queued work. No bound: a hot prefix stays on its holder however busy."""
 
     name = "longest_prefix"
-
-    def __init__(self) -> None:
-        self._recency = _Recency()
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
         pick = self._recency.pick(candidates, lambda c: (-_matched(c), c.num_queued_tokens))
@@ -217,21 +236,19 @@ class PrefixAware:
         self._work = RecentAmounts(busy_half_life_s)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
-        for recent in (self._traffic, self._work):
-            recent.advance(request.now_s, (c.worker for c in candidates))
-        self._busy.observe(request.now_s, ((c.worker, c.num_requests > 0) for c in candidates))
+        lately = self._lately(request, candidates)
         rates = seconds_per_token(request, candidates)
         queued = {c.worker: c.num_queued_tokens * rates[c.worker] for c in candidates}
         loaded = self._within_load_bound(candidates, queued)
-        eligible = self._within_traffic_bound(loaded, candidates)
-        scores = self._scores(request, candidates, eligible)
+        eligible = self._within_traffic_bound(loaded, candidates, lately)
+        scores = self._scores(request, candidates, eligible, lately)
         best = min(scores.values())
         limit = best + self.tie_fraction * request.num_prompt_tokens
         near = [c for c in eligible if scores[c.worker] <= limit]
         pick = min(
             near,
             key=lambda c: (
-                self._busy.get(c.worker) + queued[c.worker],
+                lately.busy[c.worker] + queued[c.worker],
                 scores[c.worker],
                 self._recency.age_key(c.worker),
                 c.worker,
@@ -241,18 +258,38 @@ class PrefixAware:
         pulled = pull_blocks(request, pick)
         if pulled:
             reason += f"; pulls {pulled} blocks from the holder"
-        self._recency.chosen(pick.worker)
-        self._busy.given(pick.worker, request.now_s)
-        self._traffic.add(pick.worker, 1.0)
-        self._work.add(pick.worker, prefill_cost(request, pick))
         cost = estimated_cost(request, pick)
         return RouteDecision(pick.worker, self.name, _matched(pick), cost, reason, pulled)
+
+    def record(
+        self, request: RouteRequest, candidates: Sequence[Candidate], worker: WorkerId
+    ) -> None:
+        """The loads seen, and `worker` given the request: one more request routed there, busy
+        from now, and the request's prefill at its cost as its candidate says."""
+        for recent in (self._traffic, self._work):
+            recent.advance(request.now_s, (c.worker for c in candidates))
+        self._busy.observe(request.now_s, _loads(candidates))
+        runs = next(c for c in candidates if c.worker == worker)
+        self._recency.chosen(worker)
+        self._busy.given(worker, request.now_s)
+        self._traffic.add(worker, 1.0)
+        self._work.add(worker, prefill_cost(request, runs))
+
+    def _lately(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Lately:
+        """The memory as `record` would read it before noting the request (pure)."""
+        workers = [c.worker for c in candidates]
+        return Lately(
+            self._traffic.at(request.now_s, workers),
+            self._busy.at(request.now_s, _loads(candidates)),
+            self._work.at(request.now_s, workers),
+        )
 
     def _scores(
         self,
         request: RouteRequest,
         candidates: Sequence[Candidate],
         eligible: Sequence[Candidate],
+        lately: Lately,
     ) -> dict[WorkerId, float]:
         """Each eligible worker's score in tokens of work: its prefill of the request, a share
         of its queue, and its busy seconds above the candidates' mean as tokens, at the rate
@@ -263,13 +300,13 @@ class PrefixAware:
         right now pays for its past too: busy time is evened out over minutes, and sparing
         idle holders left the busiest hosts of a hot prompt 11% above the mean on 128 workers
         (`cachesvc simulate --workload generated`) against 6% without."""
-        mean_busy = self._busy.mean(c.worker for c in candidates)
+        mean_busy = mean_of(lately.busy)
         busy_s = mean_busy * len(candidates)
-        work = sum(self._work.get(c.worker) for c in candidates)
+        work = sum(lately.work.values())
         tokens_per_s = work / busy_s if busy_s > 0 else 0.0
         scores = {}
         for c in eligible:
-            excess_s = max(0.0, self._busy.get(c.worker) - mean_busy)
+            excess_s = max(0.0, lately.busy[c.worker] - mean_busy)
             scores[c.worker] = (
                 prefill_cost(request, c)
                 + self.queue_weight * c.num_queued_tokens
@@ -278,16 +315,16 @@ class PrefixAware:
         return scores
 
     def _within_traffic_bound(
-        self, loaded: list[Candidate], candidates: Sequence[Candidate]
+        self, loaded: list[Candidate], candidates: Sequence[Candidate], lately: Lately
     ) -> list[Candidate]:
         """Leave out of `loaded` the workers that got far more than the mean of recent
         requests over all `candidates` (workers that left routing weigh nothing), unless that
         would leave nobody."""
         if self.traffic_factor <= 0:
             return loaded
-        mean = self._traffic.mean(c.worker for c in candidates)
+        mean = mean_of(lately.traffic)
         ceiling = max(self.traffic_factor * mean, mean + _TRAFFIC_SLACK)
-        light = [c for c in loaded if self._traffic.get(c.worker) <= ceiling]
+        light = [c for c in loaded if lately.traffic[c.worker] <= ceiling]
         return light or loaded
 
     def _within_load_bound(
@@ -331,6 +368,10 @@ def _reason(
     if all(_matched(c) < longest for c in eligible):
         return "bounded: holder took more than its share of recent requests"
     return f"shorter prefix than the busier holder: {how}"
+
+
+def _loads(candidates: Sequence[Candidate]) -> list[tuple[WorkerId, bool]]:
+    return [(c.worker, c.num_requests > 0) for c in candidates]
 
 
 def _matched(candidate: Candidate) -> int:

@@ -9,7 +9,8 @@ candidates for a half-life (dead, drained, replaced) is forgotten.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from cachesvc.types import WorkerId
 
@@ -30,7 +31,7 @@ class RecentAmounts:
         nothing), note the workers `present` as seen now and forget those unseen for a
         half-life."""
         if self._now_s is not None and now_s > self._now_s:
-            factor = 0.5 ** ((now_s - self._now_s) / self.half_life_s)
+            factor = self._decay(now_s)
             for worker in self._amounts:
                 self._amounts[worker] *= factor
         self._now_s = now_s if self._now_s is None else max(self._now_s, now_s)
@@ -40,6 +41,19 @@ class RecentAmounts:
         for worker in gone:
             del self._seen_s[worker]
             self._amounts.pop(worker, None)
+
+    def at(self, now_s: float, present: Iterable[WorkerId]) -> dict[WorkerId, float]:
+        """Each of the workers `present` at `now_s`: its amount as `advance(now_s, present)`
+        then `get` would read it, to the bit, without noting anything (pure). A worker
+        present is never forgotten, so its decayed amount is all there is to it."""
+        factor = self._decay(now_s)
+        return {worker: self._amounts.get(worker, 0.0) * factor for worker in present}
+
+    def _decay(self, now_s: float) -> float:
+        """The factor from the last time advanced to `now_s` (1 for an earlier time)."""
+        if self._now_s is None or now_s <= self._now_s:
+            return 1.0
+        return 0.5 ** ((now_s - self._now_s) / self.half_life_s)
 
     def add(self, worker: WorkerId, amount: float) -> None:
         self._amounts[worker] = self._amounts.get(worker, 0.0) + amount
@@ -88,6 +102,16 @@ class BusySeconds:
         for worker in [w for w in self._last if w not in known]:
             del self._last[worker]
 
+    def at(self, now_s: float, loads: Iterable[tuple[WorkerId, bool]]) -> dict[WorkerId, float]:
+        """Each worker of `loads` at `now_s`: its seconds as `observe(now_s, loads)` then
+        `get` would read them, to the bit, without noting anything (pure)."""
+        seconds = self._seconds.at(now_s, (w for w, _ in loads))
+        for worker in seconds:
+            last = self._last.get(worker)
+            if last is not None and last[1]:
+                seconds[worker] += max(0.0, now_s - last[0])
+        return seconds
+
     def given(self, worker: WorkerId, now_s: float) -> None:
         """`worker` was just given a request: busy from now on, whatever its last load said."""
         self._last[worker] = (now_s, True)
@@ -98,3 +122,20 @@ class BusySeconds:
     def mean(self, workers: Iterable[WorkerId]) -> float:
         """The mean over `workers` (0 for none)."""
         return self._seconds.mean(workers)
+
+
+@dataclass(frozen=True)
+class Lately:
+    """What a policy remembers of each worker present at one decision, read without noting
+    anything (`RecentAmounts.at`, `BusySeconds.at`): the requests it was given lately, its busy
+    seconds lately and the prefill tokens it was given lately."""
+
+    traffic: Mapping[WorkerId, float]
+    busy: Mapping[WorkerId, float]
+    work: Mapping[WorkerId, float]
+
+
+def mean_of(amounts: Mapping[WorkerId, float]) -> float:
+    """The mean of `amounts` (0 for none), summed in their order as `RecentAmounts.mean` sums."""
+    values = list(amounts.values())
+    return sum(values) / len(values) if values else 0.0

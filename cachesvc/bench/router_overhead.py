@@ -23,7 +23,7 @@ from cachesvc.bench.table import format_table, write_json
 from cachesvc.hashing import hash_blocks, root_hash
 from cachesvc.index import IndexSnapshot, MemoryPrefixIndex
 from cachesvc.types import BlockHash, WorkerId
-from router.policy import Candidate, RouteRequest, make_policy
+from router.policy import Candidate, RouteRequest, choose_and_record, make_policy
 
 SIZES = (1024, 8192, 32768)
 BLOCK_SIZE = 16
@@ -86,7 +86,7 @@ def measure(tokenizer: Any, num_tokens: int, num_prompts: int, repeats: int) -> 
             candidates = [
                 Candidate(w, i % 4, 1000 * (i % 3), matches.get(w)) for i, w in enumerate(workers)
             ]
-            policy.choose(RouteRequest(len(ids), BLOCK_SIZE), candidates)
+            choose_and_record(policy, RouteRequest(len(ids), BLOCK_SIZE), candidates)
             t4 = clock()
             marks = (t0, t1, t2, t3, t4)
             for stage, start, end in zip(STAGES, marks, marks[1:], strict=False):

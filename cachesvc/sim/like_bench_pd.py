@@ -77,7 +77,8 @@ class PolledLate:
     So the policy counts that worker busy from then until its next decision, as it counts the
     one the first request goes to, and the two decode streams that follow go one to each: live
     they did in every quiet run, and without this the simulated router put both on one worker
-    (their steps of two sequences, 1.4x a gap of one)."""
+    (their steps of two sequences, 1.4x a gap of one). The first decision lasts until it is
+    recorded: the policy both chooses and records over what that poll showed."""
 
     def __init__(self, policy: Policy, worker: WorkerId) -> None:
         self.policy = policy
@@ -86,15 +87,24 @@ class PolledLate:
         self._first = True
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
-        if self._first:
-            self._first = False
-            candidates = [
-                dataclasses.replace(c, num_requests=max(1, c.num_requests))
-                if c.worker == self.worker
-                else c
-                for c in candidates
-            ]
-        return self.policy.choose(request, candidates)
+        return self.policy.choose(request, self._polled(candidates))
+
+    def record(
+        self, request: RouteRequest, candidates: Sequence[Candidate], worker: WorkerId
+    ) -> None:
+        polled = self._polled(candidates)
+        self._first = False
+        self.policy.record(request, polled, worker)
+
+    def _polled(self, candidates: Sequence[Candidate]) -> Sequence[Candidate]:
+        if not self._first:
+            return candidates
+        return [
+            dataclasses.replace(c, num_requests=max(1, c.num_requests))
+            if c.worker == self.worker
+            else c
+            for c in candidates
+        ]
 
 
 def replay_bench_pd(

@@ -193,6 +193,8 @@ class _Cluster:
         # Every simulated worker is healthy, so any may be the holder a pull comes from.
         holders = [w.worker_id for w in self.workers] if self.peer_pull else []
         worker, choice = choose_among(self.policy, req, live, matches, holders)
+        # Recorded before admission, as the router's `Placement.route` records its choice.
+        choice.asked.record(worker.worker_id)
         predicted = 0.0
         if self.admission.on:
             predicted, queued = colocated_ttft_s(req, worker, choice.decision.matched_blocks)

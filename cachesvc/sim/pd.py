@@ -6,20 +6,22 @@ Four modes over one cluster:
 - `colocated`: every worker is mixed; the routing policy places the whole request (as without
   roles).
 - `always`: the first `num_prefill` workers are prefill workers, the rest decode workers; the
-  policy chooses the prefill worker among the prefill ones, `pick_decode` the decode worker.
+  prompt runs on the prefill worker whose first token comes soonest (`fastest_prefill`),
+  `pick_decode` chooses the decode worker.
 - `decide`: the same roles; per request, `decide` weighs running it colocated on the policy's
-  choice among the decode workers against computing its prompt on the policy's choice among
-  the prefill workers and decoding on `pick_decode`'s.
+  choice among the decode workers against computing its prompt on `fastest_prefill`'s prefill
+  worker and decoding on `pick_decode`'s.
 - `dynamic`: every worker is mixed; per request, `decide` weighs running it colocated on the
   policy's choice against computing its prompt where it stalls the fewest streams among the
   workers holding as much of it with no more queued (`pick_prefill`; the policy's choice when
   none is better) and decoding on `pick_decode`'s choice among the other workers.
 
 As `router.disagg` sees them: a worker's uncached prompt tokens (the policy's match on the
-colocated and prefill sides, the prefix index's on the decode side), its queued tokens, its
-running streams, and its per-token prefill and per-block pull costs from its reported
-`BlockCosts`. One policy instance makes both choices, so it remembers the colocated choice (and
-the prefill one) even for a request that goes the other way, as the router's does.
+colocated side, the prefix index's elsewhere), its queued tokens, its running streams, and its
+per-token prefill and per-block pull costs from its reported `BlockCosts`. The policy is asked
+once a request, for the colocated side, and records only where the request runs, as the
+router's does (`router.placement.Asked.record`): its choice when kept colocated, the decode
+worker of a hand-off (pulling the prompt's full blocks), nothing when admission refuses it.
 
 A disaggregated request runs twice: on its prefill worker up to its first token
 (`SimSeq.prefill_only`, its TTFT), then on its decode worker (`handoff`), which pulls the
@@ -28,9 +30,10 @@ the holder's staging), computes the tail (the last partial block and the first t
 decodes the rest of the output. With `prefetch` (the router's `pd_prefetch`) that pull started
 when the request was routed, each prefill step's blocks once it ended (`EarlyPull`). As the
 router does, each request's answer is bounded by its `max_tokens` (a replay's client sets it to
-the recorded answer, as benchmark clients replaying a trace do), and each worker's recent prompt
-work is kept (`PrefillShare`); the decode worker evicts its copy of the prompt first once the
-request ends (`BlockPool.free(evict_first=)`).
+the recorded answer, as benchmark clients replaying a trace do), each worker's recent prompt
+work is kept (`PrefillShare`), and the hand-off's fixed cost is the router's `HandoffCost`,
+learnt when a handed-off request ends whose pull brought every full block; the decode worker
+evicts its copy of the prompt first once the request ends (`BlockPool.free(evict_first=)`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from router.admission import predicted_ttft_s, queued_s, stalls_of
 from router.answers import Answer
 from router.costs import prefill_token_s
 from router.disagg import HANDOFF_FIXED_PRIOR_S, SERVING_ROLES
+from router.handoff import HandoffCost
 from router.pd import (
     DECODE,
     MIXED,
@@ -61,12 +65,9 @@ from router.pd import (
     decide,
     with_answers,
 )
-from router.pd_pick import DecodeLoad, PrefillShare, pick_decode, pick_prefill
+from router.pd_pick import DecodeLoad, PrefillShare, fastest_prefill, pick_decode, pick_prefill
 from router.placement import Choice, LiveWorker, choose
 from router.policy import PEER, Policy, RouteRequest
-
-# The weight of each measured hand-off in the learnt fixed cost (the router's).
-HANDOFF_WEIGHT = 0.2
 
 COLOCATED, ALWAYS, DECIDE, DYNAMIC = "colocated", "always", "decide", "dynamic"
 PD_MODES = (COLOCATED, ALWAYS, DECIDE, DYNAMIC)
@@ -120,7 +121,8 @@ def choose_among(
     matches: Mapping[WorkerId, PrefixMatch],
     holders: Sequence[WorkerId] = (),
 ) -> tuple[SimWorker, Choice]:
-    """The policy's choice among `workers` (never empty), through `router.placement.choose`."""
+    """The policy's choice among `workers` (never empty), through `router.placement.choose`;
+    not recorded (`Choice.asked` records where the request runs)."""
     loads = [
         LiveWorker(w.worker_id, w.num_requests, w.num_queued_tokens, w.block_costs())
         for w in workers
@@ -133,17 +135,18 @@ def choose_among(
 def joining(
     req: SimRequest,
     worker: SimWorker,
-    choice: Choice,
+    choice: Choice | None,
     matches: Mapping[WorkerId, PrefixMatch],
     workers: Sequence[SimWorker],
     prefill_only: bool = False,
 ) -> SimSeq:
-    """`req` as it joins `worker`, the policy's `choice`: the device prefix the index says it
-    holds there, and the holder named to it (any of `workers`)."""
+    """`req` as it joins `worker`: the device prefix the index says it holds there, and the
+    holder the policy's `choice` of it named (any of `workers`; None: no choice of the
+    policy's, as for a prompt computed on a prefill worker, and no holder named)."""
     match = matches.get(worker.worker_id)
     device = 0 if match is None else match.blocks_by_tier.get(TIER_HBM, 0)
     peer = None
-    if choice.holder is not None:
+    if choice is not None and choice.holder is not None:
         holder = next(w for w in workers if w.worker_id == choice.holder)
         peer = SimPeer(holder, choice.holder_blocks)
     return SimSeq(req, device, peer, prefill_only=prefill_only)
@@ -152,13 +155,13 @@ def joining(
 class PDRoutes:
     """Routes a cluster's requests under a mode with roles (`always` or `decide`) or over mixed
     workers (`dynamic`), and hands a disaggregated request from its prefill worker to its
-    decode worker, as `router.disagg` plans them: one policy instance chooses on both sides
-    (`dynamic`: once, the worker that computes the prompt either way, `pick_decode` choosing
-    the decode worker among the others); `always` is `decide`'s plan with its verdict
-    overridden; the hand-off's fixed cost is learnt from the hand-offs measured
-    (the second token's wait less the part predicted from the request's size), from the
-    router's prior and with its weight. Mutates the workers' queues only through the seqs it
-    returns; keeps each request's `PDDecision`."""
+    decode worker, as `router.disagg` plans them: the policy chooses the colocated worker once
+    (`fastest_prefill` the prefill worker; `dynamic`: the prompt's worker by `pick_prefill`
+    from the policy's choice; `pick_decode` the decode worker) and records where the request
+    runs; `always` is `decide`'s plan with its verdict overridden; the hand-off's fixed cost is
+    the router's `HandoffCost`, learnt as a handed-off request ends (the second token's wait
+    less the part predicted from the request's size). Mutates the workers' queues only through
+    the seqs it returns; keeps each request's `PDDecision`."""
 
     def __init__(
         self,
@@ -185,19 +188,17 @@ class PDRoutes:
         self.dynamic = mode == DYNAMIC
         self.prefill_side = [w for w in workers if self.dynamic or w.role == PREFILL]
         self.decode_side = [w for w in workers if w.role in SERVING_ROLES]
-        self.handoff_fixed_s = HANDOFF_FIXED_PRIOR_S
+        self.handoff_cost = HandoffCost(HANDOFF_FIXED_PRIOR_S)
         self.slo = slo  # the router's latency targets (`pd_ttft_slo_ms`, `pd_itl_slo_ms`)
         # Learnt from finished requests, as the router does; admission spreads stalls over it.
         self.mean_answer = self.admission.mean_answer
         self.shares = PrefillShare()  # each worker's recent prompt work, as the router's
         self.decisions: dict[int, PDDecision] = {}  # request index -> the decision
         self._decode_on: dict[int, SimWorker] = {}  # a prefill under way -> its decode worker
-        self._unmeasured: list[SimSeq] = []  # handed off, second token not seen yet
 
     def route(self, req: SimRequest) -> Routed | Refused | None:
         """Where `req` starts (None: no worker of a side could ever hold it; `Refused`:
         predicted to start later than the admission target, in the mode decided)."""
-        self._learn()
         prefill_side = [w for w in self.prefill_side if w.fits(req)]
         decode_side = [w for w in self.decode_side if w.fits(req)]
         if not prefill_side or not decode_side:
@@ -206,17 +207,17 @@ class PDRoutes:
         colocated, here = choose_among(self.policy, req, decode_side, matches, self.holders)
         now_s = req.arrival_s
         slo, weight = with_answers(self.slo, self.mean_answer.tokens, self.stall_weight)
-        there: Choice | None = here
         if self.dynamic:  # the prompt runs where it stalls least; the decode may go elsewhere
             prefill = _mixed_prefill(req, colocated, prefill_side, matches, weight)
-            if prefill is colocated:
-                there_blocks = here.decision.matched_blocks
-            else:  # the policy is asked only if the prompt goes there (it remembers choices)
-                there, there_blocks = None, _held(matches, prefill)
             decode_side = [w for w in decode_side if w is not prefill] or [prefill]
-        else:
-            prefill, there = choose_among(self.policy, req, prefill_side, matches, self.holders)
-            there_blocks = there.decision.matched_blocks
+        else:  # where its first token comes soonest
+            sides = [_prefill_side(req, w, _held(matches, w), self.prefetch) for w in prefill_side]
+            picked = fastest_prefill(sides).worker
+            prefill = next(w for w in prefill_side if w.worker_id == picked)
+        # The policy's match where the prompt runs on its choice, else the index's.
+        there_blocks = _held(matches, prefill)
+        if prefill is colocated:
+            there_blocks = here.decision.matched_blocks
         shares = self.shares.shares(now_s, [w.worker_id for w in self.workers])
         loads = [_decode_load(w, shares[w.worker_id]) for w in decode_side]
         decode = next(w for w in decode_side if w.worker_id == pick_decode(loads))
@@ -230,7 +231,7 @@ class PDRoutes:
             there_side,
             away,
             weight,
-            self.handoff_fixed_s,
+            self.handoff_cost.value(now_s),
             slo,
             Answer.of(req.output_len, self.mean_answer),
         )
@@ -240,19 +241,24 @@ class PDRoutes:
         refusal = self.admission.refusal(
             decision.predicted_ttft_s, queued_s(decision), stalls, now_s
         )
-        if refusal is not None:
+        if refusal is not None:  # it runs nowhere: the policy records nothing
             return Refused(refusal)
         self.decisions[req.index] = decision
         if not decision.disaggregate:
+            here.asked.record(colocated.worker_id)
             self.shares.add(kept.worker, decision.prefill_s, now_s)
             seq = joining(req, colocated, here, matches, self.workers)
             self.admission.admitted(seq, decision.predicted_ttft_s)
             return Routed(colocated, seq, decision.reason)
-        self.shares.add(prefill.worker_id, decision.prefill_s, now_s)
-        if there is None:
-            _, there = choose_among(self.policy, req, [prefill], matches, self.holders)
         # A one-token answer is done when its prefill is: nothing to hand over.
-        seq = joining(req, prefill, there, matches, self.workers, req.output_len > 1)
+        handed = req.output_len > 1
+        if handed:  # its decode worker pulls the prompt's full blocks
+            here.asked.record(decode.worker_id, req.num_full_blocks)
+        else:
+            here.asked.record(prefill.worker_id)
+        self.shares.add(prefill.worker_id, decision.prefill_s, now_s)
+        # The router names no holder to the prefill worker: it computes what it lacks.
+        seq = joining(req, prefill, None, matches, self.workers, handed)
         self.admission.admitted(seq, decision.predicted_ttft_s)
         if seq.prefill_only:
             self._decode_on[req.index] = decode
@@ -260,11 +266,14 @@ class PDRoutes:
 
     def handoff(self, prefill: SimWorker, done: SimSeq) -> tuple[SimWorker, SimSeq] | None:
         """A request's prefill finished on `prefill` with its first token: its decode, joining
-        its decode worker (None for anything else that finished: its answer is learnt)."""
+        its decode worker (None for anything else that finished: its answer is learnt, and a
+        handed-off one's hand-off)."""
         if not done.prefill_only:
             times = done.token_times
             decode_s = times[-1] - times[0] if times else None
             self.mean_answer.observe(done.req.output_len, decode_s)
+            if done.pulls_prompt:
+                self._learn(done)
             return None
         decode = self._decode_on.pop(done.req.index)
         req = done.req
@@ -282,21 +291,18 @@ class PDRoutes:
             token_times=list(done.token_times),
             early=early,
         )
-        self._unmeasured.append(seq)
         return decode, seq
 
-    def _learn(self) -> None:
-        """Learn the hand-off's fixed cost from the hand-offs whose second token came."""
-        waiting = []
-        for seq in self._unmeasured:
-            if len(seq.token_times) < 2:
-                waiting.append(seq)
-                continue
-            decision = self.decisions[seq.req.index]
-            measured = seq.token_times[1] - seq.token_times[0]
-            residual = max(0.0, measured - (decision.handoff_s - decision.handoff_fixed_s))
-            self.handoff_fixed_s += HANDOFF_WEIGHT * (residual - self.handoff_fixed_s)
-        self._unmeasured = waiting
+    def _learn(self, done: SimSeq) -> None:
+        """A handed-off request ended: its hand-off (the second token's wait less the part
+        predicted from the request's size) is learnt when its pull brought every full block,
+        as the router learns it (`Handoff.merged`), at the request's end."""
+        req, times = done.req, done.token_times
+        if len(times) < 2 or sum(done.cached.values()) < req.num_full_blocks * req.block_size:
+            return
+        decision = self.decisions[req.index]
+        residual_s = times[1] - times[0] - (decision.handoff_s - decision.handoff_fixed_s)
+        self.handoff_cost.observe(residual_s, times[-1])
 
 
 def _mixed_prefill(

@@ -1,8 +1,9 @@
 """The router's P/D plan and prefill phase (`router.disagg.Disaggregation`) over a pool of
 workers with roles, their loads set as polls would set them: the policy is asked once a
-request and remembers only the workers that serve it; a first token that ends the request at
-the model's context ends it there (no hand-off, `length`); the decode side's in-flight count
-returns whatever the prefill phase raises."""
+request and records only the worker that serves it (a hand-off's decode worker, at the cost of
+its pull), nothing for a refused request, and keeps the objects it holds; a first token that
+ends the request at the model's context ends it there (no hand-off, `length`); the decode
+side's in-flight count returns whatever the prefill phase raises."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from router.disagg import Disaggregation
 from router.handoff import Handoff
 from router.metrics import RequestOutcome, RouterMetrics
 from router.placement import Placement
-from router.policy import Policy, RouteDecision, make_policy
+from router.policy import Policy, PrefixAware, RouteDecision, make_policy
 from router.pool import ModelInfo, WorkerPool
 from router.resume import Part, RequestProgress
 from workers.protocol import BlockCosts, StreamDelta, Usage, WorkerInfo, WorkerLoad
@@ -31,19 +32,25 @@ ROLES = {P0: "prefill", D0: "decode", D1: "decode"}
 COSTS = BlockCosts(compute_s=4e-3, fetch_s={PEER: 1e-3})
 
 
-ASKED: list[RouteRequest] = []  # outside the policy: its state may be put back
-
-
 class Counted:
-    """A policy that notes each choice it is asked for in `ASKED`."""
+    """A policy that keeps, in lists of its own, each request it is asked about and each
+    worker it is told a request runs on, with that worker's candidate as recorded."""
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.name = policy.name
+        self.asked: list[RouteRequest] = []
+        self.recorded: list[Candidate] = []
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
-        ASKED.append(request)
+        self.asked.append(request)
         return self.policy.choose(request, candidates)
+
+    def record(
+        self, request: RouteRequest, candidates: Sequence[Candidate], worker: WorkerId
+    ) -> None:
+        self.recorded.append(next(c for c in candidates if c.worker == worker))
+        self.policy.record(request, candidates, worker)
 
 
 class NoPrefetch:
@@ -83,14 +90,16 @@ def _progress(num_tokens: int, max_tokens: int) -> RequestProgress:
     return RequestProgress(ids, {"max_tokens": max_tokens, "temperature": 0.0}, None)
 
 
-def test_the_policy_is_asked_once_and_remembers_only_the_workers_that_serve() -> None:
+def test_the_policy_is_asked_once_and_records_only_the_decode_worker() -> None:
     """Handed off, a request runs neither its prompt nor its decode where the policy would
-    have put it colocated (decode-0 decodes more streams: decode-1 decodes it): round robin's
-    next choice is the same worker again."""
-    ASKED.clear()
+    have put it colocated (decode-0 decodes more streams: decode-1 decodes it): the policy
+    records decode-1, pulling the prompt's 5 full blocks, never decode-0 nor the prefill
+    worker, so round robin's next choice is decode-0 again. What the policy keeps of its own
+    is its own: nothing is put back from a copy."""
     pool = _pool()
     pool.state(D0).load = WorkerLoad(num_running=3, block_costs=COSTS)
-    pd = _disaggregation(Counted(make_policy("round_robin")), pool)
+    policy = Counted(make_policy("round_robin"))
+    pd = _disaggregation(policy, pool)
     picks = []
     for _ in range(3):
         handoff = pd.plan(_progress(20, 8), [], set())
@@ -98,12 +107,29 @@ def test_the_policy_is_asked_once_and_remembers_only_the_workers_that_serve() ->
         assert handoff.prefill is not None and handoff.prefill.worker == P0
         assert handoff.decode == D1
         picks.append(handoff.colocated.decision.worker)
-    assert len(ASKED) == 3
+    assert len(policy.asked) == 3
     assert picks == [D0, D0, D0]
+    assert [c.worker for c in policy.recorded] == [D1, D1, D1]
+    assert all(c.peer_blocks == 20 // BLOCK for c in policy.recorded), "its prefill is a pull"
 
 
-def test_a_request_kept_colocated_is_remembered() -> None:
-    ASKED.clear()
+def test_prefix_aware_is_charged_the_decode_workers_pull_not_the_prompt() -> None:
+    """prefix_aware remembers the prefill tokens each worker was given: for a hand-off, the
+    decode worker's pull of the 5 full blocks (a quarter of a token each, at its costs) and
+    the tail it computes, not the prompt's 20 tokens."""
+    pool = _pool()
+    pool.state(D0).load = WorkerLoad(num_running=3, block_costs=COSTS)
+    policy = make_policy("prefix_aware")
+    pd = _disaggregation(policy, pool)
+    handoff = pd.plan(_progress(20, 8), [], set())
+    assert handoff is not None and handoff.decode == D1
+    assert isinstance(policy, PrefixAware)
+    # 19 tokens pulled at most (the engine computes the last): 4 blocks and 3 tokens.
+    assert policy._work.get(D1) == pytest.approx(1 + 19 * 0.25)
+    assert policy._work.get(D0) == 0.0 and policy._traffic.get(D0) == 0.0
+
+
+def test_a_request_kept_colocated_is_recorded_there() -> None:
     policy = Counted(make_policy("round_robin"))
     pd = _disaggregation(policy, pd_mode="auto", pd_ttft_slo_ms=1e6, pd_itl_slo_ms=1e6)
     picks = []
@@ -111,7 +137,54 @@ def test_a_request_kept_colocated_is_remembered() -> None:
         handoff = pd.plan(_progress(20, 8), [], set())
         assert handoff is not None and not handoff.decision.disaggregate
         picks.append(handoff.colocated.decision.worker)
-    assert len(ASKED) == 2 and picks == [D0, D1]
+    assert len(policy.asked) == 2 and picks == [D0, D1]
+    assert [c.worker for c in policy.recorded] == [D0, D1]
+    assert [c.peer_blocks for c in policy.recorded] == [0, 0]
+
+
+def test_a_refused_request_is_recorded_nowhere() -> None:
+    policy = Counted(make_policy("round_robin"))
+    pd = _disaggregation(policy)
+
+    def refuse(decision: object, stalls: object) -> None:
+        raise RuntimeError("refused")
+
+    with pytest.raises(RuntimeError, match="refused"):
+        pd.plan(_progress(20, 8), [], set(), refuse)
+    assert len(policy.asked) == 1 and policy.recorded == []
+    handoff = pd.plan(_progress(20, 8), [], set())
+    assert handoff is not None and handoff.colocated.decision.worker == D0
+
+
+def test_a_request_its_first_token_ends_is_recorded_on_no_decode_worker() -> None:
+    """A prompt one token short of the context runs on the prefill worker alone, which the
+    policy does not choose among: it records nothing."""
+    policy = Counted(make_policy("round_robin"))
+    pd = _disaggregation(policy)
+    handoff = pd.plan(_progress(CONTEXT - 1, 8), [], set())
+    assert handoff is not None and handoff.decision.disaggregate
+    assert len(policy.asked) == 1 and policy.recorded == []
+
+
+def test_between_mixed_workers_the_decode_worker_is_recorded() -> None:
+    """Between mixed workers the prompt runs on the policy's choice and the decode on the
+    other: that one is recorded, so round robin's choice stays where the prompts run."""
+    mixed = {W: "mixed" for W in (D0, D1)}
+    pool = WorkerPool({w: None for w in mixed}, MemoryPrefixIndex(), RouterConfig())
+    pool._model = ModelInfo("tiny", BLOCK, 320, CONTEXT)
+    for state in pool.states():
+        state.info = WorkerInfo(
+            state.worker_id, "1", "tiny", BLOCK, 320, CONTEXT, "cpu", None, "a", role="mixed"
+        )
+        state.load = WorkerLoad(block_costs=COSTS)
+    policy = Counted(make_policy("round_robin"))
+    pd = _disaggregation(policy, pool, pd_mixed=True)
+    for _ in range(2):
+        handoff = pd.plan(_progress(20, 8), [], set())
+        assert handoff is not None and handoff.decision.disaggregate
+        assert handoff.prefill is not None and handoff.prefill.worker == D0
+        assert handoff.decode == D1
+    assert [c.worker for c in policy.recorded] == [D1, D1]
 
 
 async def _run_prefill(

@@ -70,8 +70,25 @@ def test_candidates_see_their_own_match_and_the_others_longest() -> None:
             seen.extend(candidates)
             return make_policy("least_loaded").choose(request, candidates)
 
+        def record(self, request, candidates, worker):  # type: ignore[no-untyped-def]
+            raise AssertionError("choosing records nothing")
+
     live = [LiveWorker(w, 0, 0, PULLS) for w in (W0, W1, W2)]
     choose(Spy(), REQ, live, {W0: _match(W0, 3), W1: _match(W1, 1)}, {W0, W1, W2})
     by_worker = {c.worker: c for c in seen}
     assert [by_worker[w].peer_blocks for w in (W0, W1, W2)] == [1, 3, 3]
     assert by_worker[W2].match is None and by_worker[W0].match == _match(W0, 3)
+
+
+def test_a_choice_is_recorded_only_where_the_request_runs() -> None:
+    """`choose` records nothing: asked again, round robin answers the same; told the request
+    runs on a worker it did not see, it still does; told it runs on W0, it turns to W1."""
+    policy = make_policy("round_robin")
+    live = [LiveWorker(w, 0, 0) for w in (W0, W1)]
+    first = choose(policy, REQ, live, {})
+    assert first.decision.worker == W0
+    assert choose(policy, REQ, live, {}).decision.worker == W0
+    first.asked.record(W2)
+    assert choose(policy, REQ, live, {}).decision.worker == W0
+    first.asked.record(W0)
+    assert choose(policy, REQ, live, {}).decision.worker == W1

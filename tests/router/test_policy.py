@@ -10,6 +10,7 @@ from router.policy import (
     Candidate,
     PrefixAware,
     RouteRequest,
+    choose_and_record,
     estimated_cost,
     make_policy,
     policy_names,
@@ -160,14 +161,14 @@ def test_calibrated_costs_change_the_choice() -> None:
 def test_equal_candidates_take_turns() -> None:
     for name in policy_names():
         policy = make_policy(name)
-        picks = [policy.choose(REQ, [_c(W0), _c(W1), _c(W2)]).worker for _ in range(6)]
+        picks = [choose_and_record(policy, REQ, [_c(W0), _c(W1), _c(W2)]).worker for _ in range(6)]
         assert picks == [W0, W1, W2, W0, W1, W2], name
 
 
 def test_round_robin_ignores_prefixes() -> None:
     policy = make_policy("round_robin")
     cands = [_c(W0, blocks={"hbm": 4}), _c(W1)]
-    assert [policy.choose(REQ, cands).worker for _ in range(4)] == [W0, W1, W0, W1]
+    assert [choose_and_record(policy, REQ, cands).worker for _ in range(4)] == [W0, W1, W0, W1]
 
 
 @pytest.mark.parametrize(
@@ -203,13 +204,13 @@ def _give(policy: PrefixAware, counts: dict[WorkerId, int], rounds: int) -> None
     for second in range(rounds):
         for worker, count in counts.items():
             for _ in range(count):
-                policy.choose(RouteRequest(64, 16, float(second)), [_c(worker)])
+                choose_and_record(policy, RouteRequest(64, 16, float(second)), [_c(worker)])
 
 
 def _hot_choice(policy: PrefixAware, workers: list[WorkerId], now_s: float) -> str:
     """The reason of a request whose prefix only W0 holds, all workers idle."""
     candidates = [_c(w, blocks={"hbm": 3} if w == W0 else None) for w in workers]
-    return policy.choose(RouteRequest(64, 16, now_s), candidates).reason
+    return choose_and_record(policy, RouteRequest(64, 16, now_s), candidates).reason
 
 
 @pytest.mark.parametrize(
@@ -239,7 +240,7 @@ def test_a_departed_worker_weighs_nothing_in_the_mean() -> None:
     _give(policy, {W0: 3, W1: 1, W2: 1, WorkerId("w3"): 20}, rounds=20)
     assert _hot_choice(policy, [W0, W1, W2], now_s=19.0) == SHARE
     _give(policy, {W1: 1}, rounds=1)  # time passes (a half-life and more)
-    policy.choose(RouteRequest(64, 16, 20.0 + policy.work_half_life_s), [_c(W1)])
+    choose_and_record(policy, RouteRequest(64, 16, 20.0 + policy.work_half_life_s), [_c(W1)])
     assert "w3" not in policy._traffic.known(), "forgotten after a half-life away"
 
 
@@ -258,9 +259,9 @@ def test_recent_traffic_decays_by_time(
     workers = _workers(8)
     _give(policy, {w: 1 for w in workers}, rounds=10)
     for _ in range(40):  # a burst for W0's prefix at t = 9
-        policy.choose(RouteRequest(64, 16, 9.0), [_c(W0)])
+        choose_and_record(policy, RouteRequest(64, 16, 9.0), [_c(W0)])
     for i in range(decisions_between):  # traffic in between, spread evenly
-        policy.choose(RouteRequest(64, 16, 9.0 + quiet_s / 2), [_c(workers[i % 8])])
+        choose_and_record(policy, RouteRequest(64, 16, 9.0 + quiet_s / 2), [_c(workers[i % 8])])
     reason = _hot_choice(policy, workers, now_s=9.0 + quiet_s)
     assert (reason == SHARE) is bounded, reason
 
@@ -287,6 +288,6 @@ def test_queue_slack_is_seconds_of_the_workers_own_work(
 ) -> None:
     policy = PrefixAware(queue_weight=0.0)  # the bound alone decides against the prefix
     holder = Candidate(W0, 1, queued, PrefixMatch(W0, 3, {"hbm": 3}), holder_costs)
-    decision = policy.choose(REQ, [holder, Candidate(W1, 0, 0, None, other_costs)])
+    decision = choose_and_record(policy, REQ, [holder, Candidate(W1, 0, 0, None, other_costs)])
     assert (decision.reason == "bounded: holder overloaded") is bounded, decision.reason
     assert (decision.worker == W1) is bounded

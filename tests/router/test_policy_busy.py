@@ -8,7 +8,7 @@ import pytest
 
 from cachesvc.index import PrefixMatch
 from cachesvc.types import WorkerId
-from router.policy import Candidate, PrefixAware, RouteRequest
+from router.policy import Candidate, PrefixAware, RouteRequest, choose_and_record
 from router.recent import BusySeconds
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
@@ -44,7 +44,9 @@ def _keep_busy(policy: PrefixAware, seconds: int, blocks_each: int = 10) -> None
     second (one new group's prompt, for two workers' busy seconds)."""
     for second in range(seconds):
         candidates = [Candidate(W0, 2, 0), Candidate(W1, 0, 0), Candidate(W2, 0, 0)]
-        policy.choose(RouteRequest(blocks_each * BLOCK, BLOCK, float(second)), candidates)
+        choose_and_record(
+            policy, RouteRequest(blocks_each * BLOCK, BLOCK, float(second)), candidates
+        )
 
 
 def _held_by_w0(cached_blocks: int) -> list[Candidate]:
@@ -65,14 +67,14 @@ def test_a_busy_holder_keeps_what_would_cost_more_to_recompute(
     policy = PrefixAware()
     _keep_busy(policy, 30)
     request = RouteRequest((cached_blocks + 10) * BLOCK, BLOCK, 30.0)
-    decision = policy.choose(request, _held_by_w0(cached_blocks))
+    decision = choose_and_record(policy, request, _held_by_w0(cached_blocks))
     assert (decision.worker == W0) is stays, decision.reason
     if not stays:
         assert decision.reason == "shorter prefix than the busier holder: lowest estimated ttft"
     # Without the weight on busy seconds the system prompt keeps the request too.
     unweighted = PrefixAware(busy_weight=0.0)
     _keep_busy(unweighted, 30)
-    assert unweighted.choose(request, _held_by_w0(cached_blocks)).worker == W0
+    assert choose_and_record(unweighted, request, _held_by_w0(cached_blocks)).worker == W0
 
 
 def test_busy_seconds_weigh_as_the_work_the_cluster_did_in_them() -> None:
@@ -82,5 +84,5 @@ def test_busy_seconds_weigh_as_the_work_the_cluster_did_in_them() -> None:
     for blocks_each, stays in ((10, False), (1, True)):
         policy = PrefixAware()
         _keep_busy(policy, 30, blocks_each)
-        decision = policy.choose(RouteRequest(18 * BLOCK, BLOCK, 30.0), _held_by_w0(8))
+        decision = choose_and_record(policy, RouteRequest(18 * BLOCK, BLOCK, 30.0), _held_by_w0(8))
         assert (decision.worker == W0) is stays, (blocks_each, decision.reason)

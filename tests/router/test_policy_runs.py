@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from cachesvc.index import PrefixMatch
 from cachesvc.types import WorkerId
-from router.policy import UNREPORTED_S_PER_TOKEN, Candidate, PrefixAware, RouteRequest
+from router.policy import (
+    UNREPORTED_S_PER_TOKEN,
+    Candidate,
+    PrefixAware,
+    RouteRequest,
+    choose_and_record,
+)
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 BLOCK = 16
@@ -24,7 +30,7 @@ def test_a_hot_prefix_stays_until_its_holder_is_overloaded() -> None:
     request = RouteRequest(num_prompt_tokens=64 * BLOCK, block_size=BLOCK)  # 63 blocks cached
     picks = []
     for queued in range(0, 8000, 500):  # the holder's queue grows; the other worker is idle
-        decision = policy.choose(request, [_c(W0, queued=queued, blocks=63), _c(W1)])
+        decision = choose_and_record(policy, request, [_c(W0, queued=queued, blocks=63), _c(W1)])
         picks.append((queued, decision.worker, decision.reason))
     assert all(w == W0 for q, w, _ in picks if q <= 3500), "a queue 4x the savings is still ok"
     assert all(w == W1 for q, w, _ in picks if q > 4096), "beyond the slack it is bounded"
@@ -38,13 +44,17 @@ def test_new_groups_go_where_workers_were_least_busy() -> None:
     picks = []
     for second in range(12):
         candidates = [Candidate(W0, 3, 0), _c(W1), _c(W2)]
-        picks.append(policy.choose(RouteRequest(256, BLOCK, float(second)), candidates).worker)
+        picks.append(
+            choose_and_record(policy, RouteRequest(256, BLOCK, float(second)), candidates).worker
+        )
     assert picks[0] == W0, "all idle at first"
     assert W0 not in picks[1:], "busy ever since: no new group"
     assert picks[1:] == [W1, W2] * 5 + [W1], "the idle ones take turns"
     # ... unless that worker would start it much later than the fastest.
     late = RouteRequest(256, BLOCK, 12.0)
-    decision = policy.choose(late, [_c(W0, queued=50_000), _c(W1, queued=50_000), _c(W2)])
+    decision = choose_and_record(
+        policy, late, [_c(W0, queued=50_000), _c(W1, queued=50_000), _c(W2)]
+    )
     assert decision.worker == W2
 
 
@@ -52,10 +62,15 @@ def test_a_prefix_every_worker_holds_pins_nothing() -> None:
     # A one-block system prompt of a 40-block conversation: held by W0 only at first.
     policy = PrefixAware()
     request = RouteRequest(40 * BLOCK, BLOCK)
-    picks = [policy.choose(request, [_c(W0, blocks=1), _c(W1), _c(W2)]).worker for _ in range(6)]
+    picks = [
+        choose_and_record(policy, request, [_c(W0, blocks=1), _c(W1), _c(W2)]).worker
+        for _ in range(6)
+    ]
     assert set(picks) == {W0, W1, W2}, "a sliver of the prompt is a near tie, not a reason"
     picks = [
-        policy.choose(request, [_c(W0, blocks=1), _c(W1, blocks=1), _c(W2, blocks=1)]).worker
+        choose_and_record(
+            policy, request, [_c(W0, blocks=1), _c(W1, blocks=1), _c(W2, blocks=1)]
+        ).worker
         for _ in range(6)
     ]
     assert sorted(picks) == [W0, W0, W1, W1, W2, W2]
@@ -67,7 +82,7 @@ def test_a_real_share_of_the_prompt_keeps_its_holder() -> None:
     for _ in range(10):  # three groups, each on its own worker, come back in turn
         for holder in (W0, W1, W2):
             cands = [_c(w, blocks=20 if w == holder else 0) for w in (W0, W1, W2)]
-            decision = policy.choose(request, cands)
+            decision = choose_and_record(policy, request, cands)
             assert decision.worker == holder
             assert decision.reason == "cached prefix: lowest estimated ttft"
 
@@ -79,7 +94,7 @@ def test_a_prefix_taking_most_requests_grows_copies() -> None:
     reasons = []
     for _ in range(30):  # every request wants the same prefix; a worker chosen holds it after
         cands = [_c(w, blocks=20 if w in holders else 0) for w in (W0, W1, W2)]
-        decision = policy.choose(request, cands)
+        decision = choose_and_record(policy, request, cands)
         holders.add(decision.worker)
         reasons.append(decision.reason)
     assert len(holders) >= 2, "a second worker computes the prefix once"

@@ -169,21 +169,33 @@ def test_the_bench_pd_replay_spreads_the_decode_streams_as_the_live_router_does(
 
 
 def test_a_policy_polled_late_sees_the_last_warmed_worker_busy_once() -> None:
+    """The first decision, chosen and then recorded, sees the worker warmed last with a
+    request; the next sees it as it is."""
     from cachesvc.sim.like_bench_pd import LAST_WARMED, PolledLate
     from cachesvc.types import WorkerId
     from router.policy import Candidate, RouteRequest
 
-    seen: list[list[int]] = []
+    seen: list[tuple[str, list[int]]] = []
 
     class Recorder:
         name = "recorder"
 
         def choose(self, request: RouteRequest, candidates: list[Candidate]) -> str:
-            seen.append([c.num_requests for c in candidates])
+            seen.append(("choose", [c.num_requests for c in candidates]))
             return "chosen"
+
+        def record(self, request: RouteRequest, candidates: list[Candidate], worker: str) -> None:
+            seen.append(("record", [c.num_requests for c in candidates]))
 
     late = PolledLate(Recorder(), LAST_WARMED)  # type: ignore[arg-type]
     idle = [Candidate(WorkerId(w), 0, 0, None, None) for w in ("w0", LAST_WARMED)]
     for _ in range(2):
         late.choose(RouteRequest(64, 16, 0.0), idle)
-    assert seen == [[0, 1], [0, 0]] and late.name == "recorder"
+        late.record(RouteRequest(64, 16, 0.0), idle, WorkerId("w0"))
+    assert seen == [
+        ("choose", [0, 1]),
+        ("record", [0, 1]),
+        ("choose", [0, 0]),
+        ("record", [0, 0]),
+    ]
+    assert late.name == "recorder"

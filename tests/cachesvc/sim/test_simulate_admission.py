@@ -98,7 +98,7 @@ def test_the_live_admission_bench_replays_in_the_simulator() -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "num_workers", "gap_ms"), [(COLOCATED, 1, 300.0), (DYNAMIC, 2, 100.0)]
+    ("mode", "num_workers", "gap_ms"), [(COLOCATED, 1, 300.0), (DYNAMIC, 2, 120.0)]
 )
 def test_streams_past_their_inter_token_target_are_not_given_more_prompts(
     write_trace: WriteTrace, mode: str, num_workers: int, gap_ms: float
