@@ -50,6 +50,8 @@ class StepBenchArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name} must be at least 1, got {value}")
+        if self.grid is not None and not all(n >= 1 for axis in self.grid for n in axis):
+            raise ValueError("--batches and --contexts take positive numbers")
 
 
 def copy_bandwidth_gb_s(mb: int = 256, repeats: int = 7) -> float:
@@ -246,6 +248,12 @@ def _run_cells(engine: Any, cells: list[tuple[int, int]], timing: _Timing) -> di
             for rid in generated:
                 engine.abort(rid)
             paths = {p: _summary(s, floor_ms) for p, s in samples.items()}
+            # Each round's ratio of medians: a co-tenant's burst then skews one round, not all.
+            by_round = [
+                statistics.median(s["step"] for s in samples["in_place"][r : r + timing.steps])
+                / statistics.median(s["step"] for s in samples["gather"][r : r + timing.steps])
+                for r in range(0, len(samples["gather"]), timing.steps)
+            ]
             records.append(
                 {
                     "batch": batch,
@@ -256,6 +264,8 @@ def _run_cells(engine: Any, cells: list[tuple[int, int]], timing: _Timing) -> di
                     "paths": paths,
                     "in_place_over_gather": paths["in_place"]["step_ms"]
                     / paths["gather"]["step_ms"],
+                    "round_ratios": by_round,
+                    "in_place_over_gather_by_round": statistics.median(by_round),
                 }
             )
             print(f"batch {batch} context {context}: done", flush=True)

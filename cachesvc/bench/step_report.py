@@ -19,11 +19,14 @@ def step_table(report: Mapping[str, Any]) -> str:
             f"{c['paths']['in_place']['step_ms']:.1f}",
             f"{c['paths']['gather']['step_ms']:.1f}",
             c["in_place_over_gather"],
+            c["in_place_over_gather_by_round"],
             c["paths"]["in_place"]["floor_ratio"],
         ]
         for c in report["cells"]
     ]
-    headers = ["batch", "context", "floor ms", "in place ms", "gather ms", "ratio", "/ floor"]
+    headers = [
+        "batch", "context", "floor ms", "in place ms", "gather ms", "ratio", "by round", "/ floor"
+    ]  # fmt: skip
     return format_table(headers, rows)
 
 

@@ -98,6 +98,8 @@ def add_bench_parser(sub: Any) -> None:
     step.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     step.add_argument("--steps", type=int, default=None, help="timed steps a round (8; quick 4)")
     step.add_argument("--rounds", type=int, default=None, help="rounds of each path (5; quick 3)")
+    step.add_argument("--batches", default=None, help="comma-separated (default 1,4,16,64)")
+    step.add_argument("--contexts", default=None, help="prompt tokens (default 128,1024,4096)")
     _add_admission_parser(bench_sub)
     _add_routing_bench_parser(bench_sub)
     _add_agreement_parser(bench_sub)
@@ -178,7 +180,16 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.suite == "step":
         from cachesvc.bench.step import StepBenchArgs, run_step_bench
 
-        return run_step_bench(_bench_args(StepBenchArgs, args, grid=None))
+        grid = None
+        if args.batches or args.contexts:
+            from cachesvc.app.cli.common import numbers
+            from cachesvc.bench.step import GRID, QUICK_GRID
+
+            default = QUICK_GRID if args.quick else GRID
+            batches = numbers(args.batches, "--batches") if args.batches else default[0]
+            contexts = numbers(args.contexts, "--contexts") if args.contexts else default[1]
+            grid = (batches, contexts)
+        return run_step_bench(_bench_args(StepBenchArgs, args, grid=grid))
     if args.suite == "admission":
         from cachesvc.bench.admission import AdmissionBenchArgs, run_admission_bench
 
