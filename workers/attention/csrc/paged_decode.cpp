@@ -28,6 +28,11 @@ namespace {
 constexpr float kLog2E = 1.4426950408889634f;
 constexpr int64_t kMaxPage = 64;  // tokens a page
 constexpr int64_t kMinPagesPerSplit = 4;
+// Below this many pages in all, or merged rows, a call runs on the calling thread: waking the
+// pool costs more than the work, and on a shared machine every parallel region risks waiting
+// for a descheduled thread.
+constexpr int64_t kMinParallelPages = 64;
+constexpr int64_t kMinParallelRows = 64;
 
 template <typename T>
 inline float to_float(T x) {
@@ -183,9 +188,12 @@ void run(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_i
   const float scale = static_cast<float>(sm_scale) * kLog2E;
   const std::vector<int64_t> first = split_requests(req, n, sh.page_size);
   const int64_t num_items = first[n];
+  int64_t total_pages = 0;
+  for (int64_t r = 0; r < n; ++r) total_pages += (req[3 * r + 2] + sh.page_size - 1) / sh.page_size;
+  const int64_t grain = total_pages < kMinParallelPages ? std::max<int64_t>(num_items, 1) : 1;
   std::vector<float> ms(num_items * Hq), ls(num_items * Hq), accs(num_items * Hq * D);
 
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(Hq * D), scores(Hq * kMaxPage);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
@@ -213,7 +221,7 @@ void run(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_i
   // Merge each request's runs by their maxima, then normalise.
   Q* out_data = out.data_ptr<Q>();
   float* lse_data = lse.data_ptr<float>();
-  at::parallel_for(0, n * Hq, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n * Hq, kMinParallelRows, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(D);
     for (int64_t rg = begin; rg < end; ++rg) {
       const int64_t r = rg / Hq, g = rg % Hq, row = req[3 * r];
