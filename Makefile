@@ -30,6 +30,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
+	$(PY) scripts/check_bench_docs.py
 
 typecheck: setup
 	$(VENV)/bin/mypy cachesvc workers router
