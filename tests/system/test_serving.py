@@ -20,10 +20,13 @@ from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.system
 
+# Each prefix is a few times longer than a sentence: the policy evens out the workers' busy
+# seconds lately, and for a prefix of a few blocks moving away costs less than that, so a group of
+# a one-sentence prefix may rightly be split by a worker's earlier work.
 PREFIXES = [
-    "A shared system prompt is cached once and reused by every request of its group. ",
-    "Routing sends each request to the worker that already holds its prefix, said the fox. ",
-    "hello world, hello router, hello worker; the cache hit ratio goes up and up again. ",
+    "A shared system prompt is cached once and reused by every request of its group. " * 5,
+    "Routing sends each request to the worker that already holds its prefix, said the fox. " * 5,
+    "hello world, hello router, hello worker; the cache hit ratio goes up and up again. " * 5,
 ]
 
 

@@ -193,6 +193,10 @@ class TorchBackend(AttentionBackend):
     def __init__(self, *, decode_in_place: bool = True) -> None:
         self._planned: tuple[BatchLayout, _Plan] | None = None
         self.decode_in_place = decode_in_place
+        if decode_in_place:
+            # Build (or load) the kernel now, while the engine starts, not inside the first
+            # decode step: a worker compiling there looks busy and routing moves its prefixes.
+            load_paged_decode()
 
     def plan(self, layout: AttentionLayout) -> None:
         # Only plain paged attention has gather tables; a cascade's levels plan at first use.
