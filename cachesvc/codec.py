@@ -30,7 +30,8 @@ rest in every token (on SmolLM2 a head's largest channel is ~4x its median one) 
 scale would spend the range on them; V per token (one per layer, token and head, over
 head_dim), since V has no such channels and attention mixes whole V rows, so each row's error
 should be relative to that row. Of the four per-channel / per-token choices this one gives the
-smallest logit error on SmolLM2 (`docs/benchmarks.md`). Scales are bfloat16 bits rounded up:
+smallest logit error on SmolLM2 (`docs/benchmarks/tiers.md`, its history). Scales are bfloat16
+bits rounded up:
 float32's range in 2 bytes, and |x / scale| never exceeds the code's maximum, so nothing clips;
 values are quantized against the stored scale itself.
 Decoding gives the block back in its own dtype. A codec serves quantized blocks only of its own

@@ -45,7 +45,7 @@ class TierConfig:
     `*_codec` is how a tier stores blocks: `raw`, lossless `lz4` or `shuffle_lz4`, `auto` (the
     fastest lossless one, probed at start), or quantized `int8` / `fp8_e4m3` (a byte per
     value: ~3.7x the tokens of float32 KV per byte, at a small error in the fetched KV and
-    so in the logits; `docs/benchmarks.md` measures it). None is lossy unless named.
+    so in the logits; `docs/benchmarks/tiers.md` measures it). None is lossy unless named.
 
     `tier_key_file` names a file holding the deployment secret (at least 32 bytes): blocks
     written to NVMe and Redis are then signed (HMAC-SHA256) and only blocks signed with it are

@@ -119,7 +119,7 @@ class RouterConfig:
     # request ("always") compute the prompt where the policy chose (or where it stalls fewer
     # streams, `pick_prefill`) and hand the decode to another mixed worker. Off by default:
     # simulated on long prompts it serves up to 1.4x colocated's goodput, on the sample trace
-    # it ties colocated (docs/benchmarks.md); every worker must pull from its peers.
+    # it ties colocated (docs/benchmarks/pd.md); every worker must pull from its peers.
     pd_mixed: bool = False
     # A handed-off request's decode worker pulls the prompt's KV while its prefill runs, chunk
     # by chunk as the prefill worker computes it (`router/prefetch.py`), rather than after the

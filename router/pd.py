@@ -42,8 +42,8 @@ ROLES = (MIXED, PREFILL, DECODE)
 
 # Of a pull's measured time, the part the decode worker's own steps wait on: it lands the
 # blocks between steps (a copy into its KV cache at ~4 GB/s here) while the gather, the transfer
-# and the digest check run on the holder and on threads (`docs/benchmarks.md`, "KV between
-# workers": landing ~0.3 of the pull's time at 1.3 GB/s end to end).
+# and the digest check run on the holder and on threads (`docs/benchmarks/kv-transfer.md`:
+# landing ~0.3 of the pull's time at 1.3 GB/s end to end).
 LANDING_SHARE = 0.3
 
 

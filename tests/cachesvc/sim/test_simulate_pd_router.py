@@ -37,8 +37,8 @@ class Recorded:
 def test_the_prompt_runs_where_its_first_token_comes_soonest(write_trace: WriteTrace) -> None:
     """Three prompts 5 s apart (each computed in 2 s), sharing their first 4 blocks: w0
     computed them, so the later prompts' first tokens come soonest there (round robin among
-    the prefill workers would have sent the second to w1). The policy is asked once a request, for the
-    colocated side, and records the decode worker each request runs on."""
+    the prefill workers would have sent the second to w1). The policy is asked once a request,
+    for the colocated side, and records the decode worker each request runs on."""
     prompt = 4 * BLOCK_SIZE + 10
     rows = [(i * 5000, prompt, 4, [1, 2, 3, 4, 10 + i]) for i in range(3)]
     requests = load_trace(write_trace(rows))
