@@ -29,10 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 from cachesvc.block_pool import NoFreeBlocksError
 from cachesvc.config import EngineConfig
-from cachesvc.events import TIER_HBM, Event
+from cachesvc.events import Event
 from cachesvc.events_redis import EventStreamConfig
 from cachesvc.index import IndexSnapshot
-from cachesvc.types import BlockId
 from workers.deltas import ray_node, stream_delta
 from workers.protocol import (
     Heartbeat,
@@ -40,10 +39,10 @@ from workers.protocol import (
     PollResult,
     StreamDelta,
     StreamError,
-    TierBlocks,
     WorkerInfo,
     WorkerLoad,
 )
+from workers.reports import index_snapshot, worker_load
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -393,30 +392,8 @@ class WorkerActor:
 
     def _snapshot(self, engine: Engine) -> IndexSnapshot:
         self._collect_events(engine)
-        pool = engine.pool
-        held = (pool.block_hash(BlockId(i)) for i in range(pool.num_blocks))
-        blocks = {TIER_HBM: tuple(h for h in held if h is not None)}
-        if engine.tiering is not None:  # the lower tiers too: a resync must not forget them
-            for tier, hashes in engine.tiering.manager.held_by_tier().items():
-                blocks[tier] = tuple(hashes)
-        return IndexSnapshot(self._info.incarnation, pool.events.next_seq, blocks)
+        return index_snapshot(engine, self._info.incarnation)
 
     def _load(self) -> WorkerLoad:
-        load = self._engine.load
-        hbm = TierBlocks(
-            total=load.num_blocks,
-            used=load.num_blocks - load.num_free_blocks,
-            cached=load.num_cached_blocks,
-        )
-        costs = None
-        tiering = self._engine.engine.tiering
-        if tiering is not None:
-            costs = tiering.block_costs()  # a snapshot: safe while the engine steps
-        return WorkerLoad(
-            load.num_running,
-            load.num_waiting,
-            load.num_queued_tokens,
-            {TIER_HBM: hbm},
-            {**load.tiering, **self._exporter.counters(), **self._prefetcher.counters()},
-            costs,
-        )
+        counters = {**self._exporter.counters(), **self._prefetcher.counters()}
+        return worker_load(self._engine.load, self._engine.engine.tiering, counters)
