@@ -35,10 +35,9 @@ from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.engine.scoring import encode_input, validate
 from workers.engine.scoring import score as run_score
 from workers.engine.suspects import Verdict
-from workers.engine.tracking import Tracked, snapshot
+from workers.engine.tracking import Tracked, beam_snapshot, snapshot
 from workers.model.loader import LoadedModel, load_model
 from workers.sampling_params import SamplingParams
-from workers.text.detokenizer import IncrementalDetokenizer
 from workers.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -183,17 +182,13 @@ class Engine:
         if params.beam_width > 1:
             self.beams.start(first)
         else:
-            self._tracked[first.request_id] = self._track(first)
+            self._tracked[first.request_id] = Tracked.start(first, self.tokenizer)
         if params.n > 1:
             self._fork_plans[first.request_id] = [
                 (rid, params.for_sample(i)) for i, rid in enumerate(out) if i > 0
             ]
         self.scheduler.add(first)
         return out
-
-    def _track(self, request: Request) -> Tracked:
-        detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
-        return Tracked(request, detok)
 
     def abort(self, request_id: RequestId) -> None:
         """Stop a request now and free its blocks; unknown ids are ignored."""
@@ -274,7 +269,8 @@ class Engine:
             try:
                 finished = self.beams.advance(group, now)
                 if finished is not None:
-                    outputs.append(self._beam_output(finished))
+                    lossy = self._lossy_kv(finished.request_id)
+                    outputs.append(beam_snapshot(finished, self.tokenizer, lossy))
             except Exception as exc:
                 outputs.append(self._fail(group.public_id, exc, now, finished))
         return outputs
@@ -311,7 +307,7 @@ class Engine:
         for rid, params in self._fork_plans.pop(parent_id):
             child = self.forker.fork(parent, rid, params)
             self._requests[rid] = child
-            tracked = self._tracked[rid] = self._track(child)
+            tracked = self._tracked[rid] = Tracked.start(child, self.tokenizer)
             [token] = sample(logits[None], [params], [child.next_generator()])
             outputs.append(self._on_token(tracked, token, now))
         return outputs
@@ -342,13 +338,6 @@ class Engine:
 
     def _lossy_kv(self, request_id: RequestId) -> bool:
         return self.tiering is not None and self.tiering.lossy_kv(request_id)
-
-    def _beam_output(self, request: Request) -> RequestOutput:
-        tracked = self._track(request)
-        if self.tokenizer is not None:
-            tracked.text = self.tokenizer.decode(request.output_token_ids)
-        tracked.num_computed = request.num_prompt_tokens - request.num_cached_tokens
-        return snapshot(tracked, tracked.text, lossy_kv=self._lossy_kv(request.request_id))
 
     def _on_token(self, tracked: Tracked, token_id: int, now: float) -> RequestOutput:
         request = tracked.request

@@ -9,6 +9,7 @@ from workers.engine.outputs import RequestOutput
 from workers.engine.request import Request
 from workers.engine.stop import StopDecision, check_stop
 from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -19,6 +20,12 @@ class Tracked:
     detok: IncrementalDetokenizer | None
     text: str = ""
     num_computed: int = 0  # prompt tokens computed by the model for this request
+
+    @classmethod
+    def start(cls, request: Request, tokenizer: Tokenizer | None) -> Tracked:
+        """A new request's tracking: its text detokenized as tokens come (none without a
+        tokenizer: the caller reads ids)."""
+        return cls(request, None if tokenizer is None else IncrementalDetokenizer(tokenizer))
 
     def count_computed(self, start_pos: int, num_tokens: int) -> None:
         """Count the prompt tokens of a chunk: cached + computed == prompt length (without
@@ -81,6 +88,16 @@ def snapshot(
         cached_tokens_by_tier=_by_tier(r.num_cached_tokens, tier_usage),
         lossy_kv=lossy_kv,
     )
+
+
+def beam_snapshot(request: Request, tokenizer: Tokenizer | None, lossy_kv: bool) -> RequestOutput:
+    """The final output of a beam search, `request` being its best beam: its text decoded at
+    once (a beam's tokens were never streamed), and every prompt token not cached computed."""
+    tracked = Tracked.start(request, tokenizer)
+    if tokenizer is not None:
+        tracked.text = tokenizer.decode(request.output_token_ids)
+    tracked.num_computed = request.num_prompt_tokens - request.num_cached_tokens
+    return snapshot(tracked, tracked.text, lossy_kv=lossy_kv)
 
 
 def _by_tier(num_cached: int, tier_usage: Mapping[str, int] | None) -> dict[str, int]:
