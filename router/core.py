@@ -25,7 +25,6 @@ from router.disagg import Disaggregation
 from router.domain import (
     Exhausted,
     GenerateInput,
-    InvalidInput,
     PromptInput,
     RouterError,
     RouterStats,
@@ -38,7 +37,7 @@ from router.handoff import Handoff
 from router.metrics import RequestOutcome, RouterMetrics
 from router.placement import Placement
 from router.policy import Policy, RouteDecision
-from router.pool import WorkerDied, WorkerPool, raise_stream_error
+from router.pool import WorkerDied, WorkerPool
 from router.prompts import Prompts
 from router.response_cache import (
     EntryShape,
@@ -49,9 +48,10 @@ from router.response_cache import (
     response_key,
 )
 from router.resume import Part, RequestProgress
+from router.scoring import score as run_score
 from router.streams import merged
 from router.supervisor import Replace, Supervisor
-from workers.protocol import HolderHint, StreamDelta, StreamError, Usage
+from workers.protocol import HolderHint, StreamDelta, Usage
 from workers.text.tokenizer import Tokenizer
 
 _log = logging.getLogger(__name__)
@@ -337,37 +337,10 @@ class Router:
     # ---- score ------------------------------------------------------------------------------
 
     async def score(self, req: ScoreInput) -> ScoreResult:
-        """Per item, the log-probs of the label tokens after prefix + item."""
-        req = dataclasses.replace(req, cache_salt=self.prompts.salt(req.cache_salt))
-        prefix = await self.prompts.encode(req.prefix, "prefix")
-        if not req.items:
-            raise InvalidInput("items must not be empty")
-        items = [
-            await self.prompts.encode_item(item, f"items[{i}]") for i, item in enumerate(req.items)
-        ]
-        if not req.label_token_ids:
-            raise InvalidInput("label_token_ids must not be empty")
-        self.prompts.check_vocab(req.label_token_ids, "label_token_ids")
-        limit = self.pool.model.max_model_len
-        for i, item in enumerate(items):
-            if len(prefix) + len(item) > limit:
-                raise InvalidInput(f"prefix + items[{i}] exceed the model's context of {limit}")
-        excluded: set[WorkerId] = set()
-        for _ in range(self.config.max_retries + 1):
-            hashes = self.prompts.block_hashes(prefix, req.cache_salt)
-            decision = self.placement.route(len(prefix), hashes, excluded).decision
-            try:
-                result = await self.pool.call(
-                    decision.worker, "score", prefix, items, list(req.label_token_ids)
-                )
-            except WorkerDied as exc:
-                excluded.add(exc.worker)
-                continue
-            if isinstance(result, StreamError):
-                raise_stream_error(result)
-            logprobs = tuple(tuple(float(x) for x in row) for row in result)
-            return ScoreResult(logprobs, decision.worker)
-        raise Unavailable("no live worker could score the request")
+        """Per item, the log-probs of the label tokens after prefix + item (`router.scoring`)."""
+        return await run_score(
+            req, self.prompts, self.placement, self.pool, self.config.max_retries
+        )
 
     # ---- admin ------------------------------------------------------------------------------
 
