@@ -16,36 +16,26 @@ from typing import Any
 
 import pytest
 import torch
+from fault_support import (
+    BAD,
+    GREEDY,
+    INNOCENT,
+    InjectedError,
+    add_innocent,
+    check_idle,
+    fault_engine,
+    fault_prompts,
+    run_to_end,
+    serve,
+)
 
-from cachesvc.config import EngineConfig
 from cachesvc.types import RequestId
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine
-from workers.engine.outputs import RequestFailed, RequestOutput
+from workers.engine.outputs import RequestFailed
 from workers.engine.scheduler import SchedulerOutput
-from workers.sampling_params import SamplingParams
 
-BAD = "bad"
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-SEEDED = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
-SAMPLES = SamplingParams(max_tokens=8, temperature=1.0, seed=9, n=2, ignore_eos=True)
-BEAMS = SamplingParams(max_tokens=8, beam_width=2, temperature=0.0, ignore_eos=True)
-INNOCENT = [("greedy", GREEDY), ("seeded", SEEDED), ("samples", SAMPLES), ("beams", BEAMS)]
-
-
-class InjectedError(RuntimeError):
-    pass
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-PROMPTS = {name: _prompt(9 + 3 * i, i) for i, name in enumerate([*dict(INNOCENT), BAD])}
-
-
-def _engine(path: Path) -> Engine:
-    return Engine(EngineConfig(model=str(path), block_size=4, num_blocks=128))
+PROMPTS = fault_prompts(3)
 
 
 class Runs:
@@ -94,35 +84,21 @@ class MarkerModel:
         return self.model(token_ids, *args)  # type: ignore[no-any-return]
 
 
-def _run(engine: Engine) -> dict[str, RequestOutput]:
-    final: dict[str, RequestOutput] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            assert out.request_id not in final, "an output after the request finished"
-            if out.finished:
-                final[out.request_id] = out
-    return final
-
-
 def _add_innocent(engine: Engine) -> None:
-    for name, params in INNOCENT:
-        engine.add_request(PROMPTS[name], params, request_id=name)
+    add_innocent(engine, PROMPTS)
 
 
 def _check_idle(engine: Engine) -> None:
-    assert not engine.has_unfinished()
-    assert not engine._requests and not engine._tracked and not engine._fork_plans
+    check_idle(engine)
     assert not engine.scheduler.suspects
     engine.scheduler.suspects.check_integrity()
-    engine.pool.check_integrity()
-    assert engine.pool.num_free == engine.pool.num_blocks
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir: Path) -> tuple[dict[str, tuple[int, ...]], int]:
     """The innocent requests' tokens in a batch without the bad one, and a marker: a token id
     that no input of that run held."""
-    engine = _engine(tiny_llama_dir)
+    engine = fault_engine(tiny_llama_dir)
     seen: set[int] = set()
     model = engine.runner.model
 
@@ -132,7 +108,7 @@ def reference(tiny_llama_dir: Path) -> tuple[dict[str, tuple[int, ...]], int]:
 
     engine.runner.model = record  # type: ignore[assignment]
     _add_innocent(engine)
-    tokens = {rid: out.token_ids for rid, out in _run(engine).items()}
+    tokens = {rid: out.token_ids for rid, out in run_to_end(engine).items()}
     marker = min(set(range(3, 320)) - seen - set(PROMPTS[BAD]))
     return tokens, marker
 
@@ -164,14 +140,14 @@ def test_a_poisoned_forward_fails_its_request_alone(
     first: bool,
 ) -> None:
     tokens, marker = reference
-    engine = _engine(tiny_llama_dir)
+    engine = fault_engine(tiny_llama_dir)
     prompt, runs = _arm(kind, engine, monkeypatch, marker)
     if first:
         engine.add_request(prompt, GREEDY, request_id=BAD)
     _add_innocent(engine)
     if not first:
         engine.add_request(prompt, GREEDY, request_id=BAD)
-    final = _run(engine)
+    final = run_to_end(engine)
     assert {rid: final[rid].token_ids for rid in tokens} == tokens
     assert all(final[rid].finish_reason == "length" for rid in tokens)
     assert final[BAD].finish_reason == "error"
@@ -186,7 +162,7 @@ def test_a_poisoned_forward_fails_its_request_alone(
     _check_idle(engine)
     # The engine serves on, with the same tokens as before.
     _add_innocent(engine)
-    assert {rid: out.token_ids for rid, out in _run(engine).items()} == tokens
+    assert {rid: out.token_ids for rid, out in run_to_end(engine).items()} == tokens
     _check_idle(engine)
 
 
@@ -206,10 +182,10 @@ def test_a_transient_fault_in_a_batch_fails_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     tokens, _ = reference
-    engine = _engine(tiny_llama_dir)
+    engine = fault_engine(tiny_llama_dir)
     runs = _wrap(engine, monkeypatch, _raises_once(3))  # all of them decoding, in one batch
     _add_innocent(engine)
-    final = _run(engine)
+    final = run_to_end(engine)
     assert len(runs.failed) == 1 and len(runs.failed[0]) > 1
     assert {rid: final[rid].token_ids for rid in tokens} == tokens
     assert all(out.finish_reason == "length" for out in final.values())
@@ -220,8 +196,8 @@ def test_a_transient_fault_in_a_batch_fails_nothing(
 def test_a_transient_fault_of_a_lone_request_fails_nothing(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, at: int
 ) -> None:
-    [clean] = _engine(tiny_llama_dir).generate([PROMPTS["greedy"]], GREEDY)
-    engine = _engine(tiny_llama_dir)
+    [clean] = fault_engine(tiny_llama_dir).generate([PROMPTS["greedy"]], GREEDY)
+    engine = fault_engine(tiny_llama_dir)
     runs = _wrap(engine, monkeypatch, _raises_once(at))
     [out] = engine.generate([PROMPTS["greedy"]], GREEDY)
     assert len(runs.failed) == 1
@@ -235,7 +211,7 @@ def test_lone_failures_of_two_requests_in_a_row_are_a_worker_fault(
     # Every run fails. A request alone on the worker is blamed once it failed alone twice
     # (nothing told it and the worker apart); the next request failing alone makes it a fault
     # of the worker: the error propagates, as it always did.
-    engine = _engine(tiny_llama_dir)
+    engine = fault_engine(tiny_llama_dir)
     runs = _wrap(engine, monkeypatch, lambda _: True)
     engine.add_request(PROMPTS["greedy"], GREEDY, request_id="first")
     assert engine.step() == []
@@ -247,17 +223,6 @@ def test_lone_failures_of_two_requests_in_a_row_are_a_worker_fault(
     assert runs.failed == [("first",), ("first",), ("second",)]
     engine.abort(RequestId("second"))  # what AsyncEngine does with the streams
     _check_idle(engine)
-
-
-def _serve(engine: Engine, body: Callable[[AsyncEngine], Any]) -> Any:
-    async def main() -> Any:
-        aengine = AsyncEngine(engine)
-        try:
-            return await body(aengine)
-        finally:
-            await aengine.shutdown()
-
-    return asyncio.run(main())
 
 
 async def _collect(aengine: AsyncEngine, name: str, prompt: list[int], params: Any) -> Any:
@@ -284,9 +249,9 @@ def test_async_streams_of_a_poisoned_batch_go_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     tokens, marker = reference
-    engine = _engine(tiny_llama_dir)
+    engine = fault_engine(tiny_llama_dir)
     prompt, _ = _arm("marker", engine, monkeypatch, marker)
-    *innocent, failure = _serve(engine, lambda aengine: _all(aengine, prompt))
+    *innocent, failure = serve(engine, lambda aengine: _all(aengine, prompt))
     assert isinstance(failure, RequestFailed) and failure.request_id == BAD
     assert "InjectedError" in str(failure)
     assert {rid: t for outs in innocent for rid, t in outs.items()} == tokens
@@ -301,7 +266,7 @@ def test_async_streams_all_fail_on_a_worker_fault(
     # Every run fails once the batch decodes: the worker is at fault, and every stream raises
     # its error (not RequestFailed: the router may retry them on another worker).
     tokens, _ = reference
-    engine = _engine(tiny_llama_dir)
+    engine = fault_engine(tiny_llama_dir)
     count = [0]
 
     def broken(_: SchedulerOutput) -> bool:
@@ -309,11 +274,11 @@ def test_async_streams_all_fail_on_a_worker_fault(
         return count[0] > 2
 
     runs = _wrap(engine, monkeypatch, broken)
-    results = _serve(engine, _all)
+    results = serve(engine, _all)
     assert all(type(r) is InjectedError for r in results), results
     assert len(runs.failed) == 3  # the batch, then two distinct requests alone
     _check_idle(engine)
     monkeypatch.setattr(engine.runner, "execute", runs.execute)  # the worker is mended
-    results = _serve(engine, _all)
+    results = serve(engine, _all)
     assert {rid: t for outs in results for rid, t in outs.items()} == tokens
     _check_idle(engine)

@@ -13,39 +13,29 @@ from typing import Any
 
 import pytest
 import torch
+from fault_support import (
+    BAD,
+    GREEDY,
+    INNOCENT,
+    InjectedError,
+    add_innocent,
+    check_idle,
+    fault_engine,
+    fault_prompts,
+    run_to_end,
+    serve,
+)
 
-from cachesvc.config import EngineConfig
 from workers.engine import sampler as sampler_module
 from workers.engine import tracking as tracking_module
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine
-from workers.engine.outputs import RequestFailed, RequestOutput
+from workers.engine.outputs import RequestFailed
 from workers.engine.request import Request
 from workers.sampling_params import SamplingParams
 
-BAD = "bad"
 POISON_SEED = 666
-# Innocent requests of every kind, in one batch with the bad one.
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-SEEDED = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
-SAMPLES = SamplingParams(max_tokens=8, temperature=1.0, seed=9, n=2, ignore_eos=True)
-BEAMS = SamplingParams(max_tokens=8, beam_width=2, temperature=0.0, ignore_eos=True)
-INNOCENT = [("greedy", GREEDY), ("seeded", SEEDED), ("samples", SAMPLES), ("beams", BEAMS)]
-
-
-class InjectedError(RuntimeError):
-    pass
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-PROMPTS = {name: _prompt(9 + 3 * i, i) for i, name in enumerate([*dict(INNOCENT), BAD])}
-
-
-def _engine(path: Path) -> Engine:
-    return Engine(EngineConfig(model=str(path), block_size=4, num_blocks=128))
+PROMPTS = fault_prompts(0)
 
 
 def _arm_sample(monkeypatch: pytest.MonkeyPatch) -> SamplingParams:
@@ -116,35 +106,21 @@ def _arm(phase: str, monkeypatch: pytest.MonkeyPatch, engine: Engine) -> Samplin
     return _arm_beam(monkeypatch, engine)
 
 
-def _run(engine: Engine) -> dict[str, RequestOutput]:
-    final: dict[str, RequestOutput] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            assert out.request_id not in final, "an output after the request finished"
-            if out.finished:
-                final[out.request_id] = out
-    return final
-
-
 def _add_innocent(engine: Engine) -> None:
-    for name, params in INNOCENT:
-        engine.add_request(PROMPTS[name], params, request_id=name)
+    add_innocent(engine, PROMPTS)
 
 
 def _check_idle(engine: Engine) -> None:
-    assert not engine.has_unfinished()
-    assert not engine._requests and not engine._tracked and not engine._fork_plans
+    check_idle(engine)
     assert not engine.beams.group_of
-    engine.pool.check_integrity()
-    assert engine.pool.num_free == engine.pool.num_blocks
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir: Path) -> dict[str, tuple[int, ...]]:
     """The innocent requests' tokens in a batch without the bad one."""
-    engine = _engine(tiny_llama_dir)
+    engine = fault_engine(tiny_llama_dir)
     _add_innocent(engine)
-    return {rid: out.token_ids for rid, out in _run(engine).items()}
+    return {rid: out.token_ids for rid, out in run_to_end(engine).items()}
 
 
 @pytest.mark.parametrize("phase", ["sample", "stop", "fork", "beam"])
@@ -154,11 +130,11 @@ def test_a_failing_request_fails_alone(
     monkeypatch: pytest.MonkeyPatch,
     phase: str,
 ) -> None:
-    engine = _engine(tiny_llama_dir)
+    engine = fault_engine(tiny_llama_dir)
     bad = _arm(phase, monkeypatch, engine)
     _add_innocent(engine)
     bad_ids = engine.add_request(PROMPTS[BAD], bad, request_id=BAD)
-    final = _run(engine)
+    final = run_to_end(engine)
     assert {rid: final[rid].token_ids for rid in reference} == reference
     assert all(final[rid].finish_reason == "length" for rid in reference)
     failed = [out for rid, out in final.items() if rid in bad_ids and out.finish_reason == "error"]
@@ -167,14 +143,14 @@ def test_a_failing_request_fails_alone(
     _check_idle(engine)
     # The engine serves on, with the same tokens as before.
     _add_innocent(engine)
-    assert {rid: out.token_ids for rid, out in _run(engine).items()} == reference
+    assert {rid: out.token_ids for rid, out in run_to_end(engine).items()} == reference
     _check_idle(engine)
 
 
 def test_generate_raises_once_every_request_is_done(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = _engine(tiny_llama_dir)
+    engine = fault_engine(tiny_llama_dir)
     bad = _arm_sample(monkeypatch)
     with pytest.raises(RequestFailed, match="InjectedError") as info:
         engine.generate([PROMPTS["greedy"], PROMPTS[BAD]], [GREEDY, bad])
@@ -184,19 +160,8 @@ def test_generate_raises_once_every_request_is_done(
 
 @pytest.fixture
 def async_engine(tiny_llama_dir: Path) -> Iterator[Callable[..., Any]]:
-    engine = _engine(tiny_llama_dir)
-
-    def run(body: Callable[[AsyncEngine], Any]) -> Any:
-        async def main() -> Any:
-            aengine = AsyncEngine(engine)
-            try:
-                return await body(aengine)
-            finally:
-                await aengine.shutdown()
-
-        return asyncio.run(main())
-
-    yield run
+    engine = fault_engine(tiny_llama_dir)
+    yield lambda body: serve(engine, body)
     _check_idle(engine)
 
 
