@@ -11,30 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from holds_support import NUM_FULL, ONE_TOKEN, handoff_prompt, hold, holds_engine
 
 from cachesvc.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.peer.holds import HandoffHolds
 from workers.engine.peer.stage import copy_run, pin_run, prompt_hashes, unpin
-from workers.sampling_params import SamplingParams
-
-ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-NUM_FULL = 6  # full blocks of the prompt (block size 4)
 
 
 @pytest.fixture
 def engine(tiny_llama_dir: Path) -> Engine:
-    return Engine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_blocks=64))
-
-
-def _prompt(seed: int) -> list[int]:
-    return [(seed * 31 + 7 * j) % 300 + 3 for j in range(NUM_FULL * 4 + 3)]
-
-
-def _held(engine: Engine, holds: HandoffHolds, prompt: list[int], salt: str | None = None) -> None:
-    holds.expect(prompt, prompt_hashes(engine, prompt, salt), salt)
-    engine.generate([prompt], ONE_TOKEN, cache_salt=salt)
-    holds.at_boundary(engine)
+    return holds_engine(tiny_llama_dir)
 
 
 def _room(engine: Engine, num_blocks: int) -> torch.Tensor:
@@ -46,7 +33,7 @@ def _room(engine: Engine, num_blocks: int) -> torch.Tensor:
 
 def test_pinned_once_computed_and_given_back_once_sent(engine: Engine) -> None:
     holds = HandoffHolds(ttl_s=60.0, max_blocks=32)
-    prompt = _prompt(1)
+    prompt = handoff_prompt(1)
     hashes = prompt_hashes(engine, prompt, None)
     holds.expect(prompt, hashes, None)
     holds.at_boundary(engine)  # nothing computed yet: nothing to serve
@@ -82,8 +69,8 @@ def test_pinned_once_computed_and_given_back_once_sent(engine: Engine) -> None:
 
 def test_a_copy_under_way_keeps_an_expired_hold(engine: Engine) -> None:
     holds = HandoffHolds(ttl_s=60.0, max_blocks=32)
-    prompt = _prompt(2)
-    _held(engine, holds, prompt)
+    prompt = handoff_prompt(2)
+    hold(engine, holds, prompt)
     hashes = prompt_hashes(engine, prompt, None)
     leased = holds.lease(hashes, 0, NUM_FULL, NUM_FULL)
     assert leased is not None
@@ -98,8 +85,8 @@ def test_a_copy_under_way_keeps_an_expired_hold(engine: Engine) -> None:
 
 def test_never_served_to_another_prompt_or_tenant(engine: Engine) -> None:
     holds = HandoffHolds(ttl_s=60.0, max_blocks=32)
-    prompt = _prompt(3)
-    _held(engine, holds, prompt, salt="tenant-a")
+    prompt = handoff_prompt(3)
+    hold(engine, holds, prompt, salt="tenant-a")
     assert holds.lease(prompt_hashes(engine, prompt, "tenant-b"), 0, NUM_FULL, 8) is None
     assert holds.lease(prompt_hashes(engine, prompt, None), 0, NUM_FULL, 8) is None
     other = prompt[:8] + [p + 1 for p in prompt[8:]]  # the first two blocks alike
@@ -112,9 +99,9 @@ def test_never_served_to_another_prompt_or_tenant(engine: Engine) -> None:
 
 def test_holds_take_at_most_their_share_of_the_pool(engine: Engine) -> None:
     holds = HandoffHolds(ttl_s=60.0, max_blocks=NUM_FULL + 2)
-    first, second = _prompt(4), _prompt(5)
-    _held(engine, holds, first)
-    _held(engine, holds, second)  # would take 12 blocks of 8: not held
+    first, second = handoff_prompt(4), handoff_prompt(5)
+    hold(engine, holds, first)
+    hold(engine, holds, second)  # would take 12 blocks of 8: not held
     assert holds.lease(prompt_hashes(engine, first, None), 0, NUM_FULL, 8) is not None
     assert holds.lease(prompt_hashes(engine, second, None), 0, NUM_FULL, 8) is None
     assert holds.counters()["peer_held_blocks"] == NUM_FULL
@@ -122,7 +109,7 @@ def test_holds_take_at_most_their_share_of_the_pool(engine: Engine) -> None:
 
 def test_the_wait_for_the_prefill_is_not_counted_against_the_pins(engine: Engine) -> None:
     holds = HandoffHolds(ttl_s=0.0, max_blocks=32)  # pins go at the boundary after they came
-    prompt = _prompt(6)
+    prompt = handoff_prompt(6)
     hashes = prompt_hashes(engine, prompt, None)
     holds.expect(prompt, hashes, None)
     holds.at_boundary(engine)  # queued behind other prompts: still waiting, not expired
@@ -137,7 +124,7 @@ def test_blocks_are_held_as_a_chunked_prefill_computes_them(tiny_llama_dir: Path
     )
     engine = Engine(config)  # two blocks a step
     holds = HandoffHolds(ttl_s=60.0, max_blocks=32)
-    prompt = _prompt(7)
+    prompt = handoff_prompt(7)
     hashes = prompt_hashes(engine, prompt, None)
     holds.expect(prompt, hashes, None)
     holds.expect(prompt, hashes, None)  # asked again (the puller came first): held once
@@ -174,7 +161,7 @@ def test_a_pull_waits_for_blocks_still_being_computed(tiny_llama_dir: Path) -> N
     )
     engine = Engine(config)
     holds = HandoffHolds(ttl_s=60.0, max_blocks=32)
-    prompt = _prompt(8)
+    prompt = handoff_prompt(8)
     hashes = prompt_hashes(engine, prompt, None)
 
     async def scenario() -> list[int]:

@@ -9,37 +9,23 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from holds_support import NUM_FULL, ONE_TOKEN, handoff_prompt, hold, holds_engine
 
-from cachesvc.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.peer.holds import HandoffHolds
 from workers.engine.peer.stage import prompt_hashes
-from workers.sampling_params import SamplingParams
-
-ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-NUM_FULL = 6  # full blocks of the prompt (block size 4)
 
 
 @pytest.fixture
 def engine(tiny_llama_dir: Path) -> Engine:
-    return Engine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_blocks=64))
-
-
-def _prompt(seed: int) -> list[int]:
-    return [(seed * 31 + 7 * j) % 300 + 3 for j in range(NUM_FULL * 4 + 3)]
-
-
-def _held(engine: Engine, holds: HandoffHolds, prompt: list[int], salt: str | None) -> None:
-    holds.expect(prompt, prompt_hashes(engine, prompt, salt), salt)
-    engine.generate([prompt], ONE_TOKEN, cache_salt=salt)
-    holds.at_boundary(engine)
+    return holds_engine(tiny_llama_dir)
 
 
 def test_a_released_hold_gives_its_blocks_back_at_the_next_boundary(engine: Engine) -> None:
     holds = HandoffHolds(ttl_s=60.0, max_blocks=32)
     free_before = engine.pool.num_free
-    prompt = _prompt(1)
-    _held(engine, holds, prompt, "tenant-a")
+    prompt = handoff_prompt(1)
+    hold(engine, holds, prompt, "tenant-a")
     assert engine.pool.num_free == free_before - NUM_FULL  # pinned for a pull
     assert not holds.release(prompt, "tenant-b")  # another tenant's prompt: nothing
     assert not holds.release(prompt[:-1], "tenant-a")
@@ -57,8 +43,8 @@ def test_a_released_hold_gives_its_blocks_back_at_the_next_boundary(engine: Engi
 def test_a_copy_under_way_keeps_a_released_hold_until_it_ends(engine: Engine) -> None:
     holds = HandoffHolds(ttl_s=60.0, max_blocks=32)
     free_before = engine.pool.num_free
-    prompt = _prompt(2)
-    _held(engine, holds, prompt, None)
+    prompt = handoff_prompt(2)
+    hold(engine, holds, prompt, None)
     leased = holds.lease(prompt_hashes(engine, prompt, None), 0, NUM_FULL, 4)
     assert leased is not None
     assert holds.release(prompt, None)
@@ -76,7 +62,7 @@ def test_a_hold_still_waiting_for_its_prompt_is_dropped_and_wakes_its_puller(
     """Aborted before its prompt was computed: a pull waiting for the blocks stops waiting, and
     the blocks computed later are not pinned."""
     holds = HandoffHolds(ttl_s=60.0, max_blocks=32)
-    prompt = _prompt(3)
+    prompt = handoff_prompt(3)
     hashes = prompt_hashes(engine, prompt, None)
     holds.expect(prompt, hashes, None)
 
