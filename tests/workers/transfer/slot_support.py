@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from workers.transfer.slot_reader import SlotReader
 from workers.transfer.slot_ring import Slot, SlotRing
 from workers.transfer.slots import PullerProcess, SlotLease, SlotRef
 from workers.transfer.staging import Stager
@@ -98,6 +99,11 @@ class Puller:
         line = self.proc.stdout.readline()
         assert line, "the puller process died"
         return line.strip()
+
+
+def collecting_reader(sent: list[SlotLease]) -> SlotReader:
+    """A reader whose releases are collected in `sent` (the link would send them)."""
+    return SlotReader(lambda holder, lease: sent.append(lease))
 
 
 def make_stager(ring_blocks: int, slot_blocks: int = 4) -> Stager:

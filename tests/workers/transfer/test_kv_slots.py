@@ -16,6 +16,7 @@ from slot_support import (
     HOLDER,
     NODE,
     Puller,
+    collecting_reader,
     leased,
     make_stager,
     rows,
@@ -23,7 +24,7 @@ from slot_support import (
 )
 
 from workers.transfer.chunk import KVChunk
-from workers.transfer.slot_reader import SlotReader, StaleSlot
+from workers.transfer.slot_reader import StaleSlot
 from workers.transfer.slots import PullerProcess, SlotLease, this_process
 
 
@@ -32,11 +33,6 @@ def puller() -> Iterator[Puller]:
     p = Puller()
     yield p
     p.close()
-
-
-def _reader(sent: list[SlotLease]) -> SlotReader:
-    """A reader whose releases are collected in `sent` (the link would send them)."""
-    return SlotReader(lambda holder, lease: sent.append(lease))
 
 
 def test_a_slot_is_read_in_place_and_free_once_released(puller: Puller) -> None:
@@ -77,7 +73,7 @@ def test_a_stale_reference_is_refused(puller: Puller) -> None:
     assert new.generation == old.generation + 1
     sent: list[SlotLease] = []
     with pytest.raises(StaleSlot):
-        _reader(sent).open(old, HOLDER)
+        collecting_reader(sent).open(old, HOLDER)
     assert puller.open(old).startswith("refused")
 
 
@@ -89,7 +85,7 @@ def test_an_unread_reply_is_released() -> None:
     _, ref = leased(stager, me, rows(5))
     assert stager.ring.num_leased() == 1
     sent: list[SlotLease] = []
-    _reader(sent).release(ref, HOLDER)  # a cancelled pull's answer, never opened
+    collecting_reader(sent).release(ref, HOLDER)  # a cancelled pull's answer, never opened
     assert stager.release(sent) == 1
     assert stager.ring.num_leased() == 0
 
@@ -114,7 +110,7 @@ def test_the_same_chunk_through_a_slot_and_through_a_buffer() -> None:
         else:
             chunk = stager.ship(staging, KVChunk(0, "float32", staged, b"d" * 32))
             assert chunk.slot is not None and chunk.num_blocks == 0  # nothing inline
-            sent.append(_reader([]).open(chunk.slot, HOLDER))
+            sent.append(collecting_reader([]).open(chunk.slot, HOLDER))
         stager.finish(staging, delivered=True)
     np.testing.assert_array_equal(sent[0], payload)
     np.testing.assert_array_equal(sent[1], payload)

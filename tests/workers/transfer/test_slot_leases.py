@@ -16,10 +16,19 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import xxhash
-from slot_support import HOLDER, NODE, Puller, leased, make_stager, rows, wait_for_slot
+from slot_support import (
+    HOLDER,
+    NODE,
+    Puller,
+    collecting_reader,
+    leased,
+    make_stager,
+    rows,
+    wait_for_slot,
+)
 
 from workers.transfer.segment import UnsealedSegment, map_readonly
-from workers.transfer.slot_reader import SlotReader, StaleSlot
+from workers.transfer.slot_reader import StaleSlot
 from workers.transfer.slots import DATA_OFFSET, LEASE_TAG, LEASED, SlotLease, this_process
 
 # Another process of the same uid, at a holder's segment through /proc: every way it could
@@ -57,10 +66,6 @@ def puller() -> Iterator[Puller]:
     p.close()
 
 
-def _reader(sent: list[SlotLease]) -> SlotReader:
-    return SlotReader(lambda holder, lease: sent.append(lease))
-
-
 def _checksum(array: np.ndarray) -> str:
     return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(array).tobytes())
 
@@ -88,7 +93,7 @@ def test_another_process_cannot_resize_or_write_a_slot() -> None:
     staged = staging.buffer[:3].numpy()
     np.testing.assert_array_equal(staged, payload)
     ref = stager.ring.lease(staging.slot, me, staged)
-    np.testing.assert_array_equal(_reader([]).open(ref, HOLDER), payload)
+    np.testing.assert_array_equal(collecting_reader([]).open(ref, HOLDER), payload)
 
 
 def test_a_puller_reads_read_only_and_only_sealed_segments(puller: Puller) -> None:
@@ -97,7 +102,7 @@ def test_a_puller_reads_read_only_and_only_sealed_segments(puller: Puller) -> No
     stager = make_stager(ring_blocks=4)
     payload = rows(11)
     _, ref = leased(stager, me, payload)
-    view = _reader([]).open(ref, HOLDER)
+    view = collecting_reader([]).open(ref, HOLDER)
     assert not view.flags.writeable
     with pytest.raises(ValueError, match="read-only"):
         view[0] = 0
@@ -108,7 +113,7 @@ def test_a_puller_reads_read_only_and_only_sealed_segments(puller: Puller) -> No
         os.ftruncate(plain, DATA_OFFSET + payload.nbytes)
         forged = replace(ref, fd=plain)
         with pytest.raises(UnsealedSegment):
-            _reader([]).open(forged, HOLDER)
+            collecting_reader([]).open(forged, HOLDER)
     finally:
         os.close(plain)
 
@@ -148,7 +153,7 @@ def test_a_reference_with_another_capability_is_refused(puller: Puller) -> None:
     _, ref = leased(stager, me, rows(14))
     forged = replace(ref, capability=os.urandom(16))
     with pytest.raises(StaleSlot):
-        _reader([]).open(forged, HOLDER)
+        collecting_reader([]).open(forged, HOLDER)
     assert puller.open(forged).startswith("refused StaleSlot")
 
 
@@ -181,7 +186,7 @@ def test_a_lease_past_its_time_retires_its_slot(puller: Puller) -> None:
     stager.ring.lease_ttl_s = 0.0
     payload = rows(17)
     slot, ref = leased(stager, puller.process, payload)
-    view = _reader([]).open(ref, HOLDER)
+    view = collecting_reader([]).open(ref, HOLDER)
     assert stager.ring.take() is None  # retires it (and asks for another)
     assert stager.ring.num_retired == 1 and stager.ring.num_leased() == 0
     fresh = wait_for_slot(stager.ring)
