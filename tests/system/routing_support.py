@@ -1,5 +1,5 @@
-"""Prefix groups and a two-router check, shared by the system tests of routers that share what
-they know through Redis (the index itself, or the workers' event streams)."""
+"""Prefix groups, greedy requests and a two-router check, shared by the system tests of routers
+that share what they know through Redis (the index itself, or the workers' event streams)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,17 @@ def serve_ids(server: Any, ids: list[int]) -> pb.Usage:
         sampling=pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
     )
     return list(stub.Generate(request, timeout=60))[-1].usage
+
+
+def tokens_and_usage(server: Any, ids: list[int]) -> tuple[list[int], pb.Usage]:
+    """Generate four greedy tokens after `ids`; the tokens and the usage of the answer."""
+    stub = pb_grpc.InferenceStub(server.channel())
+    request = pb.GenerateRequest(
+        prompt=pb.Prompt(token_ids=pb.TokenIds(ids=ids)),
+        sampling=pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+    )
+    responses = list(stub.Generate(request, timeout=120))
+    return [t for r in responses for t in r.token_ids], responses[-1].usage
 
 
 def assert_two_routers_route_alike(first: Any, second: Any, turns: int, suffix: int) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from routing_support import tokens_and_usage
 
 from cachesvc.config import EngineConfig, TierConfig
 from cachesvc.hashing import epoch_salt, hash_blocks, root_hash
@@ -77,16 +78,6 @@ def _direct(
     return [t for d in deltas for t in d.token_ids], deltas[-1]
 
 
-def _via_grpc(server: Any, prompt: list[int]) -> tuple[list[int], pb.Usage]:
-    stub = pb_grpc.InferenceStub(server.channel())
-    request = pb.GenerateRequest(
-        prompt=pb.Prompt(token_ids=pb.TokenIds(ids=prompt)),
-        sampling=pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-    )
-    responses = list(stub.Generate(request, timeout=120))
-    return [t for r in responses for t in r.token_ids], responses[-1].usage
-
-
 def _pulled(actors: dict[WorkerId, Any]) -> int:
     import ray
 
@@ -117,7 +108,7 @@ def test_purged_prefix_is_served_by_no_peer_and_no_shared_tier(
     # One prompt per check below: each is the first of its prompt after the purge (a second
     # one would rightly find the blocks the first computed under the new epoch).
     prompts = [[rng.randrange(3, 300) for _ in range(NUM_BLOCKS * 4 + 2)] for _ in range(3)]
-    expected = [_via_grpc(server, prompt)[0] for prompt in prompts]
+    expected = [tokens_and_usage(server, prompt)[0] for prompt in prompts]
     holder_id, puller_id = sorted(workers)
     holder, puller = workers[holder_id], workers[puller_id]
     info = server.router.pool.state(holder_id).info
@@ -157,7 +148,7 @@ def test_purged_prefix_is_served_by_no_peer_and_no_shared_tier(
         (server, prompts[0], expected[0]),
         (other, prompts[2], expected[2]),
     ):
-        tokens, usage = _via_grpc(router, prompt)
+        tokens, usage = tokens_and_usage(router, prompt)
         assert tokens == want
         assert sum(usage.cached_tokens.values()) == 0, dict(usage.cached_tokens)
         assert usage.computed_tokens == len(prompt)

@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
+from routing_support import tokens_and_usage
 from slow_link import SlowLink
 
 from cachesvc.config import EngineConfig
@@ -40,16 +41,6 @@ def workers(ray_cluster: None, engine_config: EngineConfig) -> Iterator[dict[Wor
     ray.kill(actor)
 
 
-def _via_grpc(server: Any, prompt: list[int]) -> tuple[list[int], pb.Usage]:
-    stub = pb_grpc.InferenceStub(server.channel())
-    request = pb.GenerateRequest(
-        prompt=pb.Prompt(token_ids=pb.TokenIds(ids=prompt)),
-        sampling=pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-    )
-    responses = list(stub.Generate(request, timeout=120))
-    return [t for r in responses for t in r.token_ids], responses[-1].usage
-
-
 def _cache_directly(actor: Any, prompt: list[int], salt: str | None) -> None:
     """What a request routed before the purge does after it: cache `prompt` under `salt`."""
     import ray
@@ -70,8 +61,8 @@ def test_a_router_that_cannot_read_the_epoch_reuses_no_block(
         second = start_router(workers, redis_url=link.url, redis_namespace=namespace)
         rng = random.Random(uuid.uuid4().int)
         prompt, later = ([rng.randrange(3, 300) for _ in range(NUM_BLOCKS * 4 + 2)] for _ in "ab")
-        tokens, _ = _via_grpc(second, prompt)
-        assert sum(_via_grpc(second, prompt)[1].cached_tokens.values()) == NUM_BLOCKS * 4
+        tokens, _ = tokens_and_usage(second, prompt)
+        assert sum(tokens_and_usage(second, prompt)[1].cached_tokens.values()) == NUM_BLOCKS * 4
 
         link.freeze()
         admin = pb_grpc.AdminStub(first.channel())
@@ -79,7 +70,7 @@ def test_a_router_that_cannot_read_the_epoch_reuses_no_block(
         for _ in range(2):  # reused once: the worker keeps them
             _cache_directly(workers[WorkerId("w0")], prompt, None)  # epoch 0's salt
 
-        got, usage = _via_grpc(second, prompt)
+        got, usage = tokens_and_usage(second, prompt)
         assert got == tokens
         assert sum(usage.cached_tokens.values()) == 0, dict(usage.cached_tokens)
         assert usage.computed_tokens == len(prompt)
@@ -90,7 +81,7 @@ def test_a_router_that_cannot_read_the_epoch_reuses_no_block(
         # (the first request of a prompt under it computes, the next one reuses).
         link.thaw()
         deadline = time.monotonic() + 120
-        while sum(_via_grpc(second, later)[1].cached_tokens.values()) < NUM_BLOCKS * 4:
+        while sum(tokens_and_usage(second, later)[1].cached_tokens.values()) < NUM_BLOCKS * 4:
             assert time.monotonic() < deadline, "the router never followed the epoch again"
             time.sleep(0.5)
         assert second.router.prompts.salt(None) == first.router.prompts.salt(None) == "purge:1/"
