@@ -4,8 +4,10 @@ the fuzzing whose tokens must not change."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,3 +207,14 @@ class Beside:
         except BaseException as exc:  # reported by the test that stops it
             self.errors.append(exc)
             self._started.set()
+
+
+@contextlib.contextmanager
+def normal_beside(server: Any) -> Iterator[Beside]:
+    """The normal requests, run again and again while a module's fuzzing goes on (`Beside`),
+    live on a worker before it starts; stopped at the end (idempotent: a module's last check
+    stops them first)."""
+    streams = Beside(server.channel(), NORMAL)
+    streams.start()
+    yield streams
+    streams.stop()

@@ -19,7 +19,6 @@ from grpc_fuzz_support import (
     INT32,
     INT64,
     NASTY,
-    NORMAL,
     TEXT,
     TOKEN,
     VOCAB,
@@ -28,6 +27,7 @@ from grpc_fuzz_support import (
     Reference,
     check_refusal,
     check_still_serving,
+    normal_beside,
 )
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
@@ -152,10 +152,8 @@ def reference(server: Any) -> Reference:
 @pytest.fixture(scope="module")
 def beside(server: Any, reference: Reference) -> Any:
     """The normal requests, run again and again while the module's fuzzing goes on."""
-    streams = Beside(server.channel(), NORMAL)
-    streams.start()
-    yield streams
-    streams.stop()  # idempotent: the last test stops it first
+    with normal_beside(server) as streams:
+        yield streams
 
 
 def _max_tokens(request: pb.GenerateRequest) -> int:

@@ -19,11 +19,11 @@ from google.protobuf.descriptor_pool import DescriptorPool
 from google.protobuf.message import Message
 from grpc_fuzz_support import (
     MAX_MESSAGE_BYTES,
-    NORMAL,
     Beside,
     Reference,
     check_refusal,
     check_still_serving,
+    normal_beside,
 )
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -62,10 +62,8 @@ def reference(server: Any) -> Reference:
 
 @pytest.fixture(scope="module")
 def beside(server: Any, reference: Reference) -> Iterator[Beside]:
-    streams = Beside(server.channel(), NORMAL)
-    streams.start()
-    yield streams
-    streams.stop()
+    with normal_beside(server) as streams:
+        yield streams
 
 
 @pytest.fixture(scope="module")
