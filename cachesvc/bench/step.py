@@ -41,6 +41,7 @@ class StepBenchArgs:
     model: str | None = None
     tiny: bool = False
     threads: int | None = None
+    dtype: str | None = None  # the weights' and KV's (None: float32)
     steps: int | None = None  # timed decode steps a round (default 8, quick 4)
     rounds: int | None = None  # rounds of each path (default 5, quick 3)
     grid: tuple[Sequence[int], Sequence[int]] | None = None
@@ -195,7 +196,10 @@ def run_step_bench(args: StepBenchArgs) -> int:
     rounds = args.rounds or (3 if args.quick else 5)
     timing = _Timing(steps, rounds)
     with _model_path(args) as model:
-        probe = Engine(EngineConfig(model=model, num_blocks=16, num_threads=args.threads))
+        dtype = args.dtype or "float32"
+        probe = Engine(
+            EngineConfig(model=model, num_blocks=16, num_threads=args.threads, dtype=dtype)
+        )
         config = probe.config
 
         def tokens(cell: tuple[int, int]) -> int:  # the KV a cell's requests reach, in tokens
@@ -208,7 +212,7 @@ def run_step_bench(args: StepBenchArgs) -> int:
         # Whole pages per request, and a little room.
         need = max(tokens(c) // config.block_size + 2 * c[0] for c in cells) + 16
         engine = Engine(
-            EngineConfig(model=model, num_blocks=need, num_threads=args.threads),
+            EngineConfig(model=model, num_blocks=need, num_threads=args.threads, dtype=dtype),
             loaded=probe.loaded,
             tokenizer=probe.tokenizer,
         )

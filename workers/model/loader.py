@@ -15,6 +15,7 @@ import torch
 import xxhash
 
 from workers.model.config import ModelConfig, ModelLoadError
+from workers.model.cpu_dtype import check_dtype_supported
 from workers.model.llama import LlamaModel
 from workers.model.weights import WeightSource, build_state_dict
 
@@ -44,8 +45,10 @@ def load_model(
 
     GGUF weights are dequantized and all weights cast to `dtype` on `device`; the KV cache is
     assumed to use `dtype` too (it enters the fingerprint). Raises ModelLoadError for a missing
-    path, an unknown architecture, a bad config or a missing/misshapen tensor.
+    path, an unknown architecture, a bad config or a missing/misshapen tensor, and for bfloat16
+    on a CPU without native bfloat16 (`check_dtype_supported`).
     """
+    check_dtype_supported(dtype, device)
     start = time.perf_counter()
     resolved = _resolve(path)
     source = _open(resolved)

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 from typing import Any, TypeVar
 
-from cachesvc.app.cli.common import CliError
+from cachesvc.app.cli.common import CliError, add_dtype_arg
 
 T = TypeVar("T")
 
@@ -96,10 +96,12 @@ def add_bench_parser(sub: Any) -> None:
     )
     _add_live_bench_flags(step, "batch 1 and 4 over 128 and 1K tokens")
     step.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_dtype_arg(step)
     step.add_argument("--steps", type=int, default=None, help="timed steps a round (8; quick 4)")
     step.add_argument("--rounds", type=int, default=None, help="rounds of each path (5; quick 3)")
     step.add_argument("--batches", default=None, help="comma-separated (default 1,4,16,64)")
     step.add_argument("--contexts", default=None, help="prompt tokens (default 128,1024,4096)")
+    _add_dtype_agreement_parser(bench_sub)
     _add_admission_parser(bench_sub)
     _add_routing_bench_parser(bench_sub)
     _add_agreement_parser(bench_sub)
@@ -190,6 +192,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
             contexts = numbers(args.contexts, "--contexts") if args.contexts else default[1]
             grid = (batches, contexts)
         return run_step_bench(_bench_args(StepBenchArgs, args, grid=grid))
+    if args.suite == "dtype-agreement":
+        from cachesvc.bench.dtype_agreement import DtypeAgreementArgs, run_dtype_agreement_bench
+
+        return run_dtype_agreement_bench(_bench_args(DtypeAgreementArgs, args))
     if args.suite == "admission":
         from cachesvc.bench.admission import AdmissionBenchArgs, run_admission_bench
 
@@ -240,6 +246,18 @@ def _add_live_bench_flags(bench: Any, quick_help: str) -> None:
     bench.add_argument("--quick", action="store_true", help=quick_help)
     bench.add_argument("--model", default=None, help="default: SmolLM2")
     bench.add_argument("--tiny", action="store_true", help="a tiny random model instead")
+
+
+def _add_dtype_agreement_parser(bench_sub: Any) -> None:
+    b = bench_sub.add_parser(
+        "dtype-agreement", help="greedy tokens of our bfloat16 engine against transformers'"
+    )
+    b.add_argument("--json", dest="json_path", help="also write the results to this file")
+    b.add_argument("--quick", action="store_true", help="24 tokens, 4 random prompts")
+    b.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
+    b.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    b.add_argument("--tokens", type=int, default=None, help="greedy tokens a prompt (64)")
+    b.add_argument("--generated", type=int, default=None, help="random-token prompts (16)")
 
 
 def _add_admission_parser(bench_sub: Any) -> None:
