@@ -186,13 +186,13 @@ def run_dtype_agreement_bench(args: DtypeAgreementArgs) -> int:
     hf = {name: load_hf(path, dtype) for name, dtype in _HF_DTYPES.items()}
     for name, model in hf.items():
         runs[name] = [hf_greedy(model, p, num_tokens) for p in prompts]
-    pairs = {}
+    pairs = []
     for ours, ref in PAIRS:
         divs = [
             divergence(hf["hf_fp32"], p, t, r)
             for p, t, r in zip(prompts, runs[ours], runs[ref], strict=True)
         ]
-        pairs[f"{ours}_vs_{ref}"] = summarize(divs, num_tokens)
+        pairs.append({"run": ours, "reference": ref} | summarize(divs, num_tokens))
     report = {
         "model": path.name,
         "threads": torch.get_num_threads(),
@@ -211,7 +211,7 @@ _HF_DTYPES = {"hf_fp32": torch.float32, "hf_bf16": torch.bfloat16}
 
 
 def _print_report(report: dict[str, Any]) -> None:
-    tokens = next(iter(report["pairs"].values()))["tokens"]
+    tokens = report["pairs"][0]["tokens"]
     print(
         f"{report['model']}, {len(report['prompt_lens'])} prompts ({report['held_prompts']} held,"
         f" {report['generated_prompts']} random), {tokens} greedy tokens, "
@@ -221,7 +221,8 @@ def _print_report(report: dict[str, Any]) -> None:
         f"{'run vs reference':<24} {'identical':>9} {'mean before div':>15} {'divs':>5} "
         f"{'ties':>5} {'margin p50':>10} {'margin max':>10}"
     )
-    for name, s in report["pairs"].items():
+    for s in report["pairs"]:
+        name = f"{s['run']}_vs_{s['reference']}"
         p50 = "-" if s["margin_median"] is None else f"{s['margin_median']:.3f}"
         top = "-" if s["margin_max"] is None else f"{s['margin_max']:.3f}"
         print(
