@@ -330,7 +330,21 @@ def run_serve_command(args: argparse.Namespace) -> int:
     config = serve_config(args)
     if args.config:
         config = serve_config_file(args.config, config)
+    _check_local_dtype(config)
     return run_serve(config)
+
+
+def _check_local_dtype(config: ServeConfig) -> None:
+    """Refuse, before Ray starts, a dtype the CPU of workers started on this machine lacks (a
+    worker elsewhere checks its own CPU as it loads the model)."""
+    import torch
+
+    from workers.model.cpu_dtype import check_dtype_supported
+
+    on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if config.ray_address is None and not on_gpu:
+        # The config's dtype names are torch's ("bfloat16" is torch.bfloat16).
+        check_dtype_supported(getattr(torch, config.engine.dtype), "cpu")
 
 
 def _defaults() -> argparse.Namespace:

@@ -62,3 +62,21 @@ def test_generate_in_bfloat16(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         outs.append(json.loads(capsys.readouterr().out.splitlines()[-1]))
     assert all(len(o["token_ids"]) == 4 for o in outs)
     assert outs[0]["prompt_token_ids"] == outs[1]["prompt_token_ids"]
+
+
+def test_serve_refuses_bfloat16_before_ray_starts_on_a_cpu_without_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import cachesvc.app.serve
+    from workers.model import cpu_dtype
+
+    # The CPU cannot be changed: the probe answers as a CPU without bf16 would.
+    monkeypatch.setattr(cpu_dtype, "cpu_bf16_features", lambda: ())
+
+    def must_not_start(config: object) -> int:
+        raise AssertionError("serve started its workers")
+
+    monkeypatch.setattr(cachesvc.app.serve, "run_serve", must_not_start)
+    assert main(["serve", "--device", "cpu", "--dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err
+    assert "native bfloat16" in err and "--dtype float32" in err and err.count("\n") == 1
