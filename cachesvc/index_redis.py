@@ -21,6 +21,8 @@ may have purged the epoch last read here. Starting a purge epoch raises too: a p
 report success while the routers go on hashing under the old epoch. Calls are synchronous: on
 a loopback or in-zone Redis a round trip is well under a millisecond, cheaper than an executor
 hop.
+The request path's reads never connect (a slow handshake would fail each one, the epoch unknown
+for good): their connection is opened off it (`cachesvc.redis_client.PreconnectedClient`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 
 from cachesvc.events import BlockMoved, BlockRemoved, BlockStored, Cleared, Event
 from cachesvc.index import TIER_ORDER, IndexSnapshot, PrefixMatch, PurgeEpochUnknown
-from cachesvc.redis_client import redis_client
+from cachesvc.redis_client import PreconnectedClient, redis_client
 from cachesvc.tiers.breaker import CircuitBreaker
 from cachesvc.types import BlockHash, WorkerId
 
@@ -43,6 +45,7 @@ _log = logging.getLogger(__name__)
 # UPDATE_TIMEOUT_S, on that loop too.
 LOOKUP_TIMEOUT_S = 0.05
 UPDATE_TIMEOUT_S = 0.25
+CONNECT_TIMEOUT_S = 2.0  # the reads' connect with its handshake, off the request path
 _MAX_FAILURES = 3  # failures in a row that open the breaker
 _COOLDOWN_S = 5.0  # then one probe every this often
 
@@ -205,17 +208,19 @@ class RedisPrefixIndex:
         self,
         client: Any,
         namespace: str = "cachesvc",
-        lookup_client: Any = None,
+        lookups: PreconnectedClient | None = None,
         breaker: CircuitBreaker | None = None,
     ) -> None:
+        """`client` makes every call but the request path's reads, which go through
+        `lookups` when given (its connects paced by `breaker`), else through `client`."""
         self._client = client
         # The reads every request makes (its prefix, the purge epoch) go through a client with a
         # short timeout, and every call through one breaker: a Redis that stops answering costs
         # a few timeouts, then none until a probe, however many requests arrive (these calls
         # run on the router's event loop).
-        self._lookup_client = lookup_client or client
         self._breaker = breaker or CircuitBreaker(_MAX_FAILURES, _COOLDOWN_S)
-        self.num_skipped = 0  # calls not made while the breaker was open
+        self._lookups = lookups
+        self.num_skipped = 0  # calls not made: the breaker open, or the reads not connected
         self._prefix = f"{namespace}:{{index}}:"
         self._apply = client.register_script(_APPLY)
         self._resync = client.register_script(_RESYNC)
@@ -239,8 +244,24 @@ class RedisPrefixIndex:
             client.ping()
         except redis.RedisError as exc:
             raise ConnectionError(f"--redis-url {url}: Redis is not reachable: {exc}") from exc
-        lookup = redis_client(url, LOOKUP_TIMEOUT_S, decode_responses=True)
-        return cls(client, namespace, lookup_client=lookup)
+        name = "Redis prefix index lookups"
+        lookups = PreconnectedClient(
+            url, LOOKUP_TIMEOUT_S, CONNECT_TIMEOUT_S, name, decode_responses=True
+        )
+        index = cls(client, namespace, lookups=lookups)
+        index.connect_lookups()  # open for the first requests, if it opens in time
+        return index
+
+    def connect_lookups(self) -> bool:
+        """Open the request path's connection now (paced by the breaker), or wait for the
+        attempt under way (at most CONNECT_TIMEOUT_S); whether it is open. Blocks: for start-up
+        and tests; the request path's reads start attempts in the background themselves."""
+        return self._lookups is None or self._lookups.connect(self._breaker)
+
+    @property
+    def lookups_up(self) -> bool:
+        """Whether the request path's reads have a connection to Redis open."""
+        return self._lookups is None or self._lookups.up
 
     # ---- updates ----------------------------------------------------------------------------
 
@@ -264,7 +285,10 @@ class RedisPrefixIndex:
         if not hashes:
             return {}
         args = [self._prefix, len(TIER_ORDER), *(h.hex() for h in hashes)]
-        flat = self._call(self._lookup, args, default=[], client=self._lookup_client)
+        try:
+            flat = self._read(lambda client: self._lookup(keys=[], args=args, client=client))
+        except ConnectionError:
+            flat = []
         width = len(TIER_ORDER) + 1
         out: dict[WorkerId, PrefixMatch] = {}
         for i in range(0, len(flat), width):
@@ -293,7 +317,7 @@ class RedisPrefixIndex:
         # Never the last value read instead: a purge through another router may have ended it.
         key = f"{self._prefix}purge-epoch"
         try:
-            raw = self._checked(lambda: self._lookup_client.get(key))
+            raw = self._read(lambda client: client.get(key))
         except ConnectionError as exc:
             self.num_epoch_unknown += 1
             raise PurgeEpochUnknown(f"Redis prefix index: purge epoch unknown: {exc}") from exc
@@ -335,8 +359,8 @@ class RedisPrefixIndex:
 
     # ---- errors -----------------------------------------------------------------------------
 
-    def _call(self, script: Any, args: list[Any], default: Any, client: Any = None) -> Any:
-        return self._run(lambda: script(keys=[], args=args, client=client), default)
+    def _call(self, script: Any, args: list[Any], default: Any) -> Any:
+        return self._run(lambda: script(keys=[], args=args), default)
 
     def _run(self, fn: Any, default: Any) -> Any:
         try:
@@ -344,10 +368,21 @@ class RedisPrefixIndex:
         except ConnectionError:
             return default
 
-    def _checked(self, fn: Any) -> Any:
+    def _read(self, fn: Any) -> Any:
+        """`fn(client)` on the request path's connection, through `_checked`; also raises
+        ConnectionError, at once, while that connection is not open (its opening then starts
+        in the background)."""
+        client = self._client if self._lookups is None else self._lookups.client(self._breaker)
+        if client is None:
+            self.num_skipped += 1
+            raise ConnectionError("skipped: the lookup connection to Redis is not open yet")
+        return self._checked(lambda: fn(client), lookup=True)
+
+    def _checked(self, fn: Any, lookup: bool = False) -> Any:
         """`fn()` through the breaker; raises ConnectionError when the breaker skips it or
-        Redis fails (counted, logged once per outage). Any other exception is raised as it is,
-        and counts as a failure: a half-open breaker waits for its probe's outcome."""
+        Redis fails (counted, logged once per outage; a failed `lookup` drops its connection).
+        Any other exception is raised as it is, and counts as a failure: a half-open breaker
+        waits for its probe's outcome."""
         import redis
 
         if not self._breaker.allow():
@@ -358,6 +393,8 @@ class RedisPrefixIndex:
         except redis.RedisError as exc:
             self._breaker.failed()
             self.num_errors += 1
+            if lookup and self._lookups is not None:
+                self._lookups.lost()  # redis-py closed it; a lookup must not reopen it
             now = time.monotonic()
             if now - self._last_warning > 10.0:  # one line per outage, not one per call
                 self._last_warning = now

@@ -158,41 +158,39 @@ def test_random_streams_match_memory_index(make_index: MakeIndex, ops: list[Any]
 
 
 def test_a_frozen_redis_costs_a_few_short_timeouts_then_none(own_redis: Any) -> None:
-    """Redis frozen (SIGSTOP): the request path's reads time out after LOOKUP_TIMEOUT_S as
-    misses (the purge epoch unknown), three failures open the breaker and the calls stop;
-    thawed, a probe after the cool-down finds it again."""
+    """Redis frozen (SIGSTOP): the request path's read in flight times out after
+    LOOKUP_TIMEOUT_S as a miss, and the later ones miss at once (the purge epoch unknown) while
+    its connection is reopened off the request path; three failures open the breaker and the
+    attempts stop; thawed, a probe after the cool-down finds it again."""
     import os
     import signal
 
-    from cachesvc.index_redis import LOOKUP_TIMEOUT_S
     from cachesvc.tiers.breaker import OPEN, CircuitBreaker
 
     now = [0.0]
     breaker = CircuitBreaker(3, 5.0, clock=lambda: now[0])
     index = RedisPrefixIndex.from_url(own_redis.url, namespace="frozen")
     index._breaker = breaker
-    assert index._lookup_client.connection_pool.connection_kwargs["socket_timeout"] == (
-        LOOKUP_TIMEOUT_S
-    )
     index.resync(A, IndexSnapshot("inc", 0, {}))
     assert index.apply(A, "inc", [_stored(0, H[:3])])
     index.advance_purge_epoch()
     assert index.longest_prefix(H)[A].num_blocks == 3 and index.purge_epoch() == 1
     os.kill(own_redis.proc.pid, signal.SIGSTOP)
     try:
-        assert index.longest_prefix(H) == {}
+        assert index.longest_prefix(H) == {}  # times out: its connection is closed
         with pytest.raises(PurgeEpochUnknown):
-            index.purge_epoch()
-        assert index.longest_prefix(H) == {}
-        assert breaker.state == OPEN and index.num_errors == 3
+            index.purge_epoch()  # not reconnected yet: skipped
+        assert not index.connect_lookups() and not index.connect_lookups()
+        assert breaker.state == OPEN and index.num_errors == 1
         for _ in range(10):
             assert index.longest_prefix(H) == {}
             with pytest.raises(PurgeEpochUnknown):
                 index.purge_epoch()
-        assert index.num_errors == 3 and index.num_skipped == 20
+        assert index.num_errors == 1 and index.num_skipped == 21
     finally:
         os.kill(own_redis.proc.pid, signal.SIGCONT)
     now[0] += 5.0  # the cool-down passed: one probe, which finds Redis again
+    assert index.connect_lookups()
     assert index.longest_prefix(H)[A].num_blocks == 3
     assert index.purge_epoch() == 1
 
@@ -215,8 +213,8 @@ def test_a_probe_that_fails_otherwise_still_settles_the_breaker(own_redis: Any) 
     index.resync(A, IndexSnapshot("inc", 0, {}))
     os.kill(own_redis.proc.pid, signal.SIGSTOP)
     try:
-        for _ in range(3):
-            assert index.longest_prefix(H) == {}
+        assert index.longest_prefix(H) == {}
+        assert not index.connect_lookups() and not index.connect_lookups()
     finally:
         os.kill(own_redis.proc.pid, signal.SIGCONT)
     assert breaker.state == OPEN
