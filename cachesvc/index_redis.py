@@ -35,6 +35,7 @@ from typing import Any
 
 from cachesvc.events import BlockMoved, BlockRemoved, BlockStored, Cleared, Event
 from cachesvc.index import TIER_ORDER, IndexSnapshot, PrefixMatch, PurgeEpochUnknown
+from cachesvc.index_redis_scripts import APPLY, DROP, LOOKUP, RESYNC
 from cachesvc.redis_client import PreconnectedClient, redis_client
 from cachesvc.tiers.breaker import CircuitBreaker
 from cachesvc.types import BlockHash, WorkerId
@@ -48,130 +49,6 @@ UPDATE_TIMEOUT_S = 0.25
 CONNECT_TIMEOUT_S = 2.0  # the reads' connect with its handshake, off the request path
 _MAX_FAILURES = 3  # failures in a row that open the breaker
 _COOLDOWN_S = 5.0  # then one probe every this often
-
-# Shared by every script: tier bit helpers over the block entries of one worker.
-_LUA_HELPERS = """
-local p = ARGV[1]
-local function add(w, wkey, b, hashes)
-  for _, h in ipairs(hashes) do
-    local hk = p .. 'h:' .. h
-    local m = tonumber(redis.call('HGET', hk, w) or '0')
-    redis.call('HSET', hk, w, bit.bor(m, b))
-    redis.call('SADD', wkey, h)
-  end
-end
-local function remove(w, wkey, b, hashes)
-  for _, h in ipairs(hashes) do
-    local hk = p .. 'h:' .. h
-    local m = tonumber(redis.call('HGET', hk, w) or '0')
-    if bit.band(m, b) ~= 0 then
-      m = bit.band(m, bit.bnot(b))
-      if m == 0 then
-        redis.call('HDEL', hk, w)
-        redis.call('SREM', wkey, h)
-      else
-        redis.call('HSET', hk, w, m)
-      end
-    end
-  end
-end
-local function drop(w)
-  local wkey = p .. 'w:' .. w
-  for _, h in ipairs(redis.call('SMEMBERS', wkey)) do
-    redis.call('HDEL', p .. 'h:' .. h, w)
-  end
-  redis.call('DEL', wkey, p .. 's:' .. w)
-  redis.call('SREM', p .. 'workers', w)
-end
-"""
-
-# ARGV: prefix, worker, incarnation, events as JSON [[seq, kind, bit_a, bit_b, [hex...]], ...].
-# Returns 1 when every event was applied or already covered, 0 on a gap or unknown stream.
-_APPLY = (
-    _LUA_HELPERS
-    + """
-local w, inc = ARGV[2], ARGV[3]
-local skey = p .. 's:' .. w
-local cur = redis.call('HMGET', skey, 'incarnation', 'next_seq')
-if not cur[1] or cur[1] ~= inc then return 0 end
-local nxt = tonumber(cur[2])
-local wkey = p .. 'w:' .. w
-local ok = 1
-for _, e in ipairs(cjson.decode(ARGV[4])) do
-  local seq, kind = e[1], e[2]
-  if seq > nxt then ok = 0 break end
-  if seq == nxt then
-    if kind == 'S' then add(w, wkey, e[3], e[5])
-    elseif kind == 'R' then remove(w, wkey, e[3], e[5])
-    elseif kind == 'M' then remove(w, wkey, e[3], e[5]) add(w, wkey, e[4], e[5])
-    elseif kind == 'C' then remove(w, wkey, e[3], redis.call('SMEMBERS', wkey))
-    end
-    nxt = nxt + 1
-  end
-end
-redis.call('HSET', skey, 'next_seq', nxt)
-return ok
-"""
-)
-
-# ARGV: prefix, worker, incarnation, next_seq, blocks as JSON [[bit, [hex...]], ...].
-# A snapshot older than what the index already follows (same life, lower next_seq) is ignored:
-# another router got there first. Returns 1 when applied.
-_RESYNC = (
-    _LUA_HELPERS
-    + """
-local w, inc, nxt = ARGV[2], ARGV[3], tonumber(ARGV[4])
-local skey = p .. 's:' .. w
-local cur = redis.call('HMGET', skey, 'incarnation', 'next_seq')
-if cur[1] == inc and tonumber(cur[2]) > nxt then return 0 end
-drop(w)
-local wkey = p .. 'w:' .. w
-for _, tier in ipairs(cjson.decode(ARGV[5])) do add(w, wkey, tier[1], tier[2]) end
-redis.call('HSET', skey, 'incarnation', inc, 'next_seq', nxt)
-redis.call('SADD', p .. 'workers', w)
-return 1
-"""
-)
-
-_DROP = _LUA_HELPERS + "drop(ARGV[2])\nreturn 1\n"
-
-# ARGV: prefix, num_tiers, hex... Returns {worker, count of tier 0, ..., count of tier k-1, ...}
-# for every worker holding the first block, counting each block in its fastest tier.
-_LOOKUP = """
-local p, k = ARGV[1], tonumber(ARGV[2])
-local counts, alive = {}, nil
-for i = 3, #ARGV do
-  local flat = redis.call('HGETALL', p .. 'h:' .. ARGV[i])
-  local masks = {}
-  for j = 1, #flat, 2 do masks[flat[j]] = tonumber(flat[j + 1]) end
-  local next_alive = {}
-  local any = false
-  if alive == nil then
-    for w, _ in pairs(masks) do next_alive[w] = true any = true end
-  else
-    for w, _ in pairs(alive) do
-      if masks[w] then next_alive[w] = true any = true end
-    end
-  end
-  if not any then break end
-  alive = next_alive
-  for w, _ in pairs(alive) do
-    local c = counts[w]
-    if c == nil then c = {} for t = 1, k + 1 do c[t] = 0 end counts[w] = c end
-    local rank = k
-    for t = 0, k - 1 do
-      if bit.band(masks[w], bit.lshift(1, t)) ~= 0 then rank = t break end
-    end
-    c[rank + 1] = c[rank + 1] + 1
-  end
-end
-local out = {}
-for w, c in pairs(counts) do
-  table.insert(out, w)
-  for t = 1, k do table.insert(out, c[t]) end
-end
-return out
-"""
 
 
 def _tier_bit(tier: str) -> int:
@@ -222,10 +99,10 @@ class RedisPrefixIndex:
         self._lookups = lookups
         self.num_skipped = 0  # calls not made: the breaker open, or the reads not connected
         self._prefix = f"{namespace}:{{index}}:"
-        self._apply = client.register_script(_APPLY)
-        self._resync = client.register_script(_RESYNC)
-        self._drop = client.register_script(_DROP)
-        self._lookup = client.register_script(_LOOKUP)
+        self._apply = client.register_script(APPLY)
+        self._resync = client.register_script(RESYNC)
+        self._drop = client.register_script(DROP)
+        self._lookup = client.register_script(LOOKUP)
         self._known_seq: dict[WorkerId, int | None] = {}
         self._known_epoch = 0
         self.num_epoch_unknown = 0
