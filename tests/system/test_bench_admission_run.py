@@ -44,7 +44,9 @@ def test_with_an_inter_token_target_a_third_setup_admits_on_the_streams(tmp_path
         assert r["itl_target_ms"] == 500.0
         assert len(r["itl_s"]) == len(r["ttft_s"]), "each served request's mean gap"
         assert all(gap > 0 for gap in r["itl_s"]), "six tokens: five gaps each"
-        assert len(r["ttft_s"]) + r["refused"] == len(results[0]["ttft_s"])
+        # Every setup sends the same burst, each request answered or refused once. (Without
+        # admission a worker whose pool is full may still refuse a few on a loaded machine.)
+        assert len(r["ttft_s"]) + r["refused"] == len(results[0]["ttft_s"]) + results[0]["refused"]
 
 
 @pytest.mark.parametrize(
