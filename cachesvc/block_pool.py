@@ -1,9 +1,11 @@
-"""The device block pool: reference counts, an O(1) LRU of free blocks, and a hash map.
+"""The device block pool: reference counts, an ordered set of free blocks, and a hash map.
 
 A block is the unit of paging and of prefix caching. A block with a reference count of zero sits
 in the free queue; if it still holds a registered hash it is a *cached* free block that a later
-request may revive, and it is evicted (its hash dropped) only when it is handed out again, least
-recently freed first. No I/O and no policy live here.
+request may revive, and it is evicted (its hash dropped) only when it is handed out again. The
+queue's order is an eviction policy's (`cachesvc.eviction`): least recently freed first by
+default (`lru`); it hears of every free (`push`, with the parent block) and every reuse of a
+block (`pull`). No I/O lives here.
 
 The eviction hook (the tiers' demotion) runs only once the pool's own bookkeeping is complete, and
 a hook that fails is a counted miss: the pool never ends up half-updated by someone else's error.
@@ -18,11 +20,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from cachesvc.events import TIER_HBM, EventLog
+from cachesvc.eviction.base import EvictionPolicy, make_policy
 from cachesvc.types import BlockHash, BlockId
 
 _log = logging.getLogger(__name__)
@@ -59,17 +61,20 @@ EvictHook = Callable[[BlockId, BlockHash, tuple[int, ...], "BlockHash | None"], 
 
 
 class BlockPool:
-    """Fixed set of `num_blocks` block ids with ref counts, LRU reuse and hash registration."""
+    """Fixed set of `num_blocks` block ids with ref counts, reuse in the order of eviction
+    policy `policy` (a name of `cachesvc.eviction.base.POLICY_NAMES`) and hash registration."""
 
-    def __init__(self, num_blocks: int, events: EventLog | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, events: EventLog | None = None, policy: str = "lru"
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._blocks = [_Block() for _ in range(num_blocks)]
-        # Insertion order is LRU order: the head is evicted first.
-        self._free: OrderedDict[BlockId, None] = OrderedDict(
-            (BlockId(i), None) for i in range(num_blocks)
-        )
+        # The free blocks, the next one handed out first.
+        self._free: EvictionPolicy[BlockId] = make_policy(policy)
+        for i in range(num_blocks):
+            self._free.push(BlockId(i))
         self._by_hash: dict[BlockHash, BlockId] = {}
         self.events = events if events is not None else EventLog()
         self.on_evict: EvictHook | None = None
@@ -92,7 +97,7 @@ class BlockPool:
         return self._blocks[block_id].ref_cnt
 
     def allocate(self, num: int) -> list[BlockId]:
-        """Take `num` blocks (ref count 1), evicting cached free blocks LRU first.
+        """Take `num` blocks (ref count 1), evicting cached free blocks in the policy's order.
 
         Raises NoFreeBlocksError, changing nothing, when fewer than `num` are free. The eviction
         hook runs for each evicted block after all of them are taken and unregistered.
@@ -102,7 +107,7 @@ class BlockPool:
         out: list[BlockId] = []
         evicted: list[_Evicted] = []
         for _ in range(num):
-            block_id, _ = self._free.popitem(last=False)
+            block_id = self._free.pop()
             self._blocks[block_id].ref_cnt = 1
             out.append(block_id)
             dropped = self._drop_hash(block_id)
@@ -125,19 +130,22 @@ class BlockPool:
             assert block.ref_cnt > 0, f"double free of block {block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block_id] = None
+                self._free.push(block_id, self._parent_id(block))
                 front.append(block_id)
         if evict_first:
             for block_id in reversed(front):  # the first freed ends at the very front
-                self._free.move_to_end(block_id, last=False)
+                self._free.to_front(block_id)
 
     def touch(self, block_ids: Sequence[BlockId]) -> None:
-        """Add a reference to each block, taking free ones out of the free queue."""
+        """Add a reference to each block, taking free ones out of the free queue (a reuse, for
+        the eviction policy)."""
         for block_id in block_ids:
-            block = self._blocks[block_id]
-            if block.ref_cnt == 0:
-                del self._free[block_id]
-            block.ref_cnt += 1
+            self._free.pull(block_id)
+            self._blocks[block_id].ref_cnt += 1
+
+    def _parent_id(self, block: _Block) -> BlockId | None:
+        """The block holding `block`'s parent, for a policy that orders by prefix chains."""
+        return None if block.parent is None else self._by_hash.get(block.parent)
 
     def register(
         self,
@@ -174,6 +182,7 @@ class BlockPool:
                 dropped.append(block.block_hash)
                 del self._by_hash[block.block_hash]
                 block.block_hash, block.token_ids, block.parent = None, (), None
+                self._free.discard(block_id)  # in use, so only its history: it is new KV now
         if dropped:
             self.events.removed(TIER_HBM, tuple(dropped))
         return len(dropped)

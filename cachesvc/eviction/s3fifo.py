@@ -1,0 +1,124 @@
+"""S3-FIFO (Yang et al., SOSP'23): a small FIFO for new keys, a main FIFO, a ghost of keys
+evicted from the small one.
+
+A new key enters *small* (or *main*, when the ghost remembers it: it was evicted too early). A
+victim is looked for in small while small holds at least `small_fraction` of the evictable
+keys: a key used since it entered moves to main, any other is evicted (and remembered by the
+ghost). In main a key used since it was last looked at gets another round (its count falls by
+one); the first without one is evicted. One-time keys leave quickly through small, so a scan
+does not flush the keys main holds.
+
+The stores here take a key out while it is in use (`pull`) and give it back (`push`): it goes
+back to the recent end of its own queue, so positions are by last use, not by insertion.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from cachesvc.eviction.base import EvictionPolicy, K, register_policy
+
+_MAX_FREQ = 3
+
+
+@register_policy("s3fifo")
+class S3Fifo(EvictionPolicy[K]):
+    """Small, main and ghost queues; `to_front` keys go before both. Amortized O(1): each
+    second round in main spends one of at most `_MAX_FREQ` counts."""
+
+    name = "s3fifo"
+
+    def __init__(self, small_fraction: float = 0.25, ghost_factor: float = 1.0) -> None:
+        assert 0 < small_fraction < 1 and ghost_factor > 0
+        self.small_fraction = small_fraction
+        self.ghost_factor = ghost_factor
+        self._first: OrderedDict[K, None] = OrderedDict()
+        self._small: OrderedDict[K, None] = OrderedDict()
+        self._main: OrderedDict[K, None] = OrderedDict()
+        self._ghost: OrderedDict[K, None] = OrderedDict()
+        self._freq: dict[K, int] = {}  # every known key (evictable or in use): uses, capped
+        self._in_main: set[K] = set()
+
+    def push(self, key: K, parent: K | None = None) -> None:
+        self._unlink(key)
+        if key not in self._freq:
+            self._freq[key] = 0
+            if self._ghost.pop(key, 1) is None:
+                self._in_main.add(key)
+        (self._main if key in self._in_main else self._small)[key] = None
+
+    def pull(self, key: K) -> None:
+        self._unlink(key)
+        self._freq[key] = min(self._freq.get(key, 0) + 1, _MAX_FREQ)
+
+    def to_front(self, key: K) -> None:
+        self._unlink(key)
+        self._first[key] = None
+        self._first.move_to_end(key, last=False)
+
+    def pop(self) -> K:
+        if self._first:
+            key = self._first.popitem(last=False)[0]
+            self._forget(key)
+            return key
+        if not self._small and not self._main:
+            raise IndexError("no evictable key")
+        while True:
+            from_small = self._small and (
+                len(self._small) >= self.small_fraction * len(self) or not self._main
+            )
+            victim = self._from_small() if from_small else self._from_main()
+            if victim is not None:
+                return victim
+
+    def _from_small(self) -> K | None:
+        """Small's oldest key: moved to main if used since it entered (None), else the victim."""
+        key = self._small.popitem(last=False)[0]
+        if self._freq[key] > 0:
+            self._freq[key] = 0
+            self._in_main.add(key)
+            self._main[key] = None
+            return None
+        self._forget(key)
+        self._ghost[key] = None
+        while len(self._ghost) > max(1, self.ghost_factor * len(self)):
+            self._ghost.popitem(last=False)
+        return key
+
+    def _from_main(self) -> K | None:
+        """Main's oldest key: another round if used since it was last looked at (None), else
+        the victim."""
+        key = self._main.popitem(last=False)[0]
+        if self._freq[key] > 0:
+            self._freq[key] -= 1
+            self._main[key] = None
+            return None
+        self._forget(key)
+        return key
+
+    def discard(self, key: K) -> None:
+        self._unlink(key)
+        self._forget(key)
+
+    def _forget(self, key: K) -> None:
+        self._freq.pop(key, None)
+        self._in_main.discard(key)
+
+    def _unlink(self, key: K) -> None:
+        for queue in (self._first, self._small, self._main):
+            if queue.pop(key, 1) is None:  # stored values are None: found and removed
+                return
+
+    def __len__(self) -> int:
+        return len(self._first) + len(self._small) + len(self._main)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._first or key in self._small or key in self._main
+
+    def __iter__(self) -> Iterator[K]:
+        yield from self._first
+        yield from (k for k in self._small if not self._freq[k])
+        yield from (k for k in self._main if not self._freq[k])
+        yield from (k for k in self._small if self._freq[k])
+        yield from (k for k in self._main if self._freq[k])
