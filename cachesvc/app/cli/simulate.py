@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any
 
 from cachesvc.app.cli.common import CliError, numbers
+from cachesvc.app.cli.simulate_eviction import add_eviction_parser, run_eviction_command
 from cachesvc.app.cli.simulate_pd import add_pd_arguments, pd_options
 
 # The routing thresholds of `RouterConfig` that `cachesvc simulate` takes as flags.
@@ -41,6 +42,7 @@ def add_simulate_parser(sub: Any) -> None:
         "or a percentage of its unique blocks (e.g. 5%).",
     )
     actions = sim.add_subparsers(dest="action")
+    add_eviction_parser(actions)
     cal = actions.add_parser("calibrate", help="measure a cost profile on this machine")
     cal.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     cal.add_argument(
@@ -210,6 +212,8 @@ def add_simulate_parser(sub: Any) -> None:
 def run_simulate_command(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         return _calibrate(args)
+    if args.action == "eviction":
+        return run_eviction_command(args)
     from cachesvc.sim.generate import GeneratedTrace
     from cachesvc.sim.pd_sweep import run_pd
     from cachesvc.sim.simulate import SimulateArgs, Size, run_simulate
