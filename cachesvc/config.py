@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from cachesvc.eviction.base import POLICY_NAMES
+
 _DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_SCHEMES = ("auto", "naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
 # What a worker is for under prefill/decode disaggregation (`EngineConfig.role`).
@@ -74,6 +76,9 @@ class TierConfig:
     plan: str = "auto"
     calibrate: bool = True
     tier_key_file: str | None = None
+    # The order DRAM and NVMe give up blocks in (`cachesvc.eviction`; the manager still takes
+    # leaves first). Redis keeps its TTLs and its own eviction.
+    eviction_policy: str = "lru"
 
     def __post_init__(self) -> None:
         for name in ("dram_mb", "nvme_mb", "redis_min_reuse"):
@@ -113,6 +118,7 @@ class TierConfig:
             raise ConfigError("tiers.tier_key_file must name a file (--tier-key-file) or be None")
         if self.plan not in PLAN_MODES:
             raise ConfigError(f"tiers.plan must be one of {PLAN_MODES}, got {self.plan!r}")
+        _check_policy("tiers.eviction_policy", self.eviction_policy)
 
     @property
     def enabled(self) -> bool:
@@ -192,8 +198,11 @@ class EngineConfig:
     # (and may still compute a short prompt itself, when pulling would cost more); a "mixed"
     # worker does both. Any worker runs whatever it is sent.
     role: str = "mixed"
+    # The order the device pool reuses cached free blocks in (`cachesvc.eviction`).
+    eviction_policy: str = "lru"
 
     def __post_init__(self) -> None:
+        _check_policy("eviction_policy", self.eviction_policy)
         if self.role not in WORKER_ROLES:
             raise ConfigError(f"role must be one of {WORKER_ROLES}, got {self.role!r}")
         if self.peer_pull_timeout_s <= 0:
@@ -244,6 +253,14 @@ class EngineConfig:
             env["tiers"] = replace(base, redis_password=password)
         env.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**env)  # type: ignore[arg-type]
+
+
+def _check_policy(name: str, value: str) -> None:
+    if value not in POLICY_NAMES:
+        raise ConfigError(
+            f"{name} must be one of {POLICY_NAMES}, got {value!r} (--eviction-policy; "
+            "`cachesvc simulate eviction` compares them)"
+        )
 
 
 def _env_int(name: str) -> int:

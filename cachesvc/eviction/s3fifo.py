@@ -60,42 +60,49 @@ class S3Fifo(EvictionPolicy[K]):
     def pop(self) -> K:
         if self._first:
             key = self._first.popitem(last=False)[0]
-            self._forget(key)
-            return key
-        if not self._small and not self._main:
+        elif not self._small and not self._main:
             raise IndexError("no evictable key")
+        else:
+            self._settle()
+            from_small = self._small_next()
+            key = (self._small if from_small else self._main).popitem(last=False)[0]
+            if from_small:
+                self._ghost[key] = None
+                while len(self._ghost) > max(1, self.ghost_factor * len(self)):
+                    self._ghost.popitem(last=False)
+        self._forget(key)
+        return key
+
+    def peek(self, limit: int) -> list[K]:
+        """As the base's, after the moves `pop` would make first (`_settle`), so the first key
+        is `pop`'s victim; which keys are evictable does not change."""
+        if not self._first and len(self):
+            self._settle()
+        return super().peek(limit)
+
+    def _settle(self) -> None:
+        """Make the moves that come before an eviction until the head of the queue to evict
+        from is unused: a key used since it entered small moves to main, a key used since main
+        last looked at it gets another round there (its count falls by one)."""
         while True:
-            from_small = self._small and (
-                len(self._small) >= self.small_fraction * len(self) or not self._main
-            )
-            victim = self._from_small() if from_small else self._from_main()
-            if victim is not None:
-                return victim
+            queue = self._small if self._small_next() else self._main
+            head = next(iter(queue))
+            if not self._freq[head]:
+                return
+            if queue is self._small:
+                del self._small[head]
+                self._freq[head] = 0
+                self._in_main.add(head)
+                self._main[head] = None
+            else:
+                self._freq[head] -= 1
+                self._main.move_to_end(head)
 
-    def _from_small(self) -> K | None:
-        """Small's oldest key: moved to main if used since it entered (None), else the victim."""
-        key = self._small.popitem(last=False)[0]
-        if self._freq[key] > 0:
-            self._freq[key] = 0
-            self._in_main.add(key)
-            self._main[key] = None
-            return None
-        self._forget(key)
-        self._ghost[key] = None
-        while len(self._ghost) > max(1, self.ghost_factor * len(self)):
-            self._ghost.popitem(last=False)
-        return key
-
-    def _from_main(self) -> K | None:
-        """Main's oldest key: another round if used since it was last looked at (None), else
-        the victim."""
-        key = self._main.popitem(last=False)[0]
-        if self._freq[key] > 0:
-            self._freq[key] -= 1
-            self._main[key] = None
-            return None
-        self._forget(key)
-        return key
+    def _small_next(self) -> bool:
+        """Whether the next victim is looked for in small."""
+        return bool(self._small) and (
+            len(self._small) >= self.small_fraction * len(self) or not self._main
+        )
 
     def discard(self, key: K) -> None:
         self._unlink(key)
@@ -118,7 +125,8 @@ class S3Fifo(EvictionPolicy[K]):
 
     def __iter__(self) -> Iterator[K]:
         yield from self._first
-        yield from (k for k in self._small if not self._freq[k])
-        yield from (k for k in self._main if not self._freq[k])
-        yield from (k for k in self._small if self._freq[k])
-        yield from (k for k in self._main if self._freq[k])
+        queues = (self._small, self._main) if self._small_next() else (self._main, self._small)
+        for queue in queues:
+            yield from (k for k in queue if not self._freq[k])
+        for queue in queues:
+            yield from (k for k in queue if self._freq[k])

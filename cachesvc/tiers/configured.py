@@ -22,6 +22,7 @@ def build_tiers(
                 slot_bytes=block_bytes,
                 pin_memory=pin_memory,
                 cap_mb_per_s=config.dram_cap_mbps,
+                policy=config.eviction_policy,
             )
         )
     if config.nvme_path is not None:
@@ -31,6 +32,7 @@ def build_tiers(
                 path=config.nvme_path,
                 capacity_mb=config.nvme_mb,
                 cap_mb_per_s=config.nvme_cap_mbps,
+                policy=config.eviction_policy,
             )
         )
     shared = None

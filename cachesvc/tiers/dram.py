@@ -1,4 +1,5 @@
-"""DRAM tier: a preallocated host buffer cut into fixed slots, least recently used first out.
+"""DRAM tier: a preallocated host buffer cut into fixed slots, given up in an eviction policy's
+order (`cachesvc.eviction`: least recently used first by default).
 
 One slot per block: every block of a model has the same size, so fixed slots never fragment
 (LMCache#1285 is a fragmentation bug of a variable-size allocator). On CUDA the buffer is pinned,
@@ -12,15 +13,14 @@ a copy of every byte (and the page faults of fresh buffers) on the request's pat
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import islice
 from typing import cast
 
 import numpy as np
 
+from cachesvc.eviction.base import EvictionPolicy, make_policy
 from cachesvc.host_memory import host_buffer
 from cachesvc.tiers.base import Tier, TierItem, register_tier
 from cachesvc.types import BlockHash
@@ -46,7 +46,8 @@ def _host_buffer(num_bytes: int, pin: bool) -> np.ndarray:
 
 @register_tier("dram")
 class DramTier(Tier):
-    """`capacity_mb` of host memory in slots of `slot_bytes` (the largest blob it accepts)."""
+    """`capacity_mb` of host memory in slots of `slot_bytes` (the largest blob it accepts),
+    victims offered in the order of eviction policy `policy`."""
 
     name = "dram"
 
@@ -56,6 +57,7 @@ class DramTier(Tier):
         slot_bytes: int,
         pin_memory: bool = False,
         cap_mb_per_s: float | None = None,
+        policy: str = "lru",
     ) -> None:
         super().__init__(cap_mb_per_s)
         if slot_bytes < 1:
@@ -64,7 +66,9 @@ class DramTier(Tier):
         self.num_slots = int(capacity_mb * 2**20) // slot_bytes
         self._buf = _host_buffer(self.num_slots * slot_bytes, pin_memory)
         self._free = list(range(self.num_slots - 1, -1, -1))
-        self._slots: OrderedDict[BlockHash, _Slot] = OrderedDict()  # LRU order, oldest first
+        self._slots: dict[BlockHash, _Slot] = {}
+        self._policy_name = policy
+        self._order: EvictionPolicy[BlockHash] = make_policy(policy)  # every held hash
         self._num_borrows = 0  # > 0: the thread holding the lock reads views, not copies
 
     @contextmanager
@@ -100,7 +104,7 @@ class DramTier(Tier):
                     self.stats.misses += 1
                     out.append(None)
                     continue
-                self._slots.move_to_end(h)
+                self._use(h, slot.parent)
                 data = self._buf[slot.index * self.slot_bytes :][: slot.length]
                 # A view when borrowed, else a bytearray: either is writable, so the codec decodes
                 # a raw blob in place, without one more copy.
@@ -121,6 +125,7 @@ class DramTier(Tier):
                 if slot is None:
                     out.append(None)
                     continue
+                self._order.discard(h)
                 start = slot.index * self.slot_bytes
                 out.append(self._buf[start : start + slot.length].tobytes())
                 self._free.append(slot.index)
@@ -132,7 +137,7 @@ class DramTier(Tier):
         with self._lock:
             for item in items:
                 if item.block_hash in self._slots:
-                    self._slots.move_to_end(item.block_hash)
+                    self._use(item.block_hash, item.parent)
                     stored.append(item.block_hash)
                     continue
                 if len(item.data) > self.slot_bytes or not self._free:
@@ -142,6 +147,7 @@ class DramTier(Tier):
                 start = index * self.slot_bytes
                 self._buf[start : start + len(item.data)] = np.frombuffer(item.data, np.uint8)
                 self._slots[item.block_hash] = _Slot(index, len(item.data), item.parent)
+                self._order.push(item.block_hash, item.parent)
                 self.stats.stored += 1
                 self.stats.bytes_written += len(item.data)
                 stored.append(item.block_hash)
@@ -152,6 +158,7 @@ class DramTier(Tier):
             for h in hashes:
                 slot = self._slots.pop(h, None)
                 if slot is not None:
+                    self._order.discard(h)
                     self._free.append(slot.index)
                     self.stats.removed += 1
 
@@ -164,13 +171,19 @@ class DramTier(Tier):
 
     def oldest(self, limit: int) -> list[BlockHash]:
         with self._lock:
-            return list(islice(self._slots, limit))
+            return self._order.peek(limit)
 
     def entries(self) -> dict[BlockHash, BlockHash | None]:
         with self._lock:
-            return {h: s.parent for h, s in self._slots.items()}
+            return {h: self._slots[h].parent for h in self._order}
+
+    def _use(self, block_hash: BlockHash, parent: BlockHash | None) -> None:
+        """A hit (or a put of a held block): one more use, for the policy."""
+        self._order.pull(block_hash)
+        self._order.push(block_hash, parent)
 
     def close(self) -> None:
         with self._lock:
             self._slots.clear()
+            self._order = make_policy(self._policy_name)
             self._free = list(range(self.num_slots - 1, -1, -1))

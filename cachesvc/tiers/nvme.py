@@ -1,4 +1,5 @@
-"""NVMe tier: one folder of block files under a size budget, least recently used first out.
+"""NVMe tier: one folder of block files under a size budget, given up in an eviction policy's
+order (`cachesvc.eviction`: least recently used first by default).
 
 A file is named `<hash>-<parent>.kv`, so the index (and the chain structure the manager needs)
 is rebuilt from a directory listing on start: a restarted worker keeps its disk cache. Writes go
@@ -18,14 +19,13 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
 from typing import cast
 
+from cachesvc.eviction.base import EvictionPolicy, make_policy
 from cachesvc.tiers.base import Tier, TierItem, register_tier
 from cachesvc.tiers.read_arena import ReadArena
 from cachesvc.types import BlockHash
@@ -62,16 +62,24 @@ def _parse(name: str) -> tuple[BlockHash, BlockHash | None] | None:
 
 @register_tier("nvme")
 class NvmeTier(Tier):
-    """Files under `path`, at most `capacity_mb` of them in total."""
+    """Files under `path`, at most `capacity_mb` of them in total, victims offered in the order
+    of eviction policy `policy` (restored least recently used first after a restart)."""
 
     name = "nvme"
     outside_process = True
 
-    def __init__(self, path: str | Path, capacity_mb: float, cap_mb_per_s: float | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        capacity_mb: float,
+        cap_mb_per_s: float | None = None,
+        policy: str = "lru",
+    ):
         super().__init__(cap_mb_per_s)
         self.path = Path(path)
         self.capacity_bytes = int(capacity_mb * 2**20)
-        self._files: OrderedDict[BlockHash, _File] = OrderedDict()  # LRU order, oldest first
+        self._files: dict[BlockHash, _File] = {}
+        self._order: EvictionPolicy[BlockHash] = make_policy(policy)  # every held hash
         self._used = 0
         self._lost: list[BlockHash] = []
         self._admit_after = 0.0  # monotonic time before which puts are refused
@@ -108,6 +116,7 @@ class NvmeTier(Tier):
             found.append((st.st_mtime, parsed[0], _File(st.st_size, parsed[1])))
         for _, h, f in sorted(found, key=lambda t: t[0]):
             self._files[h] = f
+            self._order.push(h, f.parent)
             self._used += f.size
 
     # ---- the interface ----------------------------------------------------------------------
@@ -132,7 +141,7 @@ class NvmeTier(Tier):
             if f is None:
                 self.stats.misses += 1
                 return None
-            self._files.move_to_end(block_hash)
+            self._use(block_hash, f.parent)
             data = f.pending
         path = self.path / file_name(block_hash, f.parent)
         if data is None:
@@ -172,7 +181,7 @@ class NvmeTier(Tier):
         with self._lock:
             for item in items:
                 if item.block_hash in self._files:
-                    self._files.move_to_end(item.block_hash)
+                    self._use(item.block_hash, item.parent)
                     stored.append(item.block_hash)
                     continue
                 if not self.admitting or not self._has_room(len(item.data)):
@@ -180,6 +189,7 @@ class NvmeTier(Tier):
                     continue
                 f = _File(len(item.data), item.parent, pending=item.data)
                 self._files[item.block_hash] = f
+                self._order.push(item.block_hash, item.parent)
                 self._used += f.size
                 self._queue.put((item.block_hash, f))
                 stored.append(item.block_hash)
@@ -194,6 +204,7 @@ class NvmeTier(Tier):
             f = self._files.pop(block_hash, None)
             if f is None:
                 return
+            self._order.discard(block_hash)
             self._used -= f.size
             self.stats.removed += 1
             if lost:
@@ -219,11 +230,16 @@ class NvmeTier(Tier):
 
     def oldest(self, limit: int) -> list[BlockHash]:
         with self._lock:
-            return list(islice(self._files, limit))
+            return self._order.peek(limit)
 
     def entries(self) -> dict[BlockHash, BlockHash | None]:
         with self._lock:
-            return {h: f.parent for h, f in self._files.items()}
+            return {h: self._files[h].parent for h in self._order}
+
+    def _use(self, block_hash: BlockHash, parent: BlockHash | None) -> None:
+        """A hit (or a put of a held block): one more use, for the policy."""
+        self._order.pull(block_hash)
+        self._order.push(block_hash, parent)
 
     def flush(self) -> None:
         """Block until every queued write has landed (or failed)."""
@@ -281,6 +297,7 @@ class NvmeTier(Tier):
         with self._lock:
             if self._files.get(block_hash) is f:
                 del self._files[block_hash]
+                self._order.discard(block_hash)
                 self._used -= f.size
                 self._lost.append(block_hash)
 

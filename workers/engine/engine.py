@@ -76,7 +76,7 @@ class Engine:
         num_blocks = config.num_blocks or blocks_for_budget(
             config, self.loaded.config, _DTYPES[config.dtype].itemsize
         )
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, policy=config.eviction_policy)
         self.kv = KVCacheManager(
             self.pool,
             config.block_size,

@@ -7,6 +7,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cachesvc.eviction.base import POLICY_NAMES
+
 if TYPE_CHECKING:
     from cachesvc.config import EngineConfig, TierConfig
     from router.client import ClientTls
@@ -47,6 +49,13 @@ def add_engine_args(p: argparse.ArgumentParser, redis_flag: str = "--redis-url")
         help="how requests sharing a prefix in one batch are computed (default: chosen per batch)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--eviction-policy",
+        default="lru",
+        choices=POLICY_NAMES,
+        help="the order the KV pool and the DRAM and NVMe tiers give up cached blocks in "
+        "(default lru; `cachesvc simulate eviction` compares them)",
+    )
     add_dtype_arg(p)
     p.add_argument("--dram-mb", type=float, default=None, help="DRAM tier below the KV pool, MiB")
     p.add_argument("--nvme-path", default=None, help="NVMe tier: a folder for KV block files")
@@ -119,6 +128,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         prefill_scheme=args.prefill_scheme,
         num_threads=args.threads,
         dtype=args.dtype,
+        eviction_policy=getattr(args, "eviction_policy", None),
         tiers=tier_config(args),
     )
 
@@ -133,6 +143,7 @@ def tier_config(args: argparse.Namespace) -> TierConfig:
         nvme_mb=nvme_mb,
         redis_url=getattr(args, "kv_redis_url", None),
         tier_key_file=args.tier_key_file,
+        eviction_policy=getattr(args, "eviction_policy", "lru"),
         **tier_codecs(getattr(args, "tier_codec", [])),
     )
 
