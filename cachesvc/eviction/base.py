@@ -44,7 +44,8 @@ class EvictionPolicy(ABC, Generic[K]):
 
     @abstractmethod
     def to_front(self, key: K) -> None:
-        """Make evictable `key` the very next victim (a copy another store keeps)."""
+        """Make evictable `key` the very next victim (a copy another store keeps); a policy
+        that orders by prefix chains still takes the key's descendants first."""
 
     @abstractmethod
     def pop(self) -> K:

@@ -4,6 +4,8 @@ New keys enter *probation*; a key pulled (a hit) and pushed again enters *protec
 holds at most `protected_fraction` of the evictable keys (its least recent go back to
 probation). Victims come from probation first, so a one-time scan of new blocks churns
 probation and leaves a hot set in protected: scan resistant, where LRU lets the scan flush it.
+The share is checked when a victim is asked for (`pop`, `peek`): a store still filling up
+demotes nothing.
 """
 
 from __future__ import annotations
@@ -30,11 +32,7 @@ class Slru(EvictionPolicy[K]):
 
     def push(self, key: K, parent: K | None = None) -> None:
         self._unlink(key)
-        if key in self._reused:
-            self._protected[key] = None
-            self._rebalance()
-        else:
-            self._probation[key] = None
+        (self._protected if key in self._reused else self._probation)[key] = None
 
     def pull(self, key: K) -> None:
         self._unlink(key)
@@ -46,6 +44,7 @@ class Slru(EvictionPolicy[K]):
         self._first.move_to_end(key, last=False)
 
     def pop(self) -> K:
+        self._rebalance()
         for segment in (self._first, self._probation, self._protected):
             if segment:
                 key = segment.popitem(last=False)[0]
@@ -76,6 +75,11 @@ class Slru(EvictionPolicy[K]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._first or key in self._probation or key in self._protected
+
+    def peek(self, limit: int) -> list[K]:
+        """As the base's, after the demotions `pop` would make first."""
+        self._rebalance()
+        return super().peek(limit)
 
     def __iter__(self) -> Iterator[K]:
         yield from self._first
