@@ -17,10 +17,17 @@ from dataclasses import asdict, dataclass
 from cachesvc.eviction.base import EvictionPolicy, make_policy
 from cachesvc.sim.belady import Belady
 from cachesvc.sim.generate import GeneratedTrace, generate_rows
-from cachesvc.sim.trace import SimRequest, load_trace, num_unique_blocks, trace_requests
+from cachesvc.sim.trace import (
+    SimRequest,
+    load_trace,
+    num_unique_blocks,
+    oracle_hit_blocks,
+    trace_requests,
+)
 from cachesvc.types import BlockHash
 
 BELADY = "belady"
+UNBOUNDED = "unbounded"  # a store holding every block: the most any policy could hit
 WORKLOADS = ("trace", "multi-turn", "mixed")
 # Generated workloads are drawn for a cluster of this many workers (0.5 requests per second
 # each for 300 s): thousands of requests, of conversations that outlive many others' turns.
@@ -43,7 +50,7 @@ class ReplayResult:
         return self.hit_blocks / self.lookup_blocks if self.lookup_blocks else 0.0
 
     def as_dict(self) -> dict[str, object]:
-        return {**asdict(self), "hit_ratio": self.hit_ratio}
+        return {**asdict(self), "hit_ratio": self.hit_ratio, "hit_pct": 100 * self.hit_ratio}
 
 
 def workload_requests(name: str, trace: str | None, max_requests: int | None) -> list[SimRequest]:
@@ -94,11 +101,14 @@ def run_eviction(
     workloads: dict[str, list[SimRequest]], sizes_pct: Sequence[float], policies: Sequence[str]
 ) -> list[ReplayResult]:
     """Every policy (and Belady) on every workload at every size; sizes in percent of the
-    workload's distinct blocks (at least one block)."""
+    workload's distinct blocks (at least one block). Each workload also has an `UNBOUNDED`
+    result at 100%."""
     out = []
     for name, requests in workloads.items():
         unique = num_unique_blocks(requests)
         lookups = sum(r.max_match_blocks for r in requests)
+        hits = sum(oracle_hit_blocks(requests))
+        out.append(ReplayResult(name, UNBOUNDED, 100.0, unique, hits, lookups))
         for pct in sizes_pct:
             capacity = max(1, round(unique * pct / 100))
             for policy in (*policies, BELADY):

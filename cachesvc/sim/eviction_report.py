@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cachesvc.bench.table import format_table
-from cachesvc.sim.eviction import BELADY, ReplayResult
+from cachesvc.sim.eviction import BELADY, UNBOUNDED, ReplayResult
 
 BASELINE = "lru"
 GAP_WORKLOAD = "multi-turn"
@@ -27,6 +27,15 @@ class PolicyVerdict:
     worst_at: str  # where that minimum is ("workload size%")
     gap_closed: dict[float, float]  # size % -> share of the LRU-to-Belady gap, multi-turn
 
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "policy": self.policy,
+            "worst_vs_lru_pts": 100 * self.worst_vs_lru,
+            "worst_at": self.worst_at,
+            "gap_closed_pct": {f"{s:g}": 100 * g for s, g in self.gap_closed.items()},
+            "meets_goal": self.meets_goal,
+        }
+
     @property
     def meets_goal(self) -> bool:
         return (
@@ -37,8 +46,13 @@ class PolicyVerdict:
 
 
 def _by_cell(results: Sequence[ReplayResult]) -> dict[tuple[str, float], dict[str, float]]:
+    """Hit ratios by (workload, size) and policy; each workload's unbounded one in every size."""
+    unbounded = {r.workload: r.hit_ratio for r in results if r.policy == UNBOUNDED}
     cells: dict[tuple[str, float], dict[str, float]] = {}
     for r in results:
+        if r.policy == UNBOUNDED:
+            continue
+        cells.setdefault((r.workload, r.size_pct), {UNBOUNDED: unbounded.get(r.workload, 0.0)})
         cells.setdefault((r.workload, r.size_pct), {})[r.policy] = r.hit_ratio
     return cells
 
@@ -52,7 +66,8 @@ def gap_closed(ratios: dict[str, float], policy: str) -> float:
 def verdicts(results: Sequence[ReplayResult]) -> list[PolicyVerdict]:
     """Each policy other than LRU and Belady, against the goal."""
     cells = _by_cell(results)
-    policies = dict.fromkeys(r.policy for r in results if r.policy not in (BASELINE, BELADY))
+    others = (BASELINE, BELADY, UNBOUNDED)
+    policies = dict.fromkeys(r.policy for r in results if r.policy not in others)
     out = []
     for policy in policies:
         diffs = {(w, s): c[policy] - c[BASELINE] for (w, s), c in cells.items()}
@@ -72,10 +87,10 @@ def choose_default(results: Sequence[ReplayResult]) -> str:
 
 
 def format_report(results: Sequence[ReplayResult]) -> str:
-    """Hit ratios (percent) per workload and size, a column per policy and Belady; then each
-    policy's verdict and the default it leads to."""
+    """Hit ratios (percent) per workload and size, a column per policy, Belady's and an
+    unbounded store's; then each policy's verdict and the default it leads to."""
     cells = _by_cell(results)
-    policies = list(dict.fromkeys(r.policy for r in results))
+    policies = [*dict.fromkeys(r.policy for r in results if r.policy != UNBOUNDED), UNBOUNDED]
     capacity = {(r.workload, r.size_pct): r.capacity_blocks for r in results}
     rows = [
         [w, f"{s:g}%", capacity[(w, s)], *(100 * c[p] for p in policies)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+from pathlib import Path
 from typing import Any
 
 from cachesvc.app.cli.common import CliError, numbers
@@ -41,7 +42,7 @@ def run_eviction_command(args: argparse.Namespace) -> int:
     from cachesvc.bench.table import write_json
     from cachesvc.eviction.base import POLICY_NAMES
     from cachesvc.sim.eviction import run_eviction, workload_requests
-    from cachesvc.sim.eviction_report import choose_default, format_report
+    from cachesvc.sim.eviction_report import choose_default, format_report, verdicts
 
     policies = [p for p in args.policies.split(",") if p]
     unknown = [p for p in policies if p not in POLICY_NAMES]
@@ -61,10 +62,11 @@ def run_eviction_command(args: argparse.Namespace) -> int:
         args.json_path,
         {
             "date": datetime.date.today().isoformat(),
-            "trace": args.trace,
+            "trace": None if args.trace is None else Path(args.trace).name,
             "sizes_pct": list(sizes),
             "requests": {w: len(r) for w, r in workloads.items()},
             "default": choose_default(results),
+            "verdicts": [v.as_dict() for v in verdicts(results)],
             "results": [r.as_dict() for r in results],
         },
     )

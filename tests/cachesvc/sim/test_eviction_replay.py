@@ -59,6 +59,7 @@ def test_run_eviction_reports_every_policy_and_belady(sample_trace: Path) -> Non
     requests = load_trace(sample_trace)
     results = run_eviction({"trace": requests}, [1, 5], ["lru", "s3fifo"])
     assert [(r.size_pct, r.policy) for r in results] == [
+        (100, "unbounded"),
         (1, "lru"),
         (1, "s3fifo"),
         (1, "belady"),
@@ -68,8 +69,9 @@ def test_run_eviction_reports_every_policy_and_belady(sample_trace: Path) -> Non
     ]
     for r in results:
         assert 0 <= r.hit_ratio <= 1 and r.capacity_blocks >= 1
-    small, large = results[2], results[5]
-    assert large.hit_ratio >= small.hit_ratio  # Belady gains from a bigger store
+    unbounded, small, large = results[0], results[3], results[6]
+    assert unbounded.hit_blocks == sum(oracle_hit_blocks(requests))
+    assert unbounded.hit_ratio >= large.hit_ratio >= small.hit_ratio  # Belady's, by size
 
 
 def _results(cells: dict[tuple[str, int], dict[str, int]]) -> list[ReplayResult]:
