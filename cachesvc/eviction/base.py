@@ -13,8 +13,8 @@ what happens to a key; the policy never sees a block's bytes:
 A key pulled and pushed again is one use. Keys of a store are hashable and need no order among
 themselves. Every operation is O(1) amortized, or O(log n) where the policy says so.
 
-A retention class (priority and expiry) composes over this: one policy per class, the lowest
-class's policy asked for a victim first; the policy orders within its class.
+A retention class (priority and expiry) composes over this (`classes.ClassedPolicy`): one
+policy per class, the lowest class's asked for a victim first; the policy orders within it.
 """
 
 from __future__ import annotations
