@@ -182,7 +182,8 @@ class BlockPool:
                 dropped.append(block.block_hash)
                 del self._by_hash[block.block_hash]
                 block.block_hash, block.token_ids, block.parent = None, (), None
-                self._free.discard(block_id)  # in use, so only its history: it is new KV now
+                if block.ref_cnt > 0:  # its history goes (new KV next); a free one stays free
+                    self._free.discard(block_id)
         if dropped:
             self.events.removed(TIER_HBM, tuple(dropped))
         return len(dropped)

@@ -84,6 +84,8 @@ def _storm(pool: BlockPool, rng: random.Random, steps: int, old: PreviousFreeQue
                 old.free_blocks([int(b) for b in reversed(ids)], first)
         elif owned:
             pool.unregister(rng.choice(owned))
+            if rng.random() < 0.5:  # a free block's hash dropped too: it stays free
+                pool.unregister([BlockId(rng.randrange(pool.num_blocks))])
         in_use = {b for ids in owned for b in ids}
         assert pool.num_free + len(in_use) == pool.num_blocks
     pool.check_integrity()
