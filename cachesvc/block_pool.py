@@ -272,7 +272,8 @@ class BlockPool:
             )
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if any invariant of the pool is broken."""
+        """Raise AssertionError if any invariant of the pool (or its policy) is broken."""
+        self._free.check_integrity()
         free = set(self._free)
         assert len(free) == len(self._free)
         for i, block in enumerate(self._blocks):

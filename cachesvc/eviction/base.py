@@ -68,6 +68,10 @@ class EvictionPolicy(ABC, Generic[K]):
         """The evictable keys, the next victim first (where a policy's order depends on the
         victims' history, as S3-FIFO's, an estimate of it). No mutation."""
 
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any invariant of the policy's structures is broken."""
+
     def peek(self, limit: int) -> list[K]:
         """Up to `limit` evictable keys, the next victim first. No mutation."""
         return list(islice(self, limit))

@@ -64,6 +64,13 @@ class ClassedPolicy(EvictionPolicy[K]):
         self._classes[self.class_of(key)].discard(key)
         self._class_of.pop(key, None)
 
+    def check_integrity(self) -> None:
+        for policy in self._classes:
+            policy.check_integrity()
+        assert all(c > 0 for c in self._class_of.values()), "class 0 is kept implicitly"
+        for cls, policy in enumerate(self._classes):
+            assert all(self.class_of(k) == cls for k in policy), "a key in another class"
+
     def __len__(self) -> int:
         return sum(len(policy) for policy in self._classes)
 

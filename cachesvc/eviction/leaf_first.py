@@ -95,6 +95,17 @@ class LeafFirstLru(EvictionPolicy[K]):
         self._leaves = [(s, k) for s, k in self._all if not self._children.get(k)]
         heapq.heapify(self._leaves)
 
+    def check_integrity(self) -> None:
+        for child, parent in self._parent.items():
+            assert child in self._children.get(parent, ()), f"{child!r} missing from its parent"
+        for parent, children in self._children.items():
+            assert children, "an empty child set is kept"
+            assert all(self._parent.get(c) == parent for c in children), "a stale child link"
+        live = {(s, k) for k, s in self._stamp.items()}
+        assert live.issubset(self._all), "an evictable key missing from the heap"
+        leaves = {(s, k) for s, k in live if not self._children.get(k)}
+        assert leaves.issubset(self._leaves), "an evictable leaf missing from the leaf heap"
+
     def __len__(self) -> int:
         return len(self._stamp)
 

@@ -43,3 +43,6 @@ class Lru(EvictionPolicy[K]):
 
     def __iter__(self) -> Iterator[K]:
         return iter(self._order)
+
+    def check_integrity(self) -> None:
+        assert all(v is None for v in self._order.values())

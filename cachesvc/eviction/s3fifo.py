@@ -123,6 +123,15 @@ class S3Fifo(EvictionPolicy[K]):
     def __contains__(self, key: object) -> bool:
         return key in self._first or key in self._small or key in self._main
 
+    def check_integrity(self) -> None:
+        keys = [*self._first, *self._small, *self._main]
+        assert len(keys) == len(set(keys)), "a key in two queues"
+        assert all(k in self._freq for k in [*self._small, *self._main]), "a queued key unknown"
+        assert all(k in self._in_main for k in self._main), "main holds a key of small"
+        assert not any(k in self._in_main for k in self._small), "small holds a key of main"
+        assert self._in_main.issubset(self._freq), "a main key unknown"
+        assert all(0 <= f <= _MAX_FREQ for f in self._freq.values())
+
     def __iter__(self) -> Iterator[K]:
         yield from self._first
         queues = (self._small, self._main) if self._small_next() else (self._main, self._small)

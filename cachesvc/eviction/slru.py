@@ -81,6 +81,12 @@ class Slru(EvictionPolicy[K]):
         self._rebalance()
         return super().peek(limit)
 
+    def check_integrity(self) -> None:
+        segments = (self._first, self._probation, self._protected)
+        keys = [k for segment in segments for k in segment]
+        assert len(keys) == len(set(keys)), "a key in two segments"
+        assert self._reused.issuperset(self._protected), "a protected key not marked reused"
+
     def __iter__(self) -> Iterator[K]:
         yield from self._first
         yield from self._probation

@@ -74,6 +74,10 @@ class Belady(EvictionPolicy[BlockHash]):
     def discard(self, key: BlockHash) -> None:
         self._entry.pop(key, None)
 
+    def check_integrity(self) -> None:
+        queued = set(self._heap)
+        assert all(e in queued and e[3] == k for k, e in self._entry.items()), "an entry lost"
+
     def __len__(self) -> int:
         return len(self._entry)
 

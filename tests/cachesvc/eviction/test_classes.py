@@ -16,6 +16,7 @@ def test_a_retained_block_outlives_older_and_newer_unretained_ones() -> None:
     p.push("mid")
     p.set_class("mid", 1)
     assert p.peek(4) == ["a", "b", "mid", "kept"]
+    p.check_integrity()
     assert [p.pop() for _ in range(4)] == ["a", "b", "mid", "kept"]
 
 

@@ -189,6 +189,7 @@ def test_random_operations_keep_the_contract(name: str) -> None:
             known.discard(victim)
         assert len(p) == len(evictable)
         assert all((k in p) == (k in evictable) for k in range(60))
+        p.check_integrity()
     assert set(p) == evictable
     assert sorted(_pop_all(p)) == sorted(evictable)  # type: ignore[arg-type]
     with pytest.raises(IndexError):
