@@ -29,6 +29,9 @@ class S3Fifo(EvictionPolicy[K]):
 
     name = "s3fifo"
 
+    # A small queue of 25% rather than the paper's 10%: measured (`cachesvc simulate eviction`),
+    # 10% falls below LRU at 5% of the blocks on the trace and on conversations, 25% nowhere.
+    # The ghost remembers `ghost_factor` times as many keys as are evictable.
     def __init__(self, small_fraction: float = 0.25, ghost_factor: float = 1.0) -> None:
         assert 0 < small_fraction < 1 and ghost_factor > 0
         self.small_fraction = small_fraction
