@@ -1,5 +1,6 @@
 """The block pool under each eviction policy: `lru` hands blocks out exactly as the pool's own
-ordered dict did before policies, and no policy leaks a block through eviction storms."""
+ordered dict did before policies, no policy leaks a block through eviction storms, and the
+pool's state machine holds over each."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import random
 from collections import OrderedDict
 
 import pytest
+from hypothesis import settings
+from test_block_pool import PoolMachine
 
 from cachesvc.block_pool import BlockPool
 from cachesvc.eviction.base import POLICY_NAMES
@@ -116,3 +119,25 @@ def test_the_lru_check_can_fail() -> None:
     """Another policy hands out other blocks than the previous queue on the same storm."""
     with pytest.raises(AssertionError, match="lru chose other blocks"):
         _storm(BlockPool(24, policy="slru"), random.Random(0), 600, PreviousFreeQueue(24))
+
+
+def _machine_for(policy: str) -> type[PoolMachine]:
+    """The pool's state machine (refs, hashes, a hook that sometimes raises) over `policy`."""
+
+    class Machine(PoolMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pool = BlockPool(8, policy=policy)
+            self.pool.on_evict = self._hook
+
+    Machine.__name__ = f"PoolMachine_{policy}"
+    return Machine
+
+
+_STATEFUL = settings(max_examples=30, stateful_step_count=30, deadline=None)
+TestSlruPoolMachine = _machine_for("slru").TestCase
+TestSlruPoolMachine.settings = _STATEFUL
+TestS3FifoPoolMachine = _machine_for("s3fifo").TestCase
+TestS3FifoPoolMachine.settings = _STATEFUL
+TestLeafLruPoolMachine = _machine_for("leaf_lru").TestCase
+TestLeafLruPoolMachine.settings = _STATEFUL
