@@ -113,6 +113,8 @@ class BlockPool:
             dropped = self._drop_hash(block_id)
             if dropped is not None:
                 evicted.append(dropped)
+            else:  # a block that held nothing: the policy need not remember it was evicted
+                self._free.discard(block_id)
         self._run_evict_hook(evicted)  # the hook still sees the evicted blocks' marks
         self._lossy.difference_update(out)  # handed out for new KV
         return out
@@ -130,7 +132,7 @@ class BlockPool:
             assert block.ref_cnt > 0, f"double free of block {block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free.push(block_id, self._parent_id(block))
+                self._free.push(block_id, self._parent_id(block), block.block_hash)
                 front.append(block_id)
         if evict_first:
             for block_id in reversed(front):  # the first freed ends at the very front

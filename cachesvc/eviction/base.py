@@ -33,9 +33,12 @@ class EvictionPolicy(ABC, Generic[K]):
     name: str = ""
 
     @abstractmethod
-    def push(self, key: K, parent: K | None = None) -> None:
+    def push(self, key: K, parent: K | None = None, content: Hashable = None) -> None:
         """Make `key` evictable as just used; `parent` is the key of the block before it in its
-        prefix chain (None for a first block, or when unknown). Mutates."""
+        prefix chain (None for a first block, or when unknown). `content` is what the key holds
+        where the key is only a slot (a block id holds a hash; None: the key is its content): a
+        policy that remembers evicted keys (S3-FIFO's ghost) remembers their content, so the
+        same content back in another slot counts as seen again. Mutates."""
 
     @abstractmethod
     def pull(self, key: K) -> None:

@@ -9,7 +9,7 @@ afresh in its new class's order, as just used.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 
 from cachesvc.eviction.base import EvictionPolicy, K, make_policy
 
@@ -43,8 +43,8 @@ class ClassedPolicy(EvictionPolicy[K]):
     def class_of(self, key: K) -> int:
         return self._class_of.get(key, 0)
 
-    def push(self, key: K, parent: K | None = None) -> None:
-        self._classes[self.class_of(key)].push(key, parent)
+    def push(self, key: K, parent: K | None = None, content: Hashable = None) -> None:
+        self._classes[self.class_of(key)].push(key, parent, content)
 
     def pull(self, key: K) -> None:
         self._classes[self.class_of(key)].pull(key)

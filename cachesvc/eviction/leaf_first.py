@@ -12,7 +12,7 @@ Two heaps of (recency stamp, key), validated lazily on `pop`: O(log n) per opera
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 
 from cachesvc.eviction.base import EvictionPolicy, K, register_policy
 
@@ -32,7 +32,7 @@ class LeafFirstLru(EvictionPolicy[K]):
         self._parent: dict[K, K] = {}
         self._children: dict[K, set[K]] = {}
 
-    def push(self, key: K, parent: K | None = None) -> None:
+    def push(self, key: K, parent: K | None = None, content: Hashable = None) -> None:
         if parent is not None and key not in self._parent and parent != key:
             self._parent[key] = parent
             self._children.setdefault(parent, set()).add(key)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 
 from cachesvc.eviction.base import EvictionPolicy, K, register_policy
 
@@ -17,7 +17,7 @@ class Lru(EvictionPolicy[K]):
     def __init__(self) -> None:
         self._order: OrderedDict[K, None] = OrderedDict()
 
-    def push(self, key: K, parent: K | None = None) -> None:
+    def push(self, key: K, parent: K | None = None, content: Hashable = None) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 

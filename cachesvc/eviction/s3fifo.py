@@ -9,13 +9,16 @@ one); the first without one is evicted. One-time keys leave quickly through smal
 does not flush the keys main holds.
 
 The stores here take a key out while it is in use (`pull`) and give it back (`push`): it goes
-back to the recent end of its own queue, so positions are by last use, not by insertion.
+back to the recent end of its own queue, so positions are by last use, not by insertion. The
+device pool's keys are block ids: the ghost remembers their content (`push`'s `content`, the
+block's hash), so a prefix computed again into another block is recognised. The tiers pick
+their victims from `peek` and remove them (`discard`), so there the ghost stays empty.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 
 from cachesvc.eviction.base import EvictionPolicy, K, register_policy
 
@@ -39,15 +42,18 @@ class S3Fifo(EvictionPolicy[K]):
         self._first: OrderedDict[K, None] = OrderedDict()
         self._small: OrderedDict[K, None] = OrderedDict()
         self._main: OrderedDict[K, None] = OrderedDict()
-        self._ghost: OrderedDict[K, None] = OrderedDict()
+        self._ghost: OrderedDict[Hashable, None] = OrderedDict()  # contents evicted from small
         self._freq: dict[K, int] = {}  # every known key (evictable or in use): uses, capped
         self._in_main: set[K] = set()
+        self._content: dict[K, Hashable] = {}  # known keys that are slots: what each holds
 
-    def push(self, key: K, parent: K | None = None) -> None:
+    def push(self, key: K, parent: K | None = None, content: Hashable = None) -> None:
         self._unlink(key)
+        if content is not None:
+            self._content[key] = content
         if key not in self._freq:
             self._freq[key] = 0
-            if self._ghost.pop(key, 1) is None:
+            if self._ghost.pop(self._content.get(key, key), 1) is None:
                 self._in_main.add(key)
         (self._main if key in self._in_main else self._small)[key] = None
 
@@ -70,7 +76,7 @@ class S3Fifo(EvictionPolicy[K]):
             from_small = self._small_next()
             key = (self._small if from_small else self._main).popitem(last=False)[0]
             if from_small:
-                self._ghost[key] = None
+                self._ghost[self._content.get(key, key)] = None
                 while len(self._ghost) > max(1, self.ghost_factor * len(self)):
                     self._ghost.popitem(last=False)
         self._forget(key)
@@ -108,12 +114,15 @@ class S3Fifo(EvictionPolicy[K]):
         )
 
     def discard(self, key: K) -> None:
+        """As the base's; the ghost forgets `key` too (a store's slot that held nothing)."""
         self._unlink(key)
         self._forget(key)
+        self._ghost.pop(key, None)
 
     def _forget(self, key: K) -> None:
         self._freq.pop(key, None)
         self._in_main.discard(key)
+        self._content.pop(key, None)
 
     def _unlink(self, key: K) -> None:
         for queue in (self._first, self._small, self._main):
@@ -133,6 +142,7 @@ class S3Fifo(EvictionPolicy[K]):
         assert all(k in self._in_main for k in self._main), "main holds a key of small"
         assert not any(k in self._in_main for k in self._small), "small holds a key of main"
         assert self._in_main.issubset(self._freq), "a main key unknown"
+        assert set(self._content).issubset(self._freq), "the content of an unknown key"
         assert all(0 <= f <= _MAX_FREQ for f in self._freq.values())
 
     def __iter__(self) -> Iterator[K]:

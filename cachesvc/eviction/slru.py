@@ -11,7 +11,7 @@ demotes nothing.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 
 from cachesvc.eviction.base import EvictionPolicy, K, register_policy
 
@@ -30,7 +30,7 @@ class Slru(EvictionPolicy[K]):
         self._protected: OrderedDict[K, None] = OrderedDict()
         self._reused: set[K] = set()  # keys used again since they last entered probation
 
-    def push(self, key: K, parent: K | None = None) -> None:
+    def push(self, key: K, parent: K | None = None, content: Hashable = None) -> None:
         self._unlink(key)
         (self._protected if key in self._reused else self._probation)[key] = None
 

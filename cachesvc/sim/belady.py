@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 
 from cachesvc.eviction.base import EvictionPolicy
 from cachesvc.sim.trace import SimRequest
@@ -52,7 +52,9 @@ class Belady(EvictionPolicy[BlockHash]):
         self._now = self._future[index]
         self._depth = {h: d for d, h in enumerate(request.hashes[: request.num_full_blocks])}
 
-    def push(self, key: BlockHash, parent: BlockHash | None = None) -> None:
+    def push(
+        self, key: BlockHash, parent: BlockHash | None = None, content: Hashable = None
+    ) -> None:
         entry = (-self._now.get(key, math.inf), -self._depth.get(key, 0), next(self._seq), key)
         self._entry[key] = entry
         heapq.heappush(self._heap, entry)

@@ -89,6 +89,18 @@ def test_s3fifo_moves_a_used_key_to_main_and_readmits_from_its_ghost() -> None:
     assert lru.pop() == "x"  # what S3-FIFO did differently
 
 
+def test_s3fifo_ghost_remembers_a_slots_content_not_the_slot() -> None:
+    """Slots (block ids) change content: the ghost readmits the same content in another slot,
+    and not another content in the same slot."""
+    p: EvictionPolicy[int] = make_policy("s3fifo")
+    p.push(1, content="h")
+    assert p.pop() == 1  # "h" is remembered
+    p.push(7, content="x")  # new content in a new slot: small
+    p.push(2, content="h")  # "h" again, in slot 2: straight into main
+    p.push(1, content="y")  # slot 1 again, other content: small, like any new one
+    assert p.peek(3) == [7, 1, 2]
+
+
 @pytest.mark.parametrize("name", ["slru", "s3fifo"])
 def test_a_one_time_scan_does_not_flush_the_hot_set(name: str) -> None:
     store = Store(name, capacity=10)

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from cachesvc.app.cli.main import main
+from cachesvc.block_pool import BlockPool
 from cachesvc.eviction.base import POLICY_NAMES, make_policy
 from cachesvc.sim.belady import Belady
 from cachesvc.sim.eviction import ReplayResult, replay, run_eviction, workload_requests
 from cachesvc.sim.eviction_report import choose_default, verdicts
 from cachesvc.sim.trace import SimRequest, block_hash, load_trace, oracle_hit_blocks
+from cachesvc.types import BlockId
 
 
 def _random_requests(seed: int, num: int = 300) -> list[SimRequest]:
@@ -45,6 +47,41 @@ def test_belady_hits_at_least_every_policy(seed: int, capacity: int) -> None:
     best = replay(requests, Belady(requests), capacity)
     for name in POLICY_NAMES:
         assert replay(requests, make_policy(name), capacity) <= best, name
+
+
+def _pool_hits(requests: list[SimRequest], policy: str, capacity: int) -> int:
+    """The replay's requests served by a real `BlockPool`: a block held is touched, a missing
+    one allocated and registered under its parent, all freed tail first."""
+    pool = BlockPool(capacity, policy=policy)
+    hits = 0
+    for r in requests:
+        blocks = r.hashes[: r.num_full_blocks]
+        n = 0
+        while n < r.max_match_blocks and pool.lookup(r.hashes[n], ()) is not None:
+            n += 1
+        hits += n
+        used: list[BlockId] = []
+        for i, h in enumerate(blocks):
+            found = pool.lookup(h, ())
+            if found is not None:
+                pool.touch([found])
+            elif pool.num_free:
+                [found] = pool.allocate(1)
+                pool.register(found, h, (), blocks[i - 1] if i else None)
+            else:
+                continue
+            used.append(found)
+        pool.free(list(reversed(used)))
+    pool.check_integrity()
+    return hits
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("capacity", [8, 30])
+def test_the_replay_hits_as_the_block_pool_does(name: str, capacity: int) -> None:
+    """The replay is the device pool's behaviour under each policy, block for block."""
+    requests = _random_requests(5)
+    assert replay(requests, make_policy(name), capacity) == _pool_hits(requests, name, capacity)
 
 
 def test_a_store_holding_everything_hits_as_the_oracle(sample_trace: Path) -> None:
