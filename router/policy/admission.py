@@ -13,7 +13,8 @@ will run, and the prompt's own uncached tokens, at that worker's calibrated seco
 scaled by what admitted requests actually took against their predictions (`TTFTScale`). Raw,
 it leaves out the decode steps between a queue's prefill chunks, the hops, and on a worker
 that reports no costs the hardware itself; scaled, the target is the TTFT itself. The router
-(`Gate`) and the simulator (`cachesvc.sim.loop`) both decide with `CalibratedAdmission`.
+(`router.request.gate.Gate`) and the simulator (`cachesvc.sim.loop`) both decide with
+`CalibratedAdmission`; this module holds the rules alone, pure.
 
 TTFT is half of what a client is promised. A worker can start every prompt in time and still
 spend so much of its steps on prompts that the streams it decodes miss their inter-token target
