@@ -5,10 +5,10 @@ cost profile.
 Pieces, one file each in this package: `trace` (the requests and the oracle), `generate` (a
 generated trace), `cost_profile` (the clock), `tier`, `seq`, `loads` and `worker` (one worker's
 tiers, requests, loads and scheduler), `loop` (the event loop and the router), `report` (what
-is printed); with prefill/decode roles, `pd` (where a
-request goes), `goodput` (against an SLO), `pd_sweep` (and its plot). This module
-runs policies (each with or without pulls between workers: "least_loaded+pull") over one
-cluster, or a sweep of clusters.
+is printed); with prefill/decode roles, `pd` (where a request goes), `goodput` (against an SLO),
+`pd_sweep` (and its plot). A profile measured here is `cachesvc.bench.calibrate`'s (it runs the
+real engine: a live measurement). This module runs policies (each with or without pulls between
+workers: "least_loaded+pull") over one cluster, or a sweep of clusters.
 """
 
 from __future__ import annotations
