@@ -8,9 +8,9 @@ from __future__ import annotations
 import contextlib
 
 from router.domain import Unavailable, WorkerStatus
-from router.pool import WorkerDied, WorkerPool
-from router.response_cache import ResponseCache
-from router.worker_state import Health
+from router.pool.worker_pool import WorkerDied, WorkerPool
+from router.pool.worker_state import Health
+from router.response_cache.cache import ResponseCache
 
 
 def worker_statuses(pool: WorkerPool) -> list[WorkerStatus]:

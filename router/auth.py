@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from cachesvc.hashing import PURGE_SALT_PREFIX
+from cachesvc.kv.hashing import PURGE_SALT_PREFIX
 from router.config import RouterConfig
 from router.domain import InvalidInput
 from router.tenants import TenantToken
@@ -73,7 +73,7 @@ def tenant_cache_salt(tenant: str | None, cache_salt: str | None) -> str | None:
     salt is kept as it is, but one starting with "tenant:" is refused (InvalidInput): it would
     reach a tenant's blocks, on this router or through a Redis tier that routers share. So is
     one starting with "purge:", which would reach blocks of another purge epoch
-    (`cachesvc.hashing.epoch_salt`).
+    (`cachesvc.kv.hashing.epoch_salt`).
     """
     if tenant is None:
         for prefix, owner in ((TENANT_SALT_PREFIX, "tenants'"), (PURGE_SALT_PREFIX, "purged")):

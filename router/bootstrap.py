@@ -15,15 +15,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cachesvc.index import MemoryPrefixIndex, PrefixIndex
-from cachesvc.types import WorkerId
+from cachesvc.kv.index import MemoryPrefixIndex, PrefixIndex
+from cachesvc.kv.types import WorkerId
 from router.config import RouterConfig
 from router.core import Router
-from router.events_source import make_event_source
-from router.policy import make_policy
-from router.pool import WorkerPool
-from router.server import RouterServer
-from router.supervisor import Replace
+from router.grpc.server import RouterServer
+from router.policy.routing import make_policy
+from router.pool.events_source import make_event_source
+from router.pool.supervisor import Replace
+from router.pool.worker_pool import WorkerPool
 from workers.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def make_index(config: RouterConfig) -> PrefixIndex:
     """The prefix index the config asks for: in Redis when `redis_url` is set, else in memory."""
     if config.redis_url is None:
         return MemoryPrefixIndex()
-    from cachesvc.index_redis import RedisPrefixIndex
+    from cachesvc.kv.index_redis import RedisPrefixIndex
 
     return RedisPrefixIndex.from_url(config.redis_url, config.redis_namespace)
 
@@ -59,7 +59,7 @@ async def build_router(
 ) -> Router:
     """A started Router over existing worker actors: the workers have loaded their model and
     their cached blocks are indexed when this returns. `replace` starts a new actor for a
-    worker that died for good (see `router.supervisor`)."""
+    worker that died for good (see `router.pool.supervisor`)."""
     policy = make_policy(config.policy, **config.policy_options())
     pool = WorkerPool(actors, make_index(config), config, make_event_source(config))
     router = Router(pool, load_router_tokenizer(model), policy, config, replace)

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cachesvc.config import MIN_TIER_KEY_BYTES, ConfigError
+from cachesvc.kv.config import MIN_TIER_KEY_BYTES, ConfigError
 from router.tenants import TenantToken, check_tenant_token
 
 _TLS_FILES = ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
@@ -36,7 +36,7 @@ class RouterConfig:
     only token that may call the Admin service. `tls_cert_file` and `tls_key_file` (PEM) make
     the router speak TLS; `tls_client_ca_file` also requires client certificates it signed.
 
-    The `prefix_aware` policy (`router.policy.PrefixAware`) scores each worker in tokens of
+    The `prefix_aware` policy (`router.policy.routing.PrefixAware`) scores each worker in tokens of
     work: the prompt it would compute (cached blocks in lower tiers weighted by the worker's
     own fetch costs) plus `route_queue_weight` times its queued work. Two bounds protect against
     overload: a worker whose queued work (in seconds at its reported speed) exceeds
@@ -102,11 +102,12 @@ class RouterConfig:
     route_busy_weight: float = 1.0
     route_busy_half_life_s: float = 120.0
     peer_pull: bool = True
-    # Prefill/decode disaggregation, when some workers have the role "prefill" (`router/pd.py`):
-    # "auto" decides per request from the workers' calibrated costs and loads, "always" hands
-    # every request it can to a prefill worker, "never" serves each where it is routed. A
-    # second a decoding stream loses counts `pd_stall_weight` times a second of the request's
-    # own wait (with both targets below set, their own weight instead: `SLO.stall_weight`).
+    # Prefill/decode disaggregation, when some workers have the role "prefill"
+    # (`router/policy/pd.py`): "auto" decides per request from the workers' calibrated costs and
+    # loads, "always" hands every request it can to a prefill worker, "never" serves each where it
+    # is routed. A second a decoding stream loses counts `pd_stall_weight` times a second of the
+    # request's own wait (with both targets below set, their own weight instead:
+    # `SLO.stall_weight`).
     pd_mode: str = "auto"
     pd_stall_weight: float = 1.0
     # Latency targets for "auto" (None: none): the mode predicted to break fewer of them wins
@@ -122,14 +123,14 @@ class RouterConfig:
     # it ties colocated (docs/benchmarks/pd.md); every worker must pull from its peers.
     pd_mixed: bool = False
     # A handed-off request's decode worker pulls the prompt's KV while its prefill runs, chunk
-    # by chunk as the prefill worker computes it (`router/prefetch.py`), rather than after the
-    # first token only.
+    # by chunk as the prefill worker computes it (`router/request/prefetch.py`), rather than after
+    # the first token only.
     pd_prefetch: bool = True
     # A worker with this many requests (running, waiting or in flight from this router) gets no
     # more: when every worker is that full, a call fails with RESOURCE_EXHAUSTED. None: no limit.
     max_queued_per_worker: int | None = None
     # Refuse (RESOURCE_EXHAUSTED, HTTP 429) a request predicted to wait longer than this for
-    # its first token where it would run (`router/admission.py`): past capacity the requests
+    # its first token where it would run (`router/policy/admission.py`): past capacity the requests
     # admitted then meet their target instead of none. None: admit every request. The
     # prediction is scaled by what admitted requests took against theirs, so this is the
     # TTFT target itself.
@@ -152,7 +153,7 @@ class RouterConfig:
     # name `cachesvc serve` derives from the model path). None: no HTTP door.
     http_port: int | None = None
     served_model_name: str | None = None
-    # The response cache (router/response_cache.py): deterministic requests' answers, in
+    # The response cache (router/response_cache/cache.py): deterministic requests' answers, in
     # memory up to this many MiB (0: off), or in Redis when `response_cache_redis_url` (else
     # `redis_url`) is set: shared by the routers, each entry kept `response_cache_ttl_s`, a
     # lookup bounded by `response_cache_timeout_s`. Answers over `response_cache_max_entry_kb`
@@ -213,7 +214,7 @@ class RouterConfig:
         self._check_routing()
 
     def policy_options(self) -> dict[str, float]:
-        """The routing thresholds as `router.policy.make_policy` takes them."""
+        """The routing thresholds as `router.policy.routing.make_policy` takes them."""
         return {
             "abs_threshold": self.balance_abs_threshold,
             "rel_threshold": self.balance_rel_threshold,

@@ -17,11 +17,9 @@ import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import asdict, fields
 
-from cachesvc.types import WorkerId
+from cachesvc.kv.types import WorkerId
 from router.admin import flush_workers, purge, worker_statuses
-from router.admission import Gate, admission_of
 from router.config import RouterConfig
-from router.disagg import Disaggregation
 from router.domain import (
     Exhausted,
     GenerateInput,
@@ -33,13 +31,20 @@ from router.domain import (
     Unavailable,
     WorkerStatus,
 )
-from router.handoff import Handoff
 from router.metrics import RequestOutcome, RouterMetrics
-from router.placement import Placement
-from router.policy import Policy, RouteDecision
-from router.pool import WorkerDied, WorkerPool
-from router.prompts import Prompts
-from router.response_cache import (
+from router.policy.admission import admission_of
+from router.policy.routing import Policy, RouteDecision
+from router.pool.supervisor import Replace, Supervisor
+from router.pool.worker_pool import WorkerDied, WorkerPool
+from router.request.disagg import Disaggregation
+from router.request.gate import Gate
+from router.request.handoff import Handoff
+from router.request.placement import Placement
+from router.request.prompts import Prompts
+from router.request.resume import Part, RequestProgress
+from router.request.scoring import score as run_score
+from router.request.streams import merged
+from router.response_cache.cache import (
     EntryShape,
     ResponseCollector,
     is_deterministic,
@@ -47,10 +52,6 @@ from router.response_cache import (
     num_samples,
     response_key,
 )
-from router.resume import Part, RequestProgress
-from router.scoring import score as run_score
-from router.streams import merged
-from router.supervisor import Replace, Supervisor
 from workers.protocol import HolderHint, StreamDelta, Usage
 from workers.text.tokenizer import Tokenizer
 
@@ -112,7 +113,7 @@ class Router:
     async def generate(self, req: GenerateInput) -> AsyncGenerator[StreamDelta, None]:
         """Stream deltas from the worker chosen for the request. A worker that dies (or is
         full) before sending anything is replaced; one that dies mid-stream is resumed on
-        another (see `router.resume`), so the client sees one stream."""
+        another (see `router.request.resume`), so the client sees one stream."""
         if self._stats.num_inflight >= self.config.max_inflight:
             raise Exhausted(f"router is at its limit of {self.config.max_inflight} requests")
         # The salt takes the purge epoch now, once: the request keeps its hashes to its end.
@@ -337,7 +338,8 @@ class Router:
     # ---- score ------------------------------------------------------------------------------
 
     async def score(self, req: ScoreInput) -> ScoreResult:
-        """Per item, the log-probs of the label tokens after prefix + item (`router.scoring`)."""
+        """Per item, the log-probs of the label tokens after prefix + item
+        (`router.request.scoring`)."""
         return await run_score(
             req, self.prompts, self.placement, self.pool, self.config.max_retries
         )

@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from router.pool import WorkerPool
-    from router.response_store import StoreStats
+    from router.pool.worker_pool import WorkerPool
+    from router.response_cache.store import StoreStats
     from workers.protocol import Usage
 
 _request_log = logging.getLogger("router.requests")
@@ -157,8 +157,8 @@ class RequestOutcome:
     cached_tokens: int = 0
     computed_tokens: int = 0
     completion_tokens: int = 0
-    # Prefill/decode disaggregation (`router.disagg`): the mode chosen, the prefill worker of a
-    # disaggregated request, predicted and measured times.
+    # Prefill/decode disaggregation (`router.request.disagg`): the mode chosen, the prefill worker
+    # of a disaggregated request, predicted and measured times.
     pd_mode: str | None = None
     pd_reason: str | None = None  # why: `PDDecision.reason` (the route reason is the worker's)
     prefill_worker: str | None = None

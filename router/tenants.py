@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cachesvc.config import ConfigError
+from cachesvc.kv.config import ConfigError
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 

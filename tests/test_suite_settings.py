@@ -29,8 +29,8 @@ def test_an_example_slower_than_hypothesis_default_deadline_passes(_: int) -> No
 
 # A test of each of the conftest's Redis fixtures, one per server kind.
 _REDIS_TESTS = [
-    "tests/cachesvc/tiers/test_redis_tier.py::test_round_trip_prefix_and_namespaces",
-    "tests/cachesvc/test_events_redis.py::test_publisher_rides_out_a_redis_outage",
+    "tests/cachesvc/kv/tiers/test_redis_tier.py::test_round_trip_prefix_and_namespaces",
+    "tests/cachesvc/kv/test_events_redis.py::test_publisher_rides_out_a_redis_outage",
 ]
 
 

@@ -27,11 +27,11 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from cachesvc.block_pool import NoFreeBlocksError
-from cachesvc.config import EngineConfig
-from cachesvc.events import Event
-from cachesvc.events_redis import EventStreamConfig
-from cachesvc.index import IndexSnapshot
+from cachesvc.kv.block_pool import NoFreeBlocksError
+from cachesvc.kv.events import Event
+from cachesvc.kv.events_redis import EventStreamConfig
+from cachesvc.kv.index import IndexSnapshot
+from workers.config import EngineConfig
 from workers.deltas import ray_node, stream_delta
 from workers.protocol import (
     Heartbeat,
@@ -47,10 +47,10 @@ from workers.reports import index_snapshot, worker_load
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from cachesvc.events_redis import StreamPublisher
+    from cachesvc.kv.events_redis import StreamPublisher
     from workers.engine.async_engine import AsyncEngine
     from workers.engine.engine import Engine
-    from workers.engine.peer.export import ChunkExporter
+    from workers.peer.export import ChunkExporter
     from workers.transfer.chunk import KVChunk
     from workers.transfer.slots import PullerProcess, SlotLease
 
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 
 def _exporter(engine: AsyncEngine, config: EngineConfig) -> ChunkExporter:
-    from workers.engine.peer.export import ChunkExporter
+    from workers.peer.export import ChunkExporter
     from workers.transfer.chunk import chunk_key
 
     key = engine.engine.cache_admin.tier_key  # read once, with the engine's tiers
@@ -87,7 +87,7 @@ class WorkerActor:
     ) -> None:
         from workers.engine.async_engine import AsyncEngine
         from workers.engine.engine import Engine
-        from workers.engine.peer.prefetch import Prefetcher
+        from workers.peer.prefetch import Prefetcher
 
         engine = Engine(config)
         if config.peer_pull:
@@ -115,7 +115,7 @@ class WorkerActor:
         self._ticking: asyncio.Task[None] | None = None
         self._last_tick: float | None = None  # monotonic; read by `ping` from its own thread
         if event_stream is not None:
-            from cachesvc.events_redis import StreamPublisher
+            from cachesvc.kv.events_redis import StreamPublisher
 
             self._publisher = StreamPublisher.from_config(event_stream, worker_id)
         self._info = WorkerInfo(
@@ -258,7 +258,7 @@ class WorkerActor:
         timeout_s: float,
     ) -> dict[str, Any]:
         """Pull the prompt's blocks from `holder` while it computes them, into this worker's
-        pool (`workers.engine.peer.prefetch`), for a handed-off request that will follow; what
+        pool (`workers.peer.prefetch`), for a handed-off request that will follow; what
         it did, as a dict (`PrefetchResult`)."""
         result = await self._prefetcher.prefetch(
             holder.actor_name, prompt_ids, cache_salt, holder.num_blocks, timeout_s

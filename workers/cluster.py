@@ -23,9 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from cachesvc.config import ConfigError, EngineConfig
-from cachesvc.events_redis import EventStreamConfig
-from cachesvc.types import WorkerId
+from cachesvc.kv.config import ConfigError
+from cachesvc.kv.events_redis import EventStreamConfig
+from cachesvc.kv.types import WorkerId
+from workers.config import EngineConfig
 from workers.protocol import WorkerInfo
 
 _log = logging.getLogger(__name__)

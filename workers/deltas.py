@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cachesvc.events import TIER_HBM
+from cachesvc.kv.events import TIER_HBM
 from workers.protocol import PEER_TOKENS, StreamDelta, Usage
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 Everything that crosses the process boundary is a plain frozen dataclass (no proto, torch or Ray
 types), so the router imports this module without importing torch or ray. The KV events and the
-index snapshot they carry are the cache core's (`cachesvc.events`, `cachesvc.index`).
+index snapshot they carry are the cache core's (`cachesvc.kv.events`, `cachesvc.kv.index`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from cachesvc.events import Event
+from cachesvc.kv.events import Event
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class TierBlocks:
 @dataclass(frozen=True)
 class BlockCosts:
     """What one block costs a worker, in seconds, from its calibrated cost model
-    (`cachesvc.planner`): recomputing it (`compute_s`, the marginal prefill time of a block's
+    (`cachesvc.kv.planner`): recomputing it (`compute_s`, the marginal prefill time of a block's
     tokens), and bringing it into the device from each lower tier (`fetch_s`, by tier name: its
     read and its copy in, per block of a long fetch)."""
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from cachesvc.events import TIER_HBM
-from cachesvc.index import IndexSnapshot
-from cachesvc.types import BlockId
+from cachesvc.kv.events import TIER_HBM
+from cachesvc.kv.index import IndexSnapshot
+from cachesvc.kv.types import BlockId
 from workers.protocol import TierBlocks, WorkerLoad
 
 if TYPE_CHECKING:

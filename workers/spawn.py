@@ -7,9 +7,9 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from cachesvc.config import EngineConfig
-from cachesvc.events_redis import EventStreamConfig
+from cachesvc.kv.events_redis import EventStreamConfig
 from workers.actor import LIVENESS_GROUP, WorkerActor
+from workers.config import EngineConfig
 
 
 def spawn_worker(

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cachesvc.config import ConfigError
+from cachesvc.kv.config import ConfigError
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from cachesvc.config import EngineConfig
+from workers.config import EngineConfig
 
 DEMO_QUESTIONS = (
     "What is the capital of France?",

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cachesvc.config import EngineConfig
+from workers.config import EngineConfig
 
 SYSTEM_PROMPTS = {
     "travel": (
@@ -127,8 +127,8 @@ async def _drive(actors: dict[Any, Any], engine: EngineConfig, max_tokens: int) 
     from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
     from router.bootstrap import build_router
     from router.config import RouterConfig
+    from router.grpc.server import RouterServer
     from router.http.server import HttpServer
-    from router.server import RouterServer
 
     config = RouterConfig(port=0, policy="prefix_aware")
     router = await build_router(actors, config, engine.model)

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachesvc.config import ConfigError, EngineConfig
-from cachesvc.events_redis import EventStreamConfig
-from cachesvc.types import WorkerId
+from cachesvc.kv.config import ConfigError
+from cachesvc.kv.events_redis import EventStreamConfig
+from cachesvc.kv.types import WorkerId
 from router.bootstrap import build_router, make_index, serve_until_signal
 from router.config import RouterConfig
-from router.policy import make_policy
-from router.supervisor import Replace
+from router.policy.routing import make_policy
+from router.pool.supervisor import Replace
 from workers.cluster import (
     Placement,
     WorkerGroup,
@@ -32,6 +32,7 @@ from workers.cluster import (
     spawn_workers,
     stop_workers,
 )
+from workers.config import EngineConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 

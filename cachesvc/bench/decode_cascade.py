@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from cachesvc.bench.prefill_schemes import BenchConfig, bench_config, median_ms
-from cachesvc.bench.table import format_table, write_json
+from cachesvc.workloads.table import format_table, write_json
 from workers.attention.schemes import (
     BatchShape,
     SchemeBackend,

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from cachesvc.bench.table import format_table, write_json
+from cachesvc.workloads.table import format_table, write_json
 
 DOORS = ("grpc", "http-stream", "http")
 SYSTEM = (

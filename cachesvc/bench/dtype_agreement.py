@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from cachesvc.bench.table import write_json
+from cachesvc.workloads.table import write_json
 
 HELD_TEXTS = (
     "The capital of France is",
@@ -164,7 +164,7 @@ def summarize(divergences: list[Divergence], num_tokens: int) -> dict[str, Any]:
 
 def run_dtype_agreement_bench(args: DtypeAgreementArgs) -> int:
     """Print the agreement table (and write JSON); returns 0."""
-    from cachesvc.config import EngineConfig
+    from workers.config import EngineConfig
     from workers.engine.engine import Engine
 
     if args.threads:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from cachesvc.bench.table import format_table, write_json
+from cachesvc.workloads.table import format_table, write_json
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def run_engine_bench(
     model: str | None, quick: bool, json_path: str | None, with_hf: bool = True
 ) -> int:
     """Print the table (and write JSON); returns the process exit status."""
-    from cachesvc.config import EngineConfig
+    from workers.config import EngineConfig
     from workers.engine.engine import Engine
 
     prompt_len, new_tokens = (32, 8) if quick else (128, 16)

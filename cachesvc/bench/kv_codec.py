@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from cachesvc.bench.table import format_table, write_json
-from cachesvc.codec import Codec
-from cachesvc.types import BlockHash, BlockId, RequestId
+from cachesvc.kv.codec import Codec
+from cachesvc.kv.types import BlockHash, BlockId, RequestId
+from cachesvc.workloads.table import format_table, write_json
 
 MODES = ("raw", "shuffle_lz4", "int8", "fp8_e4m3")
 BLOCK_SIZE = 16
@@ -211,7 +211,8 @@ def _greedy_tier(
     """Greedy tokens with every prompt's prefix fetched from a DRAM tier in `mode`, and how many
     prompt tokens were cached: fetched from the tier, or found on the device where another
     prompt's fetch of the shared instructions had landed them."""
-    from cachesvc.config import EngineConfig, TierConfig
+    from cachesvc.kv.config import TierConfig
+    from workers.config import EngineConfig
     from workers.engine.engine import Engine
 
     num_tokens = len(expected[0])
@@ -246,7 +247,7 @@ def run_kv_codec_bench(
     """Print the tables (and write JSON); returns the process exit status."""
     import torch
 
-    from cachesvc.config import EngineConfig
+    from workers.config import EngineConfig
     from workers.engine.engine import Engine
     from workers.model.loader import load_model
 

@@ -14,102 +14,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
-from cachesvc.bench.pd_workload import (
+from cachesvc.workloads.pd import (
     ALONE,
     BLOCK_SIZE,
     NUM_WORKERS,
     SETUPS,
     WITH_PROMPTS,
+    PDBenchArgs,
     PDRequest,
     PDShape,
+    PhaseResult,
+    format_results,
     phase_requests,
     warmup_request,
     worker_warmup_request,
 )
-from cachesvc.bench.requests import greedy_request
-from cachesvc.bench.table import format_table
-
-
-@dataclass(frozen=True)
-class PDBenchArgs:
-    quick: bool = False
-    model: str | None = None
-    tiny: bool = False
-    json_path: str | None = None
-    pd_mode: str = "auto"
-    # The router's target for a stream's gap between two tokens (`pd_itl_slo_ms`; None: none).
-    itl_slo_ms: float | None = None
-    # The prefill worker's chunk (None: the step budget), and whether decode workers pull while
-    # the prefill runs (`RouterConfig.pd_prefetch`).
-    prefill_chunk_tokens: int | None = 512
-    prefetch: bool = True
-
-    @property
-    def shape(self) -> PDShape:
-        return PDShape(self.quick)
-
-
-@dataclass
-class PhaseResult:
-    """What a client saw in one phase of one setup."""
-
-    setup: str
-    phase: str  # "decodes alone" | "with long prompts"
-    gaps_s: list[float] = field(default_factory=list)  # the decodes' inter-token gaps
-    ttft_s: list[float] = field(default_factory=list)  # the long prompts' TTFTs
-    # The long prompts' TTFTs as their workers measured them (from the engine's arrival).
-    worker_ttft_s: list[float] = field(default_factory=list)
-    # A handed-off long prompt's first two tokens apart: the hand-off as the client sees it (the
-    # decode worker pulls the KV, lands it, computes the tail and its first token).
-    handoff_s: list[float] = field(default_factory=list)
-    decisions: list[str] = field(default_factory=list)  # the router's reason for each long prompt
-    disaggregated: int = 0  # long prompts handed to a prefill worker
-    kv_moved_tokens: int = 0
-    # Landed on decode workers by pulls made while the prefill ran, and the chunks prefill
-    # workers sent before a prompt was all computed (the workers' counters: every request of
-    # the phase handed off, a stream too when it is).
-    prefetched_tokens: int = 0
-    early_chunks: int = 0
-
-    def row(self, baseline_p99: float | None) -> list[Any]:
-        p50, p99 = percentile(self.gaps_s, 50), percentile(self.gaps_s, 99)
-        ratio = "-" if not baseline_p99 else f"{p99 / baseline_p99:.2f}x"
-        ttft = None
-        if self.ttft_s:
-            ttft = (percentile(self.ttft_s, 50) * 1e3, percentile(self.ttft_s, 99) * 1e3)
-        handoff = "-"
-        if self.handoff_s:
-            low, high = percentile(self.handoff_s, 50), percentile(self.handoff_s, 99)
-            handoff = f"{low * 1e3:.0f} / {high * 1e3:.0f}"
-        return [
-            self.setup,
-            self.phase,
-            f"{p50 * 1e3:.1f}",
-            f"{p99 * 1e3:.1f}",
-            ratio,
-            "-" if ttft is None else f"{ttft[0]:.0f}",
-            "-" if ttft is None else f"{ttft[1]:.0f}",
-            f"{self.disaggregated}/{len(self.ttft_s)}" if self.ttft_s else "-",
-            handoff,
-            f"{self.kv_moved_tokens} / {self.prefetched_tokens}" if self.disaggregated else "-",
-        ]
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The `q`th percentile (1..99), interpolated; 0.0 of nothing."""
-    if not values:
-        return 0.0
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+from cachesvc.workloads.requests import greedy_request
 
 
 async def _stream(
@@ -193,7 +120,7 @@ async def _run_setup(
     from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
     from router.bootstrap import build_router
     from router.config import RouterConfig
-    from router.server import RouterServer
+    from router.grpc.server import RouterServer
 
     config = RouterConfig(
         port=0,
@@ -264,8 +191,8 @@ def measure_pd(args: PDBenchArgs) -> list[PhaseResult]:
 
     import ray
 
-    from cachesvc.config import EngineConfig
     from workers.cluster import WorkerGroup, spawn_workers, stop_workers
+    from workers.config import EngineConfig
     from workers.text.default_model import default_model_path
 
     results: list[PhaseResult] = []
@@ -317,25 +244,3 @@ def run_pd_bench(args: PDBenchArgs) -> int:
 
         Path(args.json_path).write_text(json.dumps([asdict(r) for r in results], indent=1))
     return 0
-
-
-def format_results(results: list[PhaseResult]) -> str:
-    headers = [
-        "setup",
-        "phase",
-        "gap p50 ms",
-        "gap p99 ms",
-        "p99 vs alone",
-        "long TTFT p50 ms",
-        "long TTFT p99 ms",
-        "handed off",
-        "hand-off p50 / p99 ms",
-        "KV moved / before 1st token",
-    ]
-    rows = []
-    baseline: dict[str, float] = {}
-    for r in results:
-        if r.phase == ALONE:
-            baseline[r.setup] = percentile(r.gaps_s, 99)
-        rows.append(r.row(None if r.phase == ALONE else baseline.get(r.setup)))
-    return format_table(headers, rows)

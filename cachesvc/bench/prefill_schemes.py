@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from cachesvc.bench.table import format_table, write_json
+from cachesvc.workloads.table import format_table, write_json
 from workers.attention.schemes import (
     SCHEMES,
     BatchShape,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from cachesvc.bench.table import format_table, write_json
+from cachesvc.workloads.table import format_table, write_json
 
 MODES = {
     "off": {"enable_prefix_caching": False},
@@ -60,7 +60,7 @@ def _percentile(values: list[float], q: float) -> float:
 def run_mode(
     mode: str, loaded: Any, tokenizer: Any, prompts: list[list[int]], output_len: int
 ) -> ModeResult:
-    from cachesvc.config import EngineConfig
+    from workers.config import EngineConfig
     from workers.engine.engine import Engine
     from workers.sampling_params import SamplingParams
 

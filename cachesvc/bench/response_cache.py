@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cachesvc.bench.table import format_table, write_json
+from cachesvc.workloads.table import format_table, write_json
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ async def _drive(actors: Any, model: str | None, args: ResponseCacheBenchArgs) -
     from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
     from router.bootstrap import build_router
     from router.config import RouterConfig
-    from router.server import RouterServer
+    from router.grpc.server import RouterServer
 
     config = RouterConfig(port=0)
     router = await build_router(actors, config, model)
@@ -117,8 +117,8 @@ def run_response_cache_bench(args: ResponseCacheBenchArgs) -> int:
     """Blocking entry point; prints the table and the hit ratio, returns 0."""
     import ray
 
-    from cachesvc.config import EngineConfig
     from workers.cluster import WorkerGroup, spawn_workers, stop_workers
+    from workers.config import EngineConfig
 
     with tempfile.TemporaryDirectory(prefix="cachesvc-bench-") as tmp:
         model = args.model

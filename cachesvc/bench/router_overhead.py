@@ -2,7 +2,7 @@
 
 The decision path alone, without workers: the stages `router/core.py` runs before forwarding a
 request, each with the router's own code — tokenize the text (the default model's tokenizer,
-as `router.bootstrap` loads it), hash the blocks (`cachesvc.hashing`, the workers' keys), look
+as `router.bootstrap` loads it), hash the blocks (`cachesvc.kv.hashing`, the workers' keys), look
 up the longest cached prefix per worker (`MemoryPrefixIndex`, filled as a busy cluster's would
 be) and choose (`prefix_aware`). Timed one request at a time, at 1K, 8K and 32K-token prompts;
 requests per second is what one process sustains doing nothing else (1 / mean decision time).
@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cachesvc.bench.routing_report import _percentile
-from cachesvc.bench.table import format_table, write_json
-from cachesvc.hashing import hash_blocks, root_hash
-from cachesvc.index import IndexSnapshot, MemoryPrefixIndex
-from cachesvc.types import BlockHash, WorkerId
-from router.policy import Candidate, RouteRequest, choose_and_record, make_policy
+from cachesvc.kv.hashing import hash_blocks, root_hash
+from cachesvc.kv.index import IndexSnapshot, MemoryPrefixIndex
+from cachesvc.kv.types import BlockHash, WorkerId
+from cachesvc.workloads.routing_report import _percentile
+from cachesvc.workloads.table import format_table, write_json
+from router.policy.routing import Candidate, RouteRequest, choose_and_record, make_policy
 
 SIZES = (1024, 8192, 32768)
 BLOCK_SIZE = 16

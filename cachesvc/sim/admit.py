@@ -1,5 +1,5 @@
-"""The router's admission in a replay (`router.admission`): a request predicted to start later
-than the target is refused, the prediction scaled as the router scales it, by what admitted
+"""The router's admission in a replay (`router.policy.admission`): a request predicted to start
+later than the target is refused, the prediction scaled as the router scales it, by what admitted
 requests took to their first token against theirs (`TTFTScale`, learnt as their first tokens
 come, never from the future); with an inter-token target, so is one that would join or stall
 the streams of a worker decoding them slower than that lately (each worker's `RecentGaps`,
@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.worker import SimWorker
-from router.admission import Admission, CalibratedAdmission, streams_refusal
-from router.answers import MeanAnswer
+from router.policy.admission import Admission, CalibratedAdmission, streams_refusal
+from router.policy.answers import MeanAnswer
 
 
 class SimAdmission:

@@ -14,9 +14,9 @@ import itertools
 import math
 from collections.abc import Hashable, Iterator, Sequence
 
-from cachesvc.eviction.base import EvictionPolicy
+from cachesvc.kv.eviction.base import EvictionPolicy
+from cachesvc.kv.types import BlockHash
 from cachesvc.sim.trace import SimRequest
-from cachesvc.types import BlockHash
 
 _Entry = tuple[float, int, int, BlockHash]  # (-next use, -depth, sequence, key)
 

@@ -42,9 +42,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cachesvc.calibration import DEFAULT_TIER_COSTS
-from cachesvc.planner import ComputeCost, CostModel, TierCost
-from router.policy import PEER
+from cachesvc.kv.calibration import DEFAULT_TIER_COSTS
+from cachesvc.kv.planner import ComputeCost, CostModel, TierCost
+from router.policy.routing import PEER
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from cachesvc.eviction.base import EvictionPolicy, make_policy
+from cachesvc.kv.eviction.base import EvictionPolicy, make_policy
+from cachesvc.kv.types import BlockHash
 from cachesvc.sim.belady import Belady
 from cachesvc.sim.generate import GeneratedTrace, generate_rows
 from cachesvc.sim.trace import (
@@ -24,7 +25,6 @@ from cachesvc.sim.trace import (
     oracle_hit_blocks,
     trace_requests,
 )
-from cachesvc.types import BlockHash
 
 BELADY = "belady"
 UNBOUNDED = "unbounded"  # a store holding every block: the most any policy could hit

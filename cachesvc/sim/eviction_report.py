@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cachesvc.bench.table import format_table
 from cachesvc.sim.eviction import BELADY, UNBOUNDED, ReplayResult
+from cachesvc.workloads.table import format_table
 
 BASELINE = "lru"
 GAP_WORKLOAD = "multi-turn"

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cachesvc.bench.workloads import MOONCAKE_BLOCK_TOKENS, TraceRow
+from cachesvc.workloads.sessions import MOONCAKE_BLOCK_TOKENS, TraceRow
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cachesvc.bench.routing_report import _percentile
 from cachesvc.sim.loop import SimRun
 from cachesvc.sim.seq import SimSeq
+from cachesvc.workloads.routing_report import _percentile
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class SLO:
 
     def stall_weight(self, mean_output: float) -> float:
         """What a second a decode stream loses weighs against a second of a request's own
-        wait (`router.pd.decide`'s `stall_weight`) under this SLO: each as a share of its
+        wait (`router.policy.pd.decide`'s `stall_weight`) under this SLO: each as a share of its
         budget, the TTFT target for the wait, the ITL target over an answer of
         `mean_output` tokens for the stream (its delay is spread over its tokens)."""
         return self.ttft_ms / (max(1.0, mean_output - 1) * self.itl_ms)

@@ -16,7 +16,13 @@ import random
 import statistics
 from collections.abc import Sequence
 
-from cachesvc.bench.admission import (
+from cachesvc.kv.hashing import hash_blocks, root_hash
+from cachesvc.sim.cost_profile import CostProfile
+from cachesvc.sim.loop import ClusterSpec, PDSetup, SimRun, replay
+from cachesvc.sim.pd import COLOCATED
+from cachesvc.sim.simulate import SimulateArgs, profile_for
+from cachesvc.sim.trace import SimRequest
+from cachesvc.workloads.admission import (
     MAX_TOKENS,
     NUM_WORKERS,
     WARMUPS,
@@ -25,14 +31,8 @@ from cachesvc.bench.admission import (
     format_results,
     mean_gap_s,
 )
-from cachesvc.bench.table import write_json
-from cachesvc.hashing import hash_blocks, root_hash
-from cachesvc.sim.cost_profile import CostProfile
-from cachesvc.sim.loop import ClusterSpec, PDSetup, SimRun, replay
-from cachesvc.sim.pd import COLOCATED
-from cachesvc.sim.simulate import SimulateArgs, profile_for
-from cachesvc.sim.trace import SimRequest
-from router.admission import admission_targets
+from cachesvc.workloads.table import write_json
+from router.policy.admission import admission_targets
 
 BLOCK_SIZE = 16  # the live engine's default
 DEVICE_BLOCKS = 4096  # room for every prompt of the burst: the bench never evicts to matter

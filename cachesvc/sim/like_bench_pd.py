@@ -1,5 +1,5 @@
 """`cachesvc simulate --like-bench-pd`: the requests `cachesvc bench pd` sends
-(`cachesvc.bench.pd_workload`), replayed in the simulator on the bench's two setups, with the
+(`cachesvc.workloads.pd`), replayed in the simulator on the bench's two setups, with the
 router's defaults: its policy, and with a prefill worker its per-request decision
 (`pd_mode="auto"`, the simulator's `decide`, at the router's stall weight) or `always`.
 
@@ -17,20 +17,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cachesvc.bench.pd import PDBenchArgs, PhaseResult, format_results
-from cachesvc.bench.pd_workload import (
-    ALONE,
-    BLOCK_SIZE,
-    NUM_WORKERS,
-    SETUPS,
-    WITH_PROMPTS,
-    PDRequest,
-    PDShape,
-    phase_requests,
-    warmup_request,
-)
-from cachesvc.bench.table import write_json
-from cachesvc.hashing import hash_blocks, root_hash
+from cachesvc.kv.hashing import hash_blocks, root_hash
+from cachesvc.kv.types import WorkerId
 from cachesvc.sim.cost_profile import CostProfile
 from cachesvc.sim.goodput import Outcome, outcomes
 from cachesvc.sim.loop import ClusterSpec, PDSetup, replay
@@ -38,9 +26,23 @@ from cachesvc.sim.pd import ALWAYS, COLOCATED, DECIDE
 from cachesvc.sim.simulate import SimulateArgs, profile_for
 from cachesvc.sim.trace import BENCH_VOCAB_SIZE as VOCAB
 from cachesvc.sim.trace import SimRequest
-from cachesvc.types import WorkerId
-from router.pd import SLO as TargetsSLO
-from router.policy import PEER, Candidate, Policy, RouteDecision, RouteRequest, make_policy
+from cachesvc.workloads.pd import (
+    ALONE,
+    BLOCK_SIZE,
+    NUM_WORKERS,
+    SETUPS,
+    WITH_PROMPTS,
+    PDBenchArgs,
+    PDRequest,
+    PDShape,
+    PhaseResult,
+    format_results,
+    phase_requests,
+    warmup_request,
+)
+from cachesvc.workloads.table import write_json
+from router.policy.pd import SLO as TargetsSLO
+from router.policy.routing import PEER, Candidate, Policy, RouteDecision, RouteRequest, make_policy
 
 # The router's pd_mode -> the simulator's mode with a prefill worker.
 PD_MODES = {"auto": DECIDE, "always": ALWAYS}

@@ -27,13 +27,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from cachesvc.block_pool import BlockPool
-from cachesvc.planner import CostModel, LoadPlan, plan_load
+from cachesvc.kv.block_pool import BlockPool
+from cachesvc.kv.planner import CostModel, LoadPlan, plan_load
+from cachesvc.kv.tiers.results import FetchResult, TierHit
+from cachesvc.kv.tiers.tier_manager import TierManager
+from cachesvc.kv.types import BlockHash
 from cachesvc.sim.seq import EarlyPull, PendingLoad, Ranges, SimSeq
-from cachesvc.tiers.results import FetchResult, TierHit
-from cachesvc.tiers.tier_manager import TierManager
-from cachesvc.types import BlockHash
-from router.policy import PEER
+from router.policy.routing import PEER
 
 
 class SimLoads:

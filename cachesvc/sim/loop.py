@@ -1,8 +1,8 @@
 """The simulator's event loop: arrivals routed by the router's own policy, steps timed.
 
 Two kinds of events, in time order: a request arrives (the policy chooses among the workers,
-from their load and the prefix index, through the router's own `router.placement.choose`), or a
-worker's step ends (its requests advance, the next step starts at once if it has work). A
+from their load and the prefix index, through the router's own `router.policy.placement.choose`), or
+a worker's step ends (its requests advance, the next step starts at once if it has work). A
 worker with nothing to compute but a pull under way is woken when the pull arrives (or by an
 arrival before that). After every change a worker's KV events are applied to the shared
 `MemoryPrefixIndex`, so routing sees each block as soon as the worker registered it (the live
@@ -23,7 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachesvc.index import IndexSnapshot, MemoryPrefixIndex
+from cachesvc.kv.index import IndexSnapshot, MemoryPrefixIndex
+from cachesvc.kv.types import WorkerId
 from cachesvc.sim.admit import SimAdmission
 from cachesvc.sim.cost_profile import CostProfile
 from cachesvc.sim.pd import (
@@ -38,12 +39,11 @@ from cachesvc.sim.pd import (
 from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.trace import BLOCK_SIZE, SimRequest
 from cachesvc.sim.worker import Host, SimWorker
-from cachesvc.types import WorkerId
-from router.admission import Admission
-from router.pd import PREFILL
-from router.pd import SLO as TargetsSLO
-from router.policy import Policy, make_policy
-from router.stream_gaps import RecentGaps
+from router.policy.admission import Admission
+from router.policy.pd import PREFILL
+from router.policy.pd import SLO as TargetsSLO
+from router.policy.routing import Policy, make_policy
+from router.policy.stream_gaps import RecentGaps
 
 _INCARNATION = "simulated"
 
@@ -72,7 +72,7 @@ class PDSetup:
 
     mode: str = COLOCATED
     num_prefill: int = 0
-    stall_weight: float = 1.0  # `router.pd.decide`'s weight of the decode streams' loss
+    stall_weight: float = 1.0  # `router.policy.pd.decide`'s weight of the decode streams' loss
     slo: TargetsSLO | None = None  # the router's latency targets for `decide` (None: none)
     # The decode worker pulls while the prefill runs, each step's blocks once computed (the
     # router's `pd_prefetch`); off: from the first token on.

@@ -1,5 +1,5 @@
 """Prefill/decode roles in the simulator: where each request runs under a mode, decided by the
-router's own functions (`router.pd`) over the simulated workers' loads and costs.
+router's own functions (`router.policy.pd`) over the simulated workers' loads and costs.
 
 Four modes over one cluster:
 
@@ -16,11 +16,11 @@ Four modes over one cluster:
   workers holding as much of it with no more queued (`pick_prefill`; the policy's choice when
   none is better) and decoding on `pick_decode`'s choice among the other workers.
 
-As `router.disagg` sees them: a worker's uncached prompt tokens (the policy's match on the
+As `router.request.disagg` sees them: a worker's uncached prompt tokens (the policy's match on the
 colocated side, the prefix index's elsewhere), its queued tokens, its running streams, and its
 per-token prefill and per-block pull costs from its reported `BlockCosts`. The policy is asked
 once a request, for the colocated side, and records only where the request runs, as the
-router's does (`router.placement.Asked.record`): its choice when kept colocated, the decode
+router's does (`router.policy.placement.Asked.record`): its choice when kept colocated, the decode
 worker of a hand-off (pulling the prompt's full blocks), nothing when admission refuses it.
 
 A disaggregated request runs twice: on its prefill worker up to its first token
@@ -42,22 +42,22 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from cachesvc.events import TIER_HBM
-from cachesvc.index import MemoryPrefixIndex, PrefixMatch
+from cachesvc.kv.events import TIER_HBM
+from cachesvc.kv.index import MemoryPrefixIndex, PrefixMatch
+from cachesvc.kv.types import WorkerId
 from cachesvc.sim.admit import SimAdmission
 from cachesvc.sim.seq import EarlyPull, SimPeer, SimSeq
 from cachesvc.sim.trace import SimRequest
 from cachesvc.sim.worker import SimWorker
-from cachesvc.types import WorkerId
-from router.admission import predicted_ttft_s, queued_s, stalls_of
-from router.answers import Answer
-from router.costs import prefill_token_s
-from router.disagg import HANDOFF_FIXED_PRIOR_S, SERVING_ROLES
-from router.handoff import HandoffCost
-from router.pd import (
+from router.policy.admission import predicted_ttft_s, queued_s, stalls_of
+from router.policy.answers import Answer
+from router.policy.costs import prefill_token_s
+from router.policy.handoff_cost import HANDOFF_FIXED_PRIOR_S, HandoffCost
+from router.policy.pd import (
     DECODE,
     MIXED,
     PREFILL,
+    SERVING_ROLES,
     SLO,
     DecodeSide,
     PDDecision,
@@ -65,9 +65,15 @@ from router.pd import (
     decide,
     with_answers,
 )
-from router.pd_pick import DecodeLoad, PrefillShare, fastest_prefill, pick_decode, pick_prefill
-from router.placement import Choice, LiveWorker, choose
-from router.policy import PEER, Policy, RouteRequest
+from router.policy.pd_pick import (
+    DecodeLoad,
+    PrefillShare,
+    fastest_prefill,
+    pick_decode,
+    pick_prefill,
+)
+from router.policy.placement import Choice, LiveWorker, choose
+from router.policy.routing import PEER, Policy, RouteRequest
 
 COLOCATED, ALWAYS, DECIDE, DYNAMIC = "colocated", "always", "decide", "dynamic"
 PD_MODES = (COLOCATED, ALWAYS, DECIDE, DYNAMIC)
@@ -102,14 +108,14 @@ class Routed:
 
 @dataclass(frozen=True)
 class Refused:
-    """A request admission refused (`router.admission`): predicted to start too late."""
+    """A request admission refused (`router.policy.admission`): predicted to start too late."""
 
     reason: str
 
 
 def colocated_ttft_s(req: SimRequest, worker: SimWorker, held_blocks: int) -> tuple[float, float]:
     """`req`'s predicted TTFT on `worker` holding `held_blocks` of its prompt, as
-    `router.pd.decide` predicts it colocated, and the part of it queued ahead (seconds)."""
+    `router.policy.pd.decide` predicts it colocated, and the part of it queued ahead (seconds)."""
     per_token, queued = _token_s(worker), worker.num_queued_tokens
     return predicted_ttft_s(queued, _uncached(req, held_blocks), per_token), queued * per_token
 
@@ -121,7 +127,7 @@ def choose_among(
     matches: Mapping[WorkerId, PrefixMatch],
     holders: Sequence[WorkerId] = (),
 ) -> tuple[SimWorker, Choice]:
-    """The policy's choice among `workers` (never empty), through `router.placement.choose`;
+    """The policy's choice among `workers` (never empty), through `router.policy.placement.choose`;
     not recorded (`Choice.asked` records where the request runs)."""
     loads = [
         LiveWorker(w.worker_id, w.num_requests, w.num_queued_tokens, w.block_costs())
@@ -155,8 +161,8 @@ def joining(
 class PDRoutes:
     """Routes a cluster's requests under a mode with roles (`always` or `decide`) or over mixed
     workers (`dynamic`), and hands a disaggregated request from its prefill worker to its
-    decode worker, as `router.disagg` plans them: the policy chooses the colocated worker once
-    (`fastest_prefill` the prefill worker; `dynamic`: the prompt's worker by `pick_prefill`
+    decode worker, as `router.request.disagg` plans them: the policy chooses the colocated worker
+    once (`fastest_prefill` the prefill worker; `dynamic`: the prompt's worker by `pick_prefill`
     from the policy's choice; `pick_decode` the decode worker) and records where the request
     runs; `always` is `decide`'s plan with its verdict overridden; the hand-off's fixed cost is
     the router's `HandoffCost`, learnt as a handed-off request ends (the second token's wait

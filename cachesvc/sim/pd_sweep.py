@@ -5,10 +5,10 @@ cluster's capacity (`estimate_capacity`: the highest arrival rate the colocated 
 up with), then at each load (a fraction of that rate, arrivals scaled to it) replays
 colocated, always-disaggregated at every prefill:decode ratio, per-request decisions at every
 ratio and per-request decisions over mixed workers (`dynamic`), and reports each mode at its
-best ratio.
+best ratio. The plot (`plot_rows`) draws each mode at its best ratio against the load.
 
 Per-request decisions weigh the decode streams' loss against the request's own wait with
-`router.pd.decide`'s `stall_weight`; unless told, it is the SLO's (`SLO.stall_weight`): a
+`router.policy.pd.decide`'s `stall_weight`; unless told, it is the SLO's (`SLO.stall_weight`): a
 second lost by a stream, as a share of its ITL budget over the workload's mean answer, against
 a second of the request's TTFT budget.
 """
@@ -20,17 +20,18 @@ import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from cachesvc.bench.table import format_table, write_json
 from cachesvc.sim.cost_profile import CostProfile
 from cachesvc.sim.goodput import SLO, Goodput, goodput
 from cachesvc.sim.loop import ClusterSpec, PDSetup, SimRun, replay
 from cachesvc.sim.pd import ALWAYS, COLOCATED, DECIDE, DYNAMIC, MIXED_MODES
 from cachesvc.sim.simulate import SimulateArgs, cluster_spec, load_requests, profile_for
 from cachesvc.sim.trace import SimRequest
-from router.admission import Admission, admission_targets
-from router.pd import SLO as TargetsSLO
+from cachesvc.workloads.table import format_table, write_json
+from router.policy.admission import Admission, admission_targets
+from router.policy.pd import SLO as TargetsSLO
 
 DEFAULT_LOADS = (0.5, 0.8, 1.0, 1.2)
 KEEPS_UP = 0.95  # completed requests per second of the makespan, as a share of the offered
@@ -254,8 +255,6 @@ def report(
     shown = best_rows(rows) if capacity is not None else list(rows)
     write_json(json_path, to_json(capacity, rows, slo))
     if plot_path:
-        from cachesvc.sim.pd_plot import plot_rows
-
         plot_rows(best_rows(rows), plot_path)
     head = "" if capacity is None else f"capacity (colocated keeps up): {capacity:.2f} req/s\n"
     return head + format_rows(shown, slo)
@@ -325,3 +324,45 @@ def _label(row: PDRow) -> str:
 
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+# ---- the plot: per mode, goodput, TTFT p99 and inter-token latency p99 against the load ----
+
+_PANELS = (
+    ("goodput_rps", "goodput (requests/s within the SLO)"),
+    ("ttft_p99_ms", "TTFT p99 (ms)"),
+    ("itl_p99_ms", "inter-token latency p99 (ms)"),
+)
+
+
+def plot_rows(rows: Sequence[PDRow], path: str) -> None:
+    """One line per mode over the loads of `rows` (a row per load and mode), into a PNG."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(dict.fromkeys(r.mode for r in rows))
+    fig, axes = plt.subplots(1, len(_PANELS), figsize=(4.4 * len(_PANELS), 3.4))
+    for ax, (key, title) in zip(axes, _PANELS, strict=True):
+        for mode in modes:
+            mine = sorted((r for r in rows if r.mode == mode), key=lambda r: r.load)
+            ax.plot(
+                [r.load for r in mine],
+                [getattr(r.result, key) for r in mine],
+                marker="o",
+                # Dynamic often lies on colocated (it keeps every request there): dashed, both show.
+                linestyle="--" if mode == "dynamic" else "-",
+                label=mode,
+            )
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("load (fraction of the colocated capacity)", fontsize=9)
+        if key != "goodput_rps":
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachesvc.bench.routing_report import _percentile
-from cachesvc.bench.table import format_table
 from cachesvc.sim.loop import SimRun
 from cachesvc.sim.trace import SimRequest, oracle_hit_blocks
-from router.policy import PEER
+from cachesvc.workloads.routing_report import _percentile
+from cachesvc.workloads.table import format_table
+from router.policy.routing import PEER
 
 
 @dataclass(frozen=True)

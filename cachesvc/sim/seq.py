@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cachesvc.kv.types import BlockHash, BlockId, WorkerId
 from cachesvc.sim.trace import SimRequest
-from cachesvc.types import BlockHash, BlockId, WorkerId
 
 Ranges = list[tuple[str, list[BlockHash]]]
 

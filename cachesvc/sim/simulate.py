@@ -5,10 +5,10 @@ cost profile.
 Pieces, one file each in this package: `trace` (the requests and the oracle), `generate` (a
 generated trace), `cost_profile` (the clock), `tier`, `seq`, `loads` and `worker` (one worker's
 tiers, requests, loads and scheduler), `loop` (the event loop and the router), `report` (what
-is printed), `calibrate` (a profile measured here); with prefill/decode roles, `pd` (where a
-request goes), `goodput` (against an SLO), `pd_sweep` and `pd_plot`. This module
-runs policies (each with or without pulls between workers: "least_loaded+pull") over one
-cluster, or a sweep of clusters.
+is printed); with prefill/decode roles, `pd` (where a request goes), `goodput` (against an SLO),
+`pd_sweep` (and its plot). A profile measured here is `cachesvc.bench.calibrate`'s (it runs the
+real engine: a live measurement). This module runs policies (each with or without pulls between
+workers: "least_loaded+pull") over one cluster, or a sweep of clusters.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachesvc.bench.routing import Variant, variants_for
-from cachesvc.bench.table import write_json
-from cachesvc.bench.workloads import load_mooncake
 from cachesvc.sim.cost_profile import CostProfile, TierReadCost, load_profile
 from cachesvc.sim.generate import GeneratedTrace, generate_rows, write_trace
 from cachesvc.sim.goodput import SLO
@@ -44,6 +41,9 @@ from cachesvc.sim.trace import (
     replicate_users,
     trace_requests,
 )
+from cachesvc.workloads.routing import Variant, variants_for
+from cachesvc.workloads.sessions import load_mooncake
+from cachesvc.workloads.table import write_json
 
 SWEEPABLE = ("workers", "device-blocks", "dram-blocks", "nvme-blocks")
 WORKLOADS = ("trace", "hot-prefix", "generated")
@@ -176,7 +176,7 @@ def clusters(args: SimulateArgs) -> list[tuple[str, SimulateArgs]]:
 def parse_variant(text: str) -> Variant:
     """A policy as `--policy` names it ("least_loaded", "least_loaded+pull"); a ValueError
     lists the policies."""
-    from router.policy import policy_names
+    from router.policy.routing import policy_names
 
     name = text.removesuffix(PULL)
     if name not in policy_names():

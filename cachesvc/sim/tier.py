@@ -14,11 +14,11 @@ from itertools import islice
 
 import numpy as np
 
-from cachesvc.codec import Codec, KVBlock
-from cachesvc.events import EventLog
-from cachesvc.tiers.base import Tier, TierItem
-from cachesvc.tiers.tier_manager import TierManager
-from cachesvc.types import BlockHash
+from cachesvc.kv.codec import Codec, KVBlock
+from cachesvc.kv.events import EventLog
+from cachesvc.kv.tiers.base import Tier, TierItem
+from cachesvc.kv.tiers.tier_manager import TierManager
+from cachesvc.kv.types import BlockHash
 
 _DTYPE = "float16"
 _STAND_IN = np.zeros(1, dtype=np.float16)  # the "KV" of every simulated block

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cachesvc.bench.workloads import (
+from cachesvc.kv.hashing import hash_blocks, root_hash
+from cachesvc.kv.types import BlockHash
+from cachesvc.workloads.sessions import (
     MOONCAKE_BLOCK_TOKENS,
     Session,
     TraceRow,
@@ -25,8 +27,6 @@ from cachesvc.bench.workloads import (
     load_mooncake,
     trace_workload,
 )
-from cachesvc.hashing import hash_blocks, root_hash
-from cachesvc.types import BlockHash
 
 BLOCK_SIZE = MOONCAKE_BLOCK_TOKENS
 BENCH_VOCAB_SIZE = 49152  # the default model's: token values only decide which blocks are equal

@@ -25,17 +25,17 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Sequence
 
-from cachesvc.block_pool import BlockPool
-from cachesvc.events import TIER_HBM, EventLog
+from cachesvc.kv.block_pool import BlockPool
+from cachesvc.kv.events import TIER_HBM, EventLog
+from cachesvc.kv.types import BlockHash, BlockId, WorkerId
 from cachesvc.sim.cost_profile import CostProfile
 from cachesvc.sim.jitter import StepJitter
 from cachesvc.sim.loads import SimLoads
 from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.tier import build_manager, stand_in_block
 from cachesvc.sim.trace import BLOCK_SIZE, SimRequest
-from cachesvc.types import BlockHash, BlockId, WorkerId
-from router.pd import MIXED
-from router.stream_gaps import RecentGaps
+from router.policy.pd import MIXED
+from router.policy.stream_gaps import RecentGaps
 from workers.protocol import BlockCosts
 
 
@@ -72,7 +72,7 @@ class SimWorker:
         self.worker_id = worker_id
         # Only a profile with contention needs to know who else steps.
         self.host = host if profile.contention > 0 else None
-        self.role = role  # what the router sends it (`router.pd`): it schedules any request
+        self.role = role  # what the router sends it (`router.policy.pd`): it schedules any request
         self.block_size = block_size
         self.profile = profile
         self.events = EventLog()

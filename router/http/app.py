@@ -1,6 +1,6 @@
 """The OpenAI-compatible endpoints (a Starlette app) over a started `router.core.Router`.
 
-Translate and delegate, as `router/server.py` does for gRPC: the bearer token names the
+Translate and delegate, as `router/grpc/server.py` does for gRPC: the bearer token names the
 caller and its tenant (the same `TokenTable`), the body (`router.http.body`) becomes
 `GenerateInput`s (`router.http.parse`), the core's deltas become OpenAI JSON or server-sent
 events (`router.http.render`), the core's errors OpenAI error bodies (`router.http.errors`); any
@@ -39,8 +39,8 @@ from router.http.body import ClientGone, read_json
 from router.http.errors import STATUS_NAMES, HttpError, error_body, from_router_error
 from router.http.parse import OpenAIRequest, parse_chat, parse_completion
 from router.http.render import Answer, StreamChunks, full_response
-from router.request_ids import check_header_id
-from router.streams import merged
+from router.request.ids import check_header_id
+from router.request.streams import merged
 from workers.protocol import StreamDelta
 
 T = TypeVar("T")

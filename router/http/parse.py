@@ -30,7 +30,7 @@ from typing import Any
 
 from router.config import RouterConfig
 from router.domain import ChatMessage, GenerateInput, InvalidInput, PromptInput
-from router.request_ids import check_header_id
+from router.request.ids import check_header_id
 from workers.sampling_params import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's

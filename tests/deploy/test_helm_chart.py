@@ -16,7 +16,7 @@ from chart_render import CASES, CHART, NAMESPACE, RELEASE, Rendered, Renderer, R
 
 from cachesvc.app.config_file import from_mapping
 from cachesvc.app.serve import ServeConfig
-from cachesvc.config import ConfigError
+from cachesvc.kv.config import ConfigError
 
 # The chart's kubeVersion floor and a recent release: schemas of both must accept every manifest.
 KUBE_VERSIONS = ("1.27", "1.33")

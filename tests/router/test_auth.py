@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cachesvc.config import ConfigError
+from cachesvc.kv.config import ConfigError
 from router.auth import BearerTokenInterceptor, TokenTable, parse_bearer, tenant_cache_salt
 from router.config import RouterConfig
 from router.domain import InvalidInput

@@ -1,11 +1,11 @@
 """A client's salt cannot name a purge epoch: without a tenant, a salt starting with "purge:" is
-refused, so no request reaches the blocks of another epoch (`cachesvc.hashing.epoch_salt`)."""
+refused, so no request reaches the blocks of another epoch (`cachesvc.kv.hashing.epoch_salt`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cachesvc.hashing import epoch_salt
+from cachesvc.kv.hashing import epoch_salt
 from router.auth import tenant_cache_salt
 from router.domain import InvalidInput
 

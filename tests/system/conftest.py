@@ -14,13 +14,13 @@ import pytest
 from local_ray import start_local_ray
 from worker_support import spawn_one
 
-from cachesvc.config import EngineConfig
-from cachesvc.types import WorkerId
+from cachesvc.kv.types import WorkerId
 from router.bootstrap import build_router
 from router.config import RouterConfig
 from router.core import Router
-from router.server import RouterServer
-from router.supervisor import Replace
+from router.grpc.server import RouterServer
+from router.pool.supervisor import Replace
+from workers.config import EngineConfig
 from workers.model.tiny import BpeTokenizer, write_tiny_model
 
 T = TypeVar("T")

@@ -71,7 +71,7 @@ NASTY_TEXT = st.lists(st.sampled_from(NASTY), min_size=1, max_size=8).map("".joi
 # Up to about 2 MB: large, yet under the request size limit (the test of that limit is apart).
 HUGE_TEXT = st.builds(lambda s, k: s * k, st.sampled_from(["a", *NASTY]), st.integers(300, 150_000))
 TEXT = st.text(st.characters(codec="utf-8"), max_size=40) | NASTY_TEXT
-# A request id a server takes: printable (router.request_ids refuses control characters).
+# A request id a server takes: printable (router.request.ids refuses control characters).
 ID_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=["Cc"]), max_size=40)
 WILD_TEXT = TEXT | HUGE_TEXT
 

@@ -6,8 +6,9 @@ import dataclasses
 import uuid
 from typing import Any
 
-from cachesvc.config import EngineConfig, TierConfig
-from cachesvc.types import WorkerId
+from cachesvc.kv.config import TierConfig
+from cachesvc.kv.types import WorkerId
+from workers.config import EngineConfig
 
 
 def spawn_pulling(

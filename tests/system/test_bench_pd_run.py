@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from cli_support import run_cli
 
-from cachesvc.bench.pd_workload import BLOCK_SIZE, DECODE_PROMPT_LEN, WITH_PROMPTS, PDShape
+from cachesvc.workloads.pd import BLOCK_SIZE, DECODE_PROMPT_LEN, WITH_PROMPTS, PDShape
 
 pytestmark = pytest.mark.system
 

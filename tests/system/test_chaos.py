@@ -21,11 +21,11 @@ import grpc
 import pytest
 from worker_support import pid_of, spawn_one
 
-from cachesvc.config import EngineConfig
-from cachesvc.types import WorkerId
+from cachesvc.kv.types import WorkerId
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
 from router.tenants import TenantToken
+from workers.config import EngineConfig
 
 pytestmark = pytest.mark.system
 TENANTS = (TenantToken("acme", "acme-tok"), TenantToken("umbrella", "umbrella-tok"))

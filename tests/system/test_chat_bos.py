@@ -15,9 +15,9 @@ from http_support import MODEL_NAME, call, start_http, stop_http
 from tokenizers import Tokenizer as Backend
 from tokenizers import processors
 
-from cachesvc.config import EngineConfig
-from cachesvc.types import WorkerId
+from cachesvc.kv.types import WorkerId
 from router.domain import ChatMessage, PromptInput
+from workers.config import EngineConfig
 from workers.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.system

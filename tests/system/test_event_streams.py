@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from routing_support import GROUPS, PREFIX_LEN, assert_two_routers_route_alike, serve_ids
 
-from cachesvc.config import EngineConfig
-from cachesvc.events_redis import EventStreamConfig, stream_key
-from cachesvc.types import WorkerId
+from cachesvc.kv.events_redis import EventStreamConfig, stream_key
+from cachesvc.kv.types import WorkerId
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
-from router.events_source import RedisStreamEvents
+from router.pool.events_source import RedisStreamEvents
+from workers.config import EngineConfig
 
 pytestmark = pytest.mark.system
 NAMESPACE = f"streams-{uuid.uuid4().hex[:8]}"
@@ -92,8 +92,8 @@ def test_two_routers_on_one_redis_route_identically(make_server: Any, redis_url:
 def test_a_gap_or_a_past_life_in_the_stream_resyncs(make_server: Any, redis_url: str) -> None:
     import redis
 
-    from cachesvc.events import BlockStored
-    from cachesvc.events_redis import encode_event
+    from cachesvc.kv.events import BlockStored
+    from cachesvc.kv.events_redis import encode_event
 
     server = _router(make_server, redis_url)
     pool = server.router.pool

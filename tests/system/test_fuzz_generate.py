@@ -70,7 +70,7 @@ FIELDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] = {
         st.lists(st.integers(0, VOCAB - 1), max_size=3),
         st.lists(INT64.filter(lambda t: not 0 <= t < VOCAB), min_size=1, max_size=2),
     ),
-    # An id is echoed and logged: no control characters (router.request_ids).
+    # An id is echoed and logged: no control characters (router.request.ids).
     "request_id": (
         st.text(st.characters(codec="utf-8", exclude_categories=["Cc"]), max_size=64),
         st.text(min_size=257, max_size=300) | st.just("line\r\nbreak"),

@@ -21,10 +21,10 @@ import pytest
 from suite_support import wait_for
 from worker_support import pid_of, spawn_one, worker_health
 
-from cachesvc.config import EngineConfig
-from cachesvc.types import WorkerId
+from cachesvc.kv.types import WorkerId
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+from workers.config import EngineConfig
 
 pytestmark = pytest.mark.system
 STEP_S = 1.5  # every step of a slowed worker, longer than any timeout below

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from cachesvc.config import EngineConfig
-from cachesvc.types import WorkerId
+from cachesvc.kv.types import WorkerId
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+from workers.config import EngineConfig
 
 pytestmark = pytest.mark.system
 MAX_TOKENS = 200

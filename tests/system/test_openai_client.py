@@ -13,10 +13,10 @@ import openai
 import pytest
 from http_support import MODEL_NAME, base_url, start_http, stop_http
 
-from cachesvc.config import EngineConfig
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
 from router.tenants import TenantToken
+from workers.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.sampling_params import SamplingParams
 

@@ -19,8 +19,9 @@ from http_support import MODEL_NAME, base_url, start_http, stop_http
 from pd_support import slow_steps
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachesvc.bench.routing import Variant, run_policy
-from cachesvc.bench.workloads import groups_workload
+from cachesvc.bench.routing import run_policy
+from cachesvc.workloads.routing import Variant
+from cachesvc.workloads.sessions import groups_workload
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
 from router.logs import JsonFormatter

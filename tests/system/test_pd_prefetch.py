@@ -1,5 +1,5 @@
-"""A handed-off prompt's KV pulled while its prefill runs (`router/prefetch.py`,
-`workers/engine/peer/prefetch.py`): the prefill worker computes a long prompt in chunks, each
+"""A handed-off prompt's KV pulled while its prefill runs (`router/request/prefetch.py`,
+`workers/peer/prefetch.py`): the prefill worker computes a long prompt in chunks, each
 chunk's blocks are pinned at the boundary of the step that computed them and sent to the decode
 worker before the rest is computed; the decode worker lands them in its pool, and the request,
 arriving with its first token, finds its prompt there and pulls nothing more. Tokens equal
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from pd_support import slow_steps, spawn_pulling
 
-from cachesvc.config import EngineConfig
-from cachesvc.types import WorkerId
+from cachesvc.kv.types import WorkerId
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+from workers.config import EngineConfig
 
 pytestmark = pytest.mark.system
 

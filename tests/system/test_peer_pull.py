@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from cachesvc.config import EngineConfig, TierConfig
+from cachesvc.kv.config import TierConfig
+from workers.config import EngineConfig
 from workers.protocol import HolderHint, StreamDelta
 
 pytestmark = pytest.mark.system
@@ -179,7 +180,7 @@ def test_holder_killed_while_serving_costs_a_recompute(pair: dict[str, Any]) -> 
 def test_router_passes_the_holder(
     pair: dict[str, Any], start_router: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from cachesvc.types import WorkerId
+    from cachesvc.kv.types import WorkerId
     from router.domain import GenerateInput, PromptInput
     from workers.sampling_params import SamplingParams
 

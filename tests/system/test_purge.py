@@ -17,12 +17,13 @@ from typing import Any
 import pytest
 from routing_support import tokens_and_usage
 
-from cachesvc.config import EngineConfig, TierConfig
-from cachesvc.hashing import epoch_salt, hash_blocks, root_hash
-from cachesvc.tiers.redis_tier import KEY_PREFIX
-from cachesvc.types import WorkerId
+from cachesvc.kv.config import TierConfig
+from cachesvc.kv.hashing import epoch_salt, hash_blocks, root_hash
+from cachesvc.kv.tiers.redis_tier import KEY_PREFIX
+from cachesvc.kv.types import WorkerId
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+from workers.config import EngineConfig
 from workers.protocol import HolderHint, StreamDelta
 
 pytestmark = pytest.mark.system

@@ -18,10 +18,10 @@ import pytest
 from routing_support import tokens_and_usage
 from slow_link import SlowLink
 
-from cachesvc.config import EngineConfig
-from cachesvc.types import WorkerId
+from cachesvc.kv.types import WorkerId
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+from workers.config import EngineConfig
 from workers.protocol import StreamDelta
 
 pytestmark = pytest.mark.system

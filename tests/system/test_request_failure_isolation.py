@@ -16,7 +16,7 @@ from http_support import MODEL_NAME, call, error_of, start_http, stop_http
 
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
-from router.worker_state import Health
+from router.pool.worker_state import Health
 
 pytestmark = pytest.mark.system
 POISON = [7, 7, 7, 7, 7, 7]  # a prompt starting so makes the armed engines raise

@@ -6,9 +6,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from cachesvc.config import EngineConfig
-from cachesvc.types import WorkerId
+from cachesvc.kv.types import WorkerId
 from workers.cluster import WorkerGroup, replace_worker, spawn_workers, stop_workers
+from workers.config import EngineConfig
 from workers.protocol import WorkerInfo
 
 

@@ -16,12 +16,12 @@ import grpc
 import pytest
 
 from cachesvc.app.cli.main import main
-from cachesvc.config import ConfigError
+from cachesvc.kv.config import ConfigError
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
-from router.client import ClientTls, RemoteError, RemoteSampling, RouterClient
 from router.config import ServerTls
-from router.server import listen
+from router.grpc.client import ClientTls, RemoteError, RemoteSampling, RouterClient
+from router.grpc.server import listen
 from router.tenants import TenantToken
 
 pytestmark = pytest.mark.system

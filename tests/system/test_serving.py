@@ -12,9 +12,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from suite_support import wait_for
 from worker_support import StepGate
 
-from cachesvc.config import EngineConfig
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+from workers.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.sampling_params import SamplingParams
 

@@ -15,10 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from suite_support import wait_for
 from worker_support import pid_of, spawn_one, worker_health
 
-from cachesvc.config import EngineConfig
-from cachesvc.types import WorkerId
+from cachesvc.kv.types import WorkerId
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+from workers.config import EngineConfig
 
 pytestmark = pytest.mark.system
 FAST = {"ping_timeout_s": 0.5, "max_missed_polls": 2, "stall_check_s": 0.2}

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from cachesvc.config import EngineConfig, TierConfig
-from cachesvc.events import BlockStored, Event
-from cachesvc.types import BlockHash
+from cachesvc.kv.config import TierConfig
+from cachesvc.kv.events import BlockStored, Event
+from cachesvc.kv.types import BlockHash
+from workers.config import EngineConfig
 
 pytestmark = pytest.mark.system
 

@@ -7,9 +7,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from cachesvc.config import EngineConfig
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+from workers.config import EngineConfig
 
 
 def spawn_one(config: EngineConfig, worker: str) -> Any:

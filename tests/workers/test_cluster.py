@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from cachesvc.config import ConfigError, EngineConfig
-from cachesvc.types import WorkerId
+from cachesvc.kv.config import ConfigError
+from cachesvc.kv.types import WorkerId
 from workers.cluster import WorkerGroup, placement_report, worker_resources
+from workers.config import EngineConfig
 from workers.protocol import WorkerInfo
 
 ENGINE = EngineConfig(model="tiny", device="cpu")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cachesvc.config import ConfigError, EngineConfig
-from cachesvc.types import WorkerId
+from cachesvc.kv.config import ConfigError
+from cachesvc.kv.types import WorkerId
 from workers.cluster import (
     DECODE_PULL_TIMEOUT_S,
     WorkerGroup,
@@ -15,6 +15,7 @@ from workers.cluster import (
     worker_index,
     worker_resources,
 )
+from workers.config import EngineConfig
 from workers.protocol import WorkerInfo
 
 ENGINE = EngineConfig(model="tiny", device="cpu")

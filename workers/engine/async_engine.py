@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from cachesvc.types import RequestId
+from cachesvc.kv.types import RequestId
 from workers.engine.engine import Engine
 from workers.engine.outputs import RequestFailed, RequestOutput
 from workers.engine.request import PeerSource

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cachesvc.types import RequestId
+from cachesvc.kv.types import RequestId
 
 
 @dataclass(frozen=True)

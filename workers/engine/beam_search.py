@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from cachesvc.types import RequestId
+from cachesvc.kv.types import RequestId
 from workers.engine.beam import BeamGroup, Candidate, expand
 from workers.engine.forking import Forker
 from workers.engine.request import FinishReason, Request

@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cachesvc.block_pool import BlockPool
-from cachesvc.config import EngineConfig
-from cachesvc.events import TIER_HBM
+from cachesvc.kv.block_pool import BlockPool
+from cachesvc.kv.events import TIER_HBM
+from workers.config import EngineConfig
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.runner import ModelRunner
 from workers.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from workers.engine.peer.pull import PeerLink
     from workers.engine.tiering.kv_tiering import KVTiering
+    from workers.engine.tiering.peer import PeerLink
 
 
 def blocks_for_budget(config: EngineConfig, model: ModelConfig, itemsize: int) -> int:
@@ -108,7 +108,7 @@ class CacheAdmin:
         blocks dropped per tier name ("hbm" for the device).
 
         This frees the room; it is not what makes a purge atomic across workers. The router has
-        already moved to a new purge epoch (`cachesvc.hashing.epoch_salt`), so nothing dropped
+        already moved to a new purge epoch (`cachesvc.kv.hashing.epoch_salt`), so nothing dropped
         here, nor anything a request of an older salt caches after it (held blocks of running
         requests, a pull in flight, a share queued for Redis), matches a later request."""
         counts = {TIER_HBM: self.pool.reset_cache(demote=False)}

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cachesvc.block_pool import BlockPool
-from cachesvc.config import EngineConfig
-from cachesvc.types import RequestId
+from cachesvc.kv.block_pool import BlockPool
+from cachesvc.kv.types import RequestId
 from workers.attention.schemes import make_scheme_backend
+from workers.config import EngineConfig
 from workers.engine.beam_search import BeamSearch
 from workers.engine.cache_admin import blocks_for_budget, start_cache
 from workers.engine.forking import Forker
@@ -41,7 +41,7 @@ from workers.sampling_params import SamplingParams
 from workers.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from workers.engine.peer.pull import PeerLink
+    from workers.engine.tiering.peer import PeerLink
 
 _log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -5,7 +5,7 @@ Used by parallel sampling (`n` samples of one prompt computed once) and beam sea
 
 from __future__ import annotations
 
-from cachesvc.types import RequestId
+from cachesvc.kv.types import RequestId
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.request import Request, RequestStatus
 from workers.engine.runner import ModelRunner

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from cachesvc.block_pool import BlockPool
-from cachesvc.codec import KVBlock
-from cachesvc.types import BlockHash, BlockId
+from cachesvc.kv.block_pool import BlockPool
+from cachesvc.kv.codec import KVBlock
+from cachesvc.kv.types import BlockHash, BlockId
 
 
 def kv_to_numpy(data: torch.Tensor) -> np.ndarray:

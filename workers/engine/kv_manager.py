@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from cachesvc.block_pool import BlockPool
-from cachesvc.hashing import hash_blocks, root_hash
-from cachesvc.types import BlockHash, BlockId
+from cachesvc.kv.block_pool import BlockPool
+from cachesvc.kv.hashing import hash_blocks, root_hash
+from cachesvc.kv.types import BlockHash, BlockId
 from workers.engine.request import Request
 
 IN_BATCH_MODES = ("share", "defer", "ignore")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from cachesvc.types import RequestId
+from cachesvc.kv.types import RequestId
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cachesvc.types import BlockHash, BlockId, RequestId
+from cachesvc.kv.types import BlockHash, BlockId, RequestId
 from workers.engine.sampler import token_seed
 from workers.sampling_params import SamplingParams
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cachesvc.types import RequestId
+from cachesvc.kv.types import RequestId
 from workers.attention.base import AttentionBackend
 from workers.attention.schemes import SchemeCosts
 from workers.engine.kv_copy import copy_blocks

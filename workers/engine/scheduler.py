@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cachesvc.types import BlockId, RequestId
+from cachesvc.kv.types import BlockId, RequestId
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.request import Request, RequestStatus
 from workers.engine.suspects import Suspects

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cachesvc.block_pool import BlockPool, NoFreeBlocksError
-from cachesvc.types import BlockId
+from cachesvc.kv.block_pool import BlockPool, NoFreeBlocksError
+from cachesvc.kv.types import BlockId
 from workers.attention.schemes import build_scheme_layout
 from workers.engine.runner import ModelRunner
 from workers.text.tokenizer import Tokenizer

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from cachesvc.types import RequestId
+from cachesvc.kv.types import RequestId
 
 if TYPE_CHECKING:
     from workers.engine.scheduler import ScheduledChunk

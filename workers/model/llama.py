@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cachesvc.host_memory import host_buffer
+from cachesvc.kv.host_memory import host_buffer
 from workers.attention.base import AttentionBackend
 from workers.attention.layout import BatchLayout
 from workers.model.config import ModelConfig

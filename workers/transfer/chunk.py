@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from cachesvc.types import BlockHash
+from cachesvc.kv.types import BlockHash
 from workers.transfer.slots import SlotRef
 
 DIGESTS = ("fast", "strict")

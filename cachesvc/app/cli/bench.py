@@ -14,7 +14,7 @@ T = TypeVar("T")
 
 def add_bench_parser(sub: Any) -> None:
     """Register `bench` and its suites on the CLI's subparsers."""
-    from cachesvc.config import TIER_CODECS
+    from cachesvc.kv.config import TIER_CODECS
 
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
     bench_sub = bench.add_subparsers(dest="suite", required=True)
@@ -132,7 +132,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.suite == "routing":
         return _run_routing_bench_command(args)
     if args.suite == "sim-agreement":
-        from cachesvc.sim.agreement import AgreementArgs, run_agreement
+        from cachesvc.bench.agreement import AgreementArgs, run_agreement
 
         benches = tuple(args.only or ("routing", "pd"))
         return run_agreement(_bench_args(AgreementArgs, args, benches=benches))
@@ -163,7 +163,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
         return run_decode_cascade_bench(args.quick, args.json_path, backend=args.backend)
     if args.suite == "tiers":
-        from cachesvc.bench.tiers import run_tiers_bench
+        from cachesvc.bench.tiers.run import run_tiers_bench
 
         return run_tiers_bench(
             args.model, args.quick, args.json_path, args.redis_url, args.threads, args.codec
@@ -173,19 +173,20 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
         return run_kv_codec_bench(args.model, args.quick, args.json_path, args.threads)
     if args.suite == "pd":
-        from cachesvc.bench.pd import PDBenchArgs, run_pd_bench
+        from cachesvc.bench.pd import run_pd_bench
+        from cachesvc.workloads.pd import PDBenchArgs
 
         chunk, prefetch = args.prefill_chunk_tokens or None, not args.no_prefetch
         return run_pd_bench(
             _bench_args(PDBenchArgs, args, prefill_chunk_tokens=chunk, prefetch=prefetch)
         )
     if args.suite == "step":
-        from cachesvc.bench.step import StepBenchArgs, run_step_bench
+        from cachesvc.bench.step.run import StepBenchArgs, run_step_bench
 
         grid = None
         if args.batches or args.contexts:
             from cachesvc.app.cli.common import numbers
-            from cachesvc.bench.step import GRID, QUICK_GRID
+            from cachesvc.bench.step.run import GRID, QUICK_GRID
 
             default = QUICK_GRID if args.quick else GRID
             batches = numbers(args.batches, "--batches") if args.batches else default[0]
@@ -197,11 +198,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
         return run_dtype_agreement_bench(_bench_args(DtypeAgreementArgs, args))
     if args.suite == "admission":
-        from cachesvc.bench.admission import AdmissionBenchArgs, run_admission_bench
+        from cachesvc.bench.admission import run_admission_bench
+        from cachesvc.workloads.admission import AdmissionBenchArgs
 
         return run_admission_bench(_bench_args(AdmissionBenchArgs, args))
     if args.suite == "kv-transfer":
-        from cachesvc.bench.kv_transfer import run_kv_transfer_bench
+        from cachesvc.bench.kv_transfer.run import run_kv_transfer_bench
 
         return run_kv_transfer_bench(args.quick, args.json_path, not args.paths_only, args.model)
     if args.suite == "response-cache":
@@ -316,7 +318,7 @@ def _add_agreement_parser(bench_sub: Any) -> None:
 
 
 def _add_routing_bench_parser(bench_sub: Any) -> None:
-    from cachesvc.bench.workloads import TraceScale
+    from cachesvc.workloads.sessions import TraceScale
 
     b = bench_sub.add_parser(
         "routing", help="every routing policy on one workload: hit ratio, TTFT, imbalance"
@@ -369,8 +371,9 @@ def _add_routing_bench_parser(bench_sub: Any) -> None:
 
 
 def _run_routing_bench_command(args: argparse.Namespace) -> int:
-    from cachesvc.bench.routing import RoutingBenchArgs, run_routing_bench
-    from cachesvc.bench.workloads import TraceScale
+    from cachesvc.bench.routing import run_routing_bench
+    from cachesvc.workloads.routing import RoutingBenchArgs
+    from cachesvc.workloads.sessions import TraceScale
 
     scale = TraceScale(
         block_tokens=args.trace_block_tokens,

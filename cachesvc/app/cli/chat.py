@@ -92,7 +92,7 @@ class _RemoteReplier:
     address: str
 
     def reply(self, messages: list[Message], on_text: TextSink | None = None) -> dict[str, Any]:
-        from router.client import RemoteError
+        from router.grpc.client import RemoteError
 
         out: dict[str, Any]
         try:
@@ -181,7 +181,7 @@ def run_chat_command(args: argparse.Namespace) -> int:
     sampling = sampling_kwargs(args)
     turns = user_turns(args.message, sys.stdin, sys.stderr)
     if args.server:
-        from router.client import RemoteSampling, RouterClient
+        from router.grpc.client import RemoteSampling, RouterClient
 
         remote_sampling = RemoteSampling(**sampling)
         token = read_token(args.auth_token_file)

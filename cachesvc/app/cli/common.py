@@ -7,11 +7,12 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cachesvc.eviction.base import POLICY_NAMES
+from cachesvc.kv.eviction.base import POLICY_NAMES
 
 if TYPE_CHECKING:
-    from cachesvc.config import EngineConfig, TierConfig
-    from router.client import ClientTls
+    from cachesvc.kv.config import TierConfig
+    from router.grpc.client import ClientTls
+    from workers.config import EngineConfig
 
 
 class CliError(Exception):
@@ -113,7 +114,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the engine flags ask for (CACHESVC_* variables fill the rest)."""
-    from cachesvc.config import EngineConfig
+    from workers.config import EngineConfig
 
     if args.model is not None and not Path(args.model).exists():
         raise CliError(f"--model: no such file or folder: {args.model}")
@@ -134,7 +135,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def tier_config(args: argparse.Namespace) -> TierConfig:
-    from cachesvc.config import TierConfig
+    from cachesvc.kv.config import TierConfig
 
     nvme_mb = args.nvme_mb if args.nvme_mb is not None else (1024 if args.nvme_path else 0)
     return TierConfig(
@@ -151,7 +152,7 @@ def tier_config(args: argparse.Namespace) -> TierConfig:
 def tier_codecs(values: list[str]) -> dict[str, Any]:
     """TierConfig codec fields from `--tier-codec` values ("int8", "dram=int8,redis=raw");
     only the tiers named (every tier for a bare codec), so the rest keep their defaults."""
-    from cachesvc.config import TIER_CODECS, TierConfig
+    from cachesvc.kv.config import TIER_CODECS, TierConfig
 
     out: dict[str, Any] = {}
     for item in (part.strip() for value in values for part in value.split(",")):
@@ -228,7 +229,7 @@ def add_client_flags(p: argparse.ArgumentParser, salt_help: str) -> None:
 
 def client_tls(args: argparse.Namespace) -> ClientTls | None:
     """The TLS settings the flags ask for (reads the files); None: plaintext."""
-    from router.client import ClientTls
+    from router.grpc.client import ClientTls
 
     cert, key = args.tls_cert_file, args.tls_key_file
     if (cert is None) != (key is None):

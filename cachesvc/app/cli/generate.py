@@ -77,7 +77,7 @@ def _chat(engine: Any, text: str, system: str | None) -> str:
 
 
 def _generate_remote(args: argparse.Namespace) -> int:
-    from router.client import RemoteError, RemoteSampling, RouterClient
+    from router.grpc.client import RemoteError, RemoteSampling, RouterClient
 
     if args.length_penalty != 1.0:
         raise CliError("--length-penalty is not part of the wire contract; use it offline")

@@ -90,7 +90,7 @@ def _score_offline(args: argparse.Namespace, config: Any) -> tuple[list[int], li
 def _score_remote(
     args: argparse.Namespace, token: str | None
 ) -> tuple[list[int], list[list[float]]]:
-    from router.client import RemoteError, RouterClient
+    from router.grpc.client import RemoteError, RouterClient
 
     with RouterClient(args.server, token, client_tls(args)) as client:
         try:

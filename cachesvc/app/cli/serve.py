@@ -307,7 +307,7 @@ def serve_config_file(path: str, flags: ServeConfig) -> ServeConfig:
     engine then takes CACHESVC_* variables where the file leaves a field unset (from_env)."""
     from cachesvc.app.config_file import changed_fields, load_config_file, with_overrides
     from cachesvc.app.serve import ServeConfig
-    from cachesvc.config import EngineConfig
+    from workers.config import EngineConfig
 
     defaults = serve_config(_defaults())
     config = with_overrides(load_config_file(path, ServeConfig), changed_fields(flags, defaults))

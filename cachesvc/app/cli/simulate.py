@@ -289,7 +289,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cachesvc.sim.calibrate import calibrate_profile
+    from cachesvc.bench.calibrate.run import calibrate_profile
     from cachesvc.sim.cost_profile import PROFILE_DIR, load_profile, save_profile
 
     path = args.out or str(PROFILE_DIR / "cpu-calibrated.json")

@@ -13,7 +13,7 @@ from cachesvc.app.cli.common import CliError, numbers
 
 def add_eviction_parser(actions: Any) -> None:
     """Register `simulate eviction` on `simulate`'s actions."""
-    from cachesvc.eviction.base import POLICY_NAMES
+    from cachesvc.kv.eviction.base import POLICY_NAMES
     from cachesvc.sim.eviction import WORKLOADS
 
     ev = actions.add_parser(
@@ -39,10 +39,10 @@ def add_eviction_parser(actions: Any) -> None:
 
 
 def run_eviction_command(args: argparse.Namespace) -> int:
-    from cachesvc.bench.table import write_json
-    from cachesvc.eviction.base import POLICY_NAMES
+    from cachesvc.kv.eviction.base import POLICY_NAMES
     from cachesvc.sim.eviction import run_eviction, workload_requests
     from cachesvc.sim.eviction_report import choose_default, format_report, verdicts
+    from cachesvc.workloads.table import write_json
 
     policies = [p for p in args.policies.split(",") if p]
     unknown = [p for p in policies if p not in POLICY_NAMES]

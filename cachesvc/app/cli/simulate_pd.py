@@ -22,10 +22,9 @@ def add_pd_arguments(sim: Any) -> None:
         choices=PD_MODES,
         default=None,
         help="colocated (all mixed), always (disaggregated), decide (per request, "
-        "router.pd.decide, with --prefill-workers) or dynamic (per request over mixed workers: "
-        "the prompt where the policy chose or where it stalls fewer streams, the decode there "
-        "or on another); prints goodput "
-        "and latencies",
+        "router.policy.pd.decide, with --prefill-workers) or dynamic (per request over mixed "
+        "workers: the prompt where the policy chose or where it stalls fewer streams, the decode "
+        "there or on another); prints goodput and latencies",
     )
     pd.add_argument(
         "--prefill-workers", type=int, default=1, help="of --workers, prefilling (the rest decode)"

@@ -175,7 +175,7 @@ def test_bad_flags_exit_2_with_one_line(
 
 def test_replies_stream_piece_by_piece_and_add_up_to_the_reply(chat_model: Path) -> None:
     from cachesvc.app.cli.chat import _OfflineReplier
-    from cachesvc.config import EngineConfig
+    from workers.config import EngineConfig
     from workers.engine.engine import Engine
     from workers.sampling_params import SamplingParams
 

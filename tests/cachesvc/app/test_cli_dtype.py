@@ -11,7 +11,8 @@ import pytest
 from cachesvc.app.cli.common import engine_config
 from cachesvc.app.cli.main import build_parser, main
 from cachesvc.app.cli.serve import serve_config, serve_config_file
-from cachesvc.config import ConfigError, EngineConfig
+from cachesvc.kv.config import ConfigError
+from workers.config import EngineConfig
 from workers.model.cpu_dtype import cpu_bf16_features
 from workers.model.tiny import WordTokenizer, write_tiny_model
 

@@ -19,8 +19,9 @@ from cachesvc.app.config_file import (
     with_overrides,
 )
 from cachesvc.app.serve import ServeConfig
-from cachesvc.config import ConfigError, EngineConfig
+from cachesvc.kv.config import ConfigError
 from router.tenants import TenantToken
+from workers.config import EngineConfig
 
 
 class Color(enum.Enum):

@@ -11,7 +11,7 @@ from cachesvc.app.cli.main import build_parser
 from cachesvc.app.cli.serve import serve_config
 from cachesvc.app.config_file import load_config_file
 from cachesvc.app.serve import ServeConfig
-from cachesvc.config import ConfigError
+from cachesvc.kv.config import ConfigError
 
 
 def test_pd_mixed_flag_reaches_the_router() -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from cachesvc.app.cli.main import build_parser
 from cachesvc.app.cli.serve import serve_config, serve_config_file
-from cachesvc.config import ConfigError
+from cachesvc.kv.config import ConfigError
 from router.config import RouterConfig
 
 

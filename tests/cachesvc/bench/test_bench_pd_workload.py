@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from cachesvc.bench.pd import _phase
-from cachesvc.bench.pd_workload import ALONE, WITH_PROMPTS, PDShape, phase_requests
-from cachesvc.hashing import hash_blocks, root_hash
+from cachesvc.kv.hashing import hash_blocks, root_hash
 from cachesvc.sim.like_bench_pd import phase_sim_requests
 from cachesvc.sim.trace import BENCH_VOCAB_SIZE
+from cachesvc.workloads.pd import ALONE, WITH_PROMPTS, PDShape, phase_requests
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
 

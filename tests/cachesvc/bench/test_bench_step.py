@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from cachesvc.app.cli.main import main
-from cachesvc.bench.step import QUICK_GRID, StepBenchArgs
-from cachesvc.bench.step_phases import PHASES, PhaseClock, instrument
+from cachesvc.bench.step.phases import PHASES, PhaseClock, instrument
+from cachesvc.bench.step.run import QUICK_GRID, StepBenchArgs
 
 
 def test_quick_run_reports_every_cell_and_path_with_consistent_phases(
@@ -54,7 +54,7 @@ def test_quick_run_reports_every_cell_and_path_with_consistent_phases(
 
 def test_clocks_are_removed_when_the_context_exits(tmp_path: Path) -> None:
     import workers.engine.runner as runner_module
-    from cachesvc.config import EngineConfig
+    from workers.config import EngineConfig
     from workers.engine.engine import Engine
     from workers.model.tiny import write_tiny_model
     from workers.sampling_params import SamplingParams

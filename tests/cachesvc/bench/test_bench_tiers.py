@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cachesvc.bench.tiers_report import TierRow, summarize
-from cachesvc.bench.tiers_runner import caps_for, estimate_s, prefix_len, slowest_cap
+from cachesvc.bench.tiers.report import TierRow, summarize
+from cachesvc.bench.tiers.runner import caps_for, estimate_s, prefix_len, slowest_cap
 
 
 def row(

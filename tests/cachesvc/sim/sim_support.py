@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from cachesvc.planner import ComputeCost
+from cachesvc.kv.planner import ComputeCost
 from cachesvc.sim.cost_profile import CostProfile, DecodeCost, TierReadCost
 
 # A millisecond per prompt token and per decoding sequence, whole prompts in one step; a pull

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from cachesvc.app.cli.main import main
-from cachesvc.block_pool import BlockPool
-from cachesvc.eviction.base import POLICY_NAMES, make_policy
+from cachesvc.kv.block_pool import BlockPool
+from cachesvc.kv.eviction.base import POLICY_NAMES, make_policy
+from cachesvc.kv.types import BlockId
 from cachesvc.sim.belady import Belady
 from cachesvc.sim.eviction import ReplayResult, replay, run_eviction, workload_requests
 from cachesvc.sim.eviction_report import choose_default, verdicts
 from cachesvc.sim.trace import SimRequest, block_hash, load_trace, oracle_hit_blocks
-from cachesvc.types import BlockId
 
 
 def _random_requests(seed: int, num: int = 300) -> list[SimRequest]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import sim_support
 
-from cachesvc.planner import ComputeCost
+from cachesvc.kv.planner import ComputeCost
 from cachesvc.sim.cost_profile import CostProfile, DecodeCost, TierReadCost, load_profile
 from cachesvc.sim.cost_profile import list_profiles as stored_profiles
 from cachesvc.sim.loop import ClusterSpec, SimRun, replay
@@ -247,7 +247,7 @@ def test_the_command_line_writes_json(tmp_path: Path, write_trace: WriteTrace) -
 
 
 def test_decode_fit_recovers_its_coefficients() -> None:
-    from cachesvc.sim.calibrate import fit_decode
+    from cachesvc.bench.calibrate.run import fit_decode
 
     truth = DecodeCost(base_s=0.05, per_seq_s=0.004, per_context_token_s=1e-6)
     shapes = [(1, 256), (8, 2048), (1, 1024), (4, 4096)]

@@ -1,4 +1,4 @@
-"""Admission in the simulator (`router.admission`, `PDSetup.admit`): past capacity a
+"""Admission in the simulator (`router.policy.admission`, `PDSetup.admit`): past capacity a
 request predicted to start later than the target is refused, the ones admitted meet it, and a
 refused request counts against goodput."""
 
@@ -14,7 +14,7 @@ from cachesvc.sim.goodput import SLO, goodput
 from cachesvc.sim.loop import ClusterSpec, PDSetup, replay
 from cachesvc.sim.pd import COLOCATED, DYNAMIC
 from cachesvc.sim.trace import BLOCK_SIZE, load_trace
-from router.admission import Admission
+from router.policy.admission import Admission
 
 SLO_2S = SLO(ttft_ms=2000.0, itl_ms=100.0)
 
@@ -83,9 +83,9 @@ def test_the_live_admission_bench_replays_in_the_simulator() -> None:
     """`--like-bench-admission`: the capacity from the simulated warm-ups, the same burst in
     both setups, and with admission at 3 s the served requests start sooner and more of them
     within it (cpu-calibrated, the bench's --quick sizes)."""
-    from cachesvc.bench.admission import AdmissionBenchArgs
     from cachesvc.sim.cost_profile import load_profile
     from cachesvc.sim.like_bench_admission import replay_bench_admission
+    from cachesvc.workloads.admission import AdmissionBenchArgs
 
     without, with_ = replay_bench_admission(
         load_profile("cpu-calibrated"), AdmissionBenchArgs(quick=True)
@@ -126,9 +126,9 @@ def test_streams_past_their_inter_token_target_are_not_given_more_prompts(
 def test_the_bench_replay_with_an_inter_token_target_adds_the_streams_setup() -> None:
     """`--like-bench-admission --admit-itl-ms`: the bench's third setup, on the same burst of
     longer answers; goodput counts both targets, and each served request has its mean gap."""
-    from cachesvc.bench.admission import AdmissionBenchArgs
     from cachesvc.sim.cost_profile import load_profile
     from cachesvc.sim.like_bench_admission import replay_bench_admission
+    from cachesvc.workloads.admission import AdmissionBenchArgs
 
     args = AdmissionBenchArgs(quick=True, itl_ms=500.0)
     results = replay_bench_admission(load_profile("cpu-calibrated"), args)

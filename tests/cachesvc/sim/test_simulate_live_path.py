@@ -12,13 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cachesvc.planner import ComputeCost
-from cachesvc.sim.calibrate_live import (
-    LiveSamples,
-    prefill_overhead,
-    split_overhead,
-    terms_from,
-)
+from cachesvc.bench.calibrate.live import LiveSamples, prefill_overhead, split_overhead, terms_from
+from cachesvc.kv.planner import ComputeCost
 from cachesvc.sim.cost_profile import CostProfile, DecodeCost
 from cachesvc.sim.loop import ClusterSpec, SimRun, replay
 from cachesvc.sim.seq import SimSeq
@@ -170,7 +165,7 @@ def test_the_share_lengthens_a_prefill_step_and_no_decode_step(write_trace: Writ
 
 
 def test_live_terms_measured_on_a_busy_machine_are_brought_to_the_profiles_speed() -> None:
-    from cachesvc.sim.calibrate import with_live_terms
+    from cachesvc.bench.calibrate.run import with_live_terms
 
     # The engine stepped one sequence in 20 ms while the terms were measured; the profile says
     # 10 ms: the machine was twice as slow, so its hop and overheads count half.
@@ -197,8 +192,8 @@ def test_a_measured_batch_table_replaces_the_linear_decode_cost() -> None:
 
 
 def test_the_prefill_fit_keeps_short_prompts_right() -> None:
-    from cachesvc.calibration import ComputeSample
-    from cachesvc.sim.calibrate import PREFILL_SHAPES, fit_prefill
+    from cachesvc.bench.calibrate.run import PREFILL_SHAPES, fit_prefill
+    from cachesvc.kv.calibration import ComputeSample
 
     truth = ComputeCost(alpha_s=0.1, beta_s=3e-3, gamma_s=1e-6)
     samples = [ComputeSample.of([s], truth.prefill_s(*s)) for s in PREFILL_SHAPES]

@@ -17,8 +17,8 @@ from cachesvc.sim.loop import ClusterSpec, PDSetup, SimRun, replay
 from cachesvc.sim.pd import ALWAYS, COLOCATED, DECIDE, DYNAMIC, roles_for
 from cachesvc.sim.seq import SimSeq
 from cachesvc.sim.trace import BLOCK_SIZE, load_trace
-from router.handoff import HANDOFF_HALF_LIFE_S, HANDOFF_WEIGHT
-from router.pd import DECODE, MIXED, PREFILL
+from router.policy.handoff_cost import HANDOFF_HALF_LIFE_S, HANDOFF_WEIGHT
+from router.policy.pd import DECODE, MIXED, PREFILL
 
 SPEC = ClusterSpec(2, device_blocks=256)  # w0 prefills, w1 decodes (with one prefill worker)
 

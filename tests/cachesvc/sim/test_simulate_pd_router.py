@@ -1,17 +1,17 @@
-"""The simulator decides a prefill/decode plan as the router does (`router.disagg`): the prompt
-runs on the prefill worker whose first token comes soonest (`fastest_prefill`), not on the
+"""The simulator decides a prefill/decode plan as the router does (`router.request.disagg`): the
+prompt runs on the prefill worker whose first token comes soonest (`fastest_prefill`), not on the
 policy's choice, and the policy records only the worker a request runs on."""
 
 from __future__ import annotations
 
 from sim_support import UNIT, WriteTrace
 
+from cachesvc.kv.types import WorkerId
 from cachesvc.sim.loop import ClusterSpec, PDSetup, replay
 from cachesvc.sim.pd import ALWAYS
 from cachesvc.sim.trace import BLOCK_SIZE, load_trace
-from cachesvc.types import WorkerId
-from router.costs import Candidate, RouteRequest
-from router.policy import Policy, RouteDecision, make_policy
+from router.policy.costs import Candidate, RouteRequest
+from router.policy.routing import Policy, RouteDecision, make_policy
 
 SPEC = ClusterSpec(3, device_blocks=256)  # w0 and w1 prefill, w2 decodes
 

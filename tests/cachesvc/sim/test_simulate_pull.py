@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from sim_support import UNIT, WriteTrace
 
+from cachesvc.kv.types import WorkerId
 from cachesvc.sim.cost_profile import CostProfile, TierReadCost
 from cachesvc.sim.loop import ClusterSpec, SimRun, replay
 from cachesvc.sim.report import summarize
 from cachesvc.sim.trace import BLOCK_SIZE, HotPrefix, hot_prefix_requests, load_trace
 from cachesvc.sim.worker import SimWorker
-from cachesvc.types import WorkerId
 
 # The parent computes its 528 tokens in 0.53 s, well before the forks come at 1 s; with 65
 # requests the p99 TTFT is the second longest, not the parent's.
@@ -125,7 +125,7 @@ def test_a_worker_reports_a_pull_cost_only_with_pulls_on() -> None:
 
 
 def test_a_profile_without_a_peer_entry_gets_the_workers_prior() -> None:
-    from cachesvc.calibration import DEFAULT_TIER_COSTS
+    from cachesvc.kv.calibration import DEFAULT_TIER_COSTS
 
     data = UNIT.to_json()
     del data["peer"]

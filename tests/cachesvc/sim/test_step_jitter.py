@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from cachesvc.planner import ComputeCost
-from cachesvc.sim.calibrate import with_live_terms
-from cachesvc.sim.calibrate_live import LiveSamples, terms_from
+from cachesvc.bench.calibrate.live import LiveSamples, terms_from
+from cachesvc.bench.calibrate.run import with_live_terms
+from cachesvc.kv.planner import ComputeCost
 from cachesvc.sim.cost_profile import CostProfile, DecodeCost, load_profile
 from cachesvc.sim.jitter import StepJitter, quantiles
 from cachesvc.sim.loop import ClusterSpec, replay

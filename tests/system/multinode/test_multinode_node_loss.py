@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 from multinode_support import FREEZE, KILL, RayNodes, node_of, pid_of, signal_pid
 
-from cachesvc.config import EngineConfig, TierConfig
-from cachesvc.types import WorkerId
+from cachesvc.kv.config import TierConfig
+from cachesvc.kv.types import WorkerId
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+from workers.config import EngineConfig
 from workers.protocol import HolderHint, StreamDelta
 
 pytestmark = pytest.mark.system

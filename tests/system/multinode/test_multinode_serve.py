@@ -23,9 +23,9 @@ import pytest
 from cli_support import free_port, wait_serving
 from multinode_support import RayNodes, node_of
 
-from cachesvc.config import EngineConfig
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+from workers.config import EngineConfig
 
 pytestmark = pytest.mark.system
 PROMPT = [(37 + 11 * j) % 300 + 3 for j in range(42)]  # ten full blocks of 4

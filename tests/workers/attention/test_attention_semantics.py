@@ -19,8 +19,8 @@ from types import ModuleType
 import pytest
 import torch
 
-from cachesvc.bench.gpu_check_correctness import Case, Shapes, attention, make_check_case
-from cachesvc.bench.gpu_check_correctness import scheme_steps as steps_of
+from cachesvc.bench.gpu_check.correctness import Case, Shapes, attention, make_check_case
+from cachesvc.bench.gpu_check.correctness import scheme_steps as steps_of
 from workers.attention.flashinfer_backend import FlashInferBackend
 from workers.attention.schemes import SchemeBackend, make_scheme_backend
 

@@ -18,7 +18,7 @@ import fake_flashinfer
 import pytest
 import torch
 
-from cachesvc.bench import gpu_check_correctness
+from cachesvc.bench.gpu_check import correctness as gpu_check_correctness
 from workers.attention import flashinfer_backend as fb
 from workers.attention import get_backend
 from workers.attention.layout import BatchLayout, build_layout

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cachesvc.config import EngineConfig
+from workers.config import EngineConfig
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine
 from workers.engine.outputs import RequestOutput

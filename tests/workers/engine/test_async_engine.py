@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from cachesvc.config import EngineConfig
-from cachesvc.types import RequestId
+from cachesvc.kv.types import RequestId
+from workers.config import EngineConfig
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine, PromptError
 from workers.engine.outputs import RequestOutput

@@ -12,11 +12,12 @@ import pytest
 import redis
 import torch
 
-from cachesvc.block_pool import NoFreeBlocksError
-from cachesvc.config import EngineConfig, TierConfig
-from cachesvc.events import BlockRemoved, Cleared
-from cachesvc.hashing import hash_blocks, root_hash
-from cachesvc.types import RequestId
+from cachesvc.kv.block_pool import NoFreeBlocksError
+from cachesvc.kv.config import TierConfig
+from cachesvc.kv.events import BlockRemoved, Cleared
+from cachesvc.kv.hashing import hash_blocks, root_hash
+from cachesvc.kv.types import RequestId
+from workers.config import EngineConfig
 from workers.engine import kv_manager
 from workers.engine.engine import Engine
 from workers.engine.request import Request

@@ -17,7 +17,8 @@ from cachesvc.bench.dtype_agreement import (
     hf_greedy,
     load_hf,
 )
-from cachesvc.config import EngineConfig, TierConfig
+from cachesvc.kv.config import TierConfig
+from workers.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.model.cpu_dtype import cpu_bf16_features
 from workers.sampling_params import SamplingParams

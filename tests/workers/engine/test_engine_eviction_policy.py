@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from cachesvc.config import ConfigError, EngineConfig
+from cachesvc.kv.config import ConfigError
+from workers.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.sampling_params import SamplingParams
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from cachesvc.config import EngineConfig
+from workers.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.sampling_params import SamplingParams
 

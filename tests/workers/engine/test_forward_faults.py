@@ -29,7 +29,7 @@ from fault_support import (
     serve,
 )
 
-from cachesvc.types import RequestId
+from cachesvc.kv.types import RequestId
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine
 from workers.engine.outputs import RequestFailed

@@ -4,7 +4,7 @@ worker's own cached prefixes."""
 
 from __future__ import annotations
 
-from cachesvc.block_pool import BlockPool
+from cachesvc.kv.block_pool import BlockPool
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.request import PeerSource, Request
 from workers.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachesvc.types import BlockId
+from cachesvc.kv.types import BlockId
 from workers.engine.kv_copy import (
     copy_blocks,
     kv_to_numpy,

@@ -1,7 +1,7 @@
 """Scheduler: budgets, chunked prefill, admission order, preemption, and no leaked blocks."""
 
-from cachesvc.block_pool import BlockPool
-from cachesvc.types import RequestId
+from cachesvc.kv.block_pool import BlockPool
+from cachesvc.kv.types import RequestId
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.request import FinishReason, Request
 from workers.engine.scheduler import Scheduler, SchedulerConfig

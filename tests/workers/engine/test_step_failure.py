@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from cachesvc.config import TierConfig
-from cachesvc.events import BlockRemoved, BlockStored, Event
-from cachesvc.types import BlockHash, BlockId
+from cachesvc.kv.config import TierConfig
+from cachesvc.kv.events import BlockRemoved, BlockStored, Event
+from cachesvc.kv.types import BlockHash, BlockId
 from workers.engine.async_engine import AsyncEngine, _measure
 from workers.engine.engine import Engine
 from workers.engine.outputs import RequestFailed, RequestOutput

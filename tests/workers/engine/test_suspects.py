@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cachesvc.block_pool import BlockPool
-from cachesvc.types import RequestId
+from cachesvc.kv.block_pool import BlockPool
+from cachesvc.kv.types import RequestId
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.request import Request
 from workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from cachesvc.config import EngineConfig
+from workers.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.model.loader import load_model
 from workers.model.tiny import BpeTokenizer, WordTokenizer, write_tiny_model

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cachesvc.calibration import ComputeSample, codec_cost, probe_codecs
-from cachesvc.config import AUTO_CODECS
-from cachesvc.tiers.base import TierStats
-from cachesvc.types import BlockId, RequestId
+from cachesvc.kv.calibration import ComputeSample, codec_cost, probe_codecs
+from cachesvc.kv.config import AUTO_CODECS
+from cachesvc.kv.tiers.base import TierStats
+from cachesvc.kv.types import BlockId, RequestId
 from workers.engine.kv_copy import kv_to_numpy, write_blocks
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import ScheduledChunk, SchedulerOutput

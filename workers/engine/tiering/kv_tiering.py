@@ -33,19 +33,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cachesvc.block_pool import BlockPool
-from cachesvc.codec import DTYPES
-from cachesvc.config import TierConfig
-from cachesvc.planner import FetchRange, LoadPlan, plan_load
-from cachesvc.tiers.base import Throttle
-from cachesvc.tiers.results import FetchResult, TierHit
-from cachesvc.types import BlockHash, RequestId
-from workers.engine.peer.pull import ChunkCheck, PeerLink, PeerPuller, is_peer
+from cachesvc.kv.block_pool import BlockPool
+from cachesvc.kv.codec import DTYPES
+from cachesvc.kv.config import TierConfig
+from cachesvc.kv.planner import FetchRange, LoadPlan, plan_load
+from cachesvc.kv.tiers.base import Throttle
+from cachesvc.kv.tiers.results import FetchResult, TierHit
+from cachesvc.kv.types import BlockHash, RequestId
 from workers.engine.request import Request
 from workers.engine.scheduler import SchedulerOutput
 from workers.engine.tiering.landing import borrowed, land_blocks, trim_blocks
 from workers.engine.tiering.lossy import LossyKV
 from workers.engine.tiering.metrics import TieringStats, tiering_metrics
+from workers.engine.tiering.peer import ChunkCheck, PeerLink, PeerPuller, is_peer
 from workers.engine.tiering.pending_loads import (
     PendingLoad,
     PendingLoads,

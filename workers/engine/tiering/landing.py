@@ -12,9 +12,9 @@ from contextlib import ExitStack
 
 import torch
 
-from cachesvc.block_pool import BlockPool
-from cachesvc.codec import KVBlock
-from cachesvc.tiers.tier_manager import TierManager
+from cachesvc.kv.block_pool import BlockPool
+from cachesvc.kv.codec import KVBlock
+from cachesvc.kv.tiers.tier_manager import TierManager
 from workers.engine.kv_copy import write_registered
 from workers.engine.request import Request
 from workers.engine.tiering.pending_loads import Ranges

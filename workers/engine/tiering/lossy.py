@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from cachesvc.block_pool import BlockPool
-from cachesvc.types import RequestId
+from cachesvc.kv.block_pool import BlockPool
+from cachesvc.kv.types import RequestId
 from workers.engine.request import Request
 
 _MAX_REMEMBERED = 10_000  # requests that used lossy KV, kept after they end for their usage

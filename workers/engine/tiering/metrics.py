@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cachesvc.tiers.tier_manager import TierManager
-from workers.engine.peer.pull import PeerPuller
+from cachesvc.kv.tiers.tier_manager import TierManager
+from workers.engine.tiering.peer import PeerPuller
 from workers.engine.tiering.plan_timing import PlanTimer
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
-from cachesvc.tiers.results import FetchResult
-from cachesvc.types import BlockHash, RequestId
-from workers.engine.peer.pull import PeerRead, is_peer
+from cachesvc.kv.tiers.results import FetchResult
+from cachesvc.kv.types import BlockHash, RequestId
 from workers.engine.request import Request
+from workers.engine.tiering.peer import PeerRead, is_peer
 
 Ranges = list[tuple[str, list[BlockHash]]]  # (tier or peer, its run of hashes), in chain order
 

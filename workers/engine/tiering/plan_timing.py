@@ -12,8 +12,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from cachesvc.planner import LoadPlan
-from cachesvc.types import RequestId
+from cachesvc.kv.planner import LoadPlan
+from cachesvc.kv.types import RequestId
 from workers.engine.request import Request
 
 _log = logging.getLogger(__name__)

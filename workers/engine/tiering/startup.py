@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from cachesvc.block_pool import BlockPool
-from cachesvc.calibration import CostTracker, default_tier_cost
-from cachesvc.codec import Codec, max_blob_size
-from cachesvc.config import AUTO_CODECS, TierConfig
-from cachesvc.planner import ComputeCost
-from cachesvc.tiers.configured import build_tiers
-from cachesvc.tiers.tier_manager import TierManager
+from cachesvc.kv.block_pool import BlockPool
+from cachesvc.kv.calibration import CostTracker, default_tier_cost
+from cachesvc.kv.codec import Codec, max_blob_size
+from cachesvc.kv.config import AUTO_CODECS, TierConfig
+from cachesvc.kv.planner import ComputeCost
+from cachesvc.kv.tiers.configured import build_tiers
+from cachesvc.kv.tiers.tier_manager import TierManager
 
 _PRIOR_COMPUTE = ComputeCost(alpha_s=5e-3, beta_s=1e-3, gamma_s=1e-7)  # before calibration
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from cachesvc.events import TIER_HBM
-from cachesvc.types import RequestId
-from workers.engine.peer.pull import is_peer
+from cachesvc.kv.events import TIER_HBM
+from cachesvc.kv.types import RequestId
+from workers.engine.tiering.peer import is_peer
 from workers.engine.tiering.pending_loads import Ranges
 from workers.protocol import PEER_TOKENS
 

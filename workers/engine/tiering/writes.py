@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 import torch
 
-from cachesvc.block_pool import BlockPool
-from cachesvc.codec import KVBlock
-from cachesvc.tiers.tier_manager import TierManager
-from cachesvc.types import BlockHash, BlockId
+from cachesvc.kv.block_pool import BlockPool
+from cachesvc.kv.codec import KVBlock
+from cachesvc.kv.tiers.tier_manager import TierManager
+from cachesvc.kv.types import BlockHash, BlockId
 from workers.engine.kv_copy import layered, read_block
 
 

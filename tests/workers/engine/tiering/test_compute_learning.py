@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cachesvc.config import EngineConfig, TierConfig
+from cachesvc.kv.config import TierConfig
+from workers.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.sampling_params import SamplingParams
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from cachesvc.planner import FetchRange, LoadPlan
-from cachesvc.types import RequestId
+from cachesvc.kv.planner import FetchRange, LoadPlan
+from cachesvc.kv.types import RequestId
 from workers.engine.request import Request
 from workers.engine.tiering.plan_timing import PlanTimer
 from workers.sampling_params import SamplingParams

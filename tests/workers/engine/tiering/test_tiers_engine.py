@@ -21,10 +21,11 @@ import torch
 from suite_support import require_redis_server
 
 from cachesvc.bench.local_redis import LocalRedis
-from cachesvc.config import EngineConfig, TierConfig
-from cachesvc.hashing import hash_blocks, root_hash
-from cachesvc.planner import ComputeCost
-from cachesvc.types import BlockHash
+from cachesvc.kv.config import TierConfig
+from cachesvc.kv.hashing import hash_blocks, root_hash
+from cachesvc.kv.planner import ComputeCost
+from cachesvc.kv.types import BlockHash
+from workers.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.sampling_params import SamplingParams
 
@@ -341,7 +342,8 @@ def test_redis_killed_mid_run_and_restarted(
 
 _ENGINE_B = """
 import json, sys
-from cachesvc.config import EngineConfig, TierConfig
+from workers.config import EngineConfig
+from cachesvc.kv.config import TierConfig
 from workers.engine.engine import Engine
 from workers.sampling_params import SamplingParams
 path, url, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])

@@ -37,10 +37,10 @@ from test_tiers_engine import (
 )
 
 from cachesvc.bench.local_redis import LocalRedis
-from cachesvc.codec import FLAG_SIGNED, Codec
-from cachesvc.config import TierConfig
-from cachesvc.tiers.breaker import OPEN
-from cachesvc.types import BlockHash
+from cachesvc.kv.breaker import OPEN
+from cachesvc.kv.codec import FLAG_SIGNED, Codec
+from cachesvc.kv.config import TierConfig
+from cachesvc.kv.types import BlockHash
 from workers.engine.engine import Engine
 
 

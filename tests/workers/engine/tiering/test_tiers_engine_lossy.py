@@ -26,12 +26,13 @@ from test_tiers_engine import (
     run,
 )
 
-from cachesvc.config import EngineConfig, TierConfig
-from cachesvc.tiers.tier_manager import TierManager
-from cachesvc.types import BlockId
+from cachesvc.kv.config import TierConfig
+from cachesvc.kv.tiers.tier_manager import TierManager
+from cachesvc.kv.types import BlockId
+from workers.config import EngineConfig
 from workers.engine.engine import Engine
-from workers.engine.peer.stage import seal, stage_run, staging_buffer
 from workers.engine.request import PeerSource
+from workers.peer.stage import seal, stage_run, staging_buffer
 from workers.sampling_params import SamplingParams
 from workers.transfer.chunk import KVChunk, chunk_key
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from test_tiers_engine import BS, GREEDY, A, B, _chain, check, make_engine, no_cache_tokens, run
 
-from cachesvc.codec import Codec
-from cachesvc.config import TierConfig
-from cachesvc.types import BlockHash, BlockId
+from cachesvc.kv.codec import Codec
+from cachesvc.kv.config import TierConfig
+from cachesvc.kv.types import BlockHash, BlockId
 from workers.engine.engine import Engine
 from workers.engine.kv_copy import read_block
 

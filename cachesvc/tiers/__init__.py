@@ -1,8 +1,0 @@
-"""Tiers below the device pool (DRAM, NVMe, Redis) and the manager that moves blocks among them.
-
-Implementations are imported lazily through `make_tier`, so Redis is imported only when used.
-"""
-
-from cachesvc.tiers.base import Tier, TierItem, TierStats, make_tier, register_tier
-
-__all__ = ["Tier", "TierItem", "TierStats", "make_tier", "register_tier"]
