@@ -7,7 +7,9 @@ to the engine's code: outside the context it runs unclocked. Each clock counts o
 outermost call, so a phase that calls itself (cascade's levels through `forward`) counts once.
 
 The phases are exclusive, so they add up to at most the step; `other` is the rest of the step
-(Python glue: building tensors from the batch, stop checks, output snapshots).
+(Python glue: building tensors from the batch, stop checks, output snapshots). `stream` is
+clocked by the bench itself, outside the step (the worker's deltas); `host` sums what is not
+the model's (`HOST_PHASES`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ _CLOCKS = (
     "gather",
     "sampling",
     "detokenize",
+    "stream",
 )
 # Exclusive phases, as reported: name -> what it holds.
 PHASES = {
@@ -41,6 +44,10 @@ PHASES = {
     "sampling": "sampling the next tokens",
     "detokenize": "token ids to text deltas",
 }
+# The host's work per step: the phases outside the model, the rest of the step (Python glue),
+# and, outside the step, the worker's stream deltas (`stream`: built and pickled, as its actor
+# ships them through Ray).
+HOST_PHASES = ("schedule", "layout", "sampling", "detokenize", "other", "stream")
 
 
 @dataclass
@@ -87,6 +94,8 @@ class PhaseClock:
         }
         phases["step"] = t["step"]
         phases["other"] = max(t["step"] - sum(phases[p] for p in PHASES), 0.0)
+        phases["stream"] = t["stream"]
+        phases["host"] = sum(phases[p] for p in HOST_PHASES)
         self.totals = dict.fromkeys(_CLOCKS, 0.0)
         return phases
 
