@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from workers.engine.outputs import RequestOutput
 from workers.engine.request import Request
@@ -20,6 +20,12 @@ class Tracked:
     detok: IncrementalDetokenizer | None
     text: str = ""
     num_computed: int = 0  # prompt tokens computed by the model for this request
+    # The prompt as every snapshot reports it, made once: a copy per step and per request
+    # would cost each step as much as the whole batch's context.
+    prompt_ids: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = tuple(self.request.prompt_token_ids)
 
     @classmethod
     def start(cls, request: Request, tokenizer: Tokenizer | None) -> Tracked:
@@ -74,7 +80,7 @@ def snapshot(
         tps = (len(r.output_token_ids) - 1) / (r.finish_time - r.first_token_time)
     return RequestOutput(
         request_id=r.request_id,
-        prompt_token_ids=tuple(r.prompt_token_ids),
+        prompt_token_ids=tracked.prompt_ids,
         token_ids=tuple(r.output_token_ids),
         text=tracked.text,
         delta_text=delta,
