@@ -41,7 +41,7 @@ def sample_each(
     for finite logits.
     """
     assert logits.shape[0] == len(params) == len(generators)
-    tokens: list[int | Exception] = list(logits.argmax(dim=-1).tolist())
+    tokens: list[int | Exception] = list(argmax_rows(logits))
     rows = list(zip(params, generators, strict=True))
     together = [row for row, (p, gen) in enumerate(rows) if gen is None and not p.greedy]
     try:
@@ -60,6 +60,16 @@ def sample_each(
         except Exception as exc:  # this row's alone
             tokens[row] = exc
     return tokens
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The index of each row's largest value, the first of equals (torch's `argmax`, which
+    Hugging Face's greedy search takes). On CPU through NumPy: torch's CPU argmax is a scalar
+    loop, 5-10x slower than NumPy's vectorized one over a 49K vocabulary (about 7 ms a step for
+    64 rows on this machine's cores, a whole host budget)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().contiguous().numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
+    return logits.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
 
 
 def token_seed(seed: int, index: int) -> int:

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.engine.sampler import batch_probs, row_probs, sample, sample_each
+from workers.engine.sampler import argmax_rows, batch_probs, row_probs, sample, sample_each
 from workers.sampling_params import SamplingParams
 
 params_st = st.builds(
@@ -62,3 +62,13 @@ def test_a_row_that_breaks_the_batched_draw_fails_alone() -> None:
     assert isinstance(tokens[1], RuntimeError)
     argmax = logits.argmax(dim=-1).tolist()
     assert [tokens[row] for row in (0, 2, 3)] == [argmax[row] for row in (0, 2, 3)]
+
+
+def test_argmax_rows_takes_the_first_of_equal_maxima_as_torch_does() -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randint(-3, 4, (64, 500), generator=gen).float()  # many ties per row
+    logits[3, 10:] = float("-inf")
+    logits[4] = float("-inf")  # a row of nothing but -inf: its first index
+    assert argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+    assert argmax_rows(logits[:, ::2]) == logits[:, ::2].argmax(dim=-1).tolist()  # a strided view
+    assert argmax_rows(logits.double()) == logits.argmax(dim=-1).tolist()
