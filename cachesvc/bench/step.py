@@ -189,6 +189,7 @@ def _summary(samples: list[dict[str, float]], floor_ms: float) -> dict[str, Any]
         "stream_ms": ms.pop("stream"),
         "host_ms": ms.pop("host"),
         "host_ms_median": 1e3 * statistics.median(s["host"] for s in samples),
+        "host_cpu_ms_median": 1e3 * statistics.median(s["host_cpu"] for s in samples),
         "phases_ms": ms,
         "floor_ratio": step_ms / floor_ms,
     }

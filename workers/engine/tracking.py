@@ -36,8 +36,9 @@ class Tracked:
     def count_computed(self, start_pos: int, num_tokens: int) -> None:
         """Count the prompt tokens of a chunk: cached + computed == prompt length (without
         preemption; recomputation after one counts again)."""
-        end = min(self.request.num_prompt_tokens, start_pos + num_tokens)
-        self.num_computed += max(0, end - start_pos)
+        num_prompt = len(self.request.prompt_token_ids)
+        if start_pos < num_prompt:  # a decode chunk computes no prompt token
+            self.num_computed += min(num_prompt, start_pos + num_tokens) - start_pos
 
     def add_token(
         self, token_id: int, now: float, max_model_len: int
@@ -107,6 +108,8 @@ def beam_snapshot(request: Request, tokenizer: Tokenizer | None, lossy_kv: bool)
 
 
 def _by_tier(num_cached: int, tier_usage: Mapping[str, int] | None) -> dict[str, int]:
+    if not tier_usage:  # no tiers: all from the device pool (the common case, every step)
+        return {"hbm": num_cached} if num_cached else {}
     usage = {k: v for k, v in (tier_usage or {}).items() if v}
     if not usage and num_cached:
         usage = {"hbm": num_cached}
