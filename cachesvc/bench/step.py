@@ -49,6 +49,7 @@ class StepBenchArgs:
     steps: int | None = None  # timed decode steps a round (default 8, quick 4)
     rounds: int | None = None  # rounds of each path (default 5, quick 3)
     grid: tuple[Sequence[int], Sequence[int]] | None = None
+    ray_stream: bool = False  # instead: one step's deltas through a local Ray actor
 
     def __post_init__(self) -> None:
         for name in ("threads", "steps", "rounds"):
@@ -214,6 +215,11 @@ def _cells(args: StepBenchArgs) -> list[tuple[int, int]]:
 
 def run_step_bench(args: StepBenchArgs) -> int:
     """Print the table (and write JSON); returns 0."""
+    if args.ray_stream:
+        from cachesvc.bench.step_stream import run_stream_bench
+
+        batches = args.grid[0] if args.grid else (16, 64, 256)
+        return run_stream_bench(batches, args.steps or 20, args.json_path)
     from cachesvc.config import EngineConfig
     from workers.attention.paged_decode import load as kernel_built
     from workers.engine.engine import Engine
