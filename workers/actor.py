@@ -197,8 +197,8 @@ class WorkerActor:
         self._open.add(request_id)
         pulled = False  # a sample ended for its max_tokens: the hand-off's pull follows
         try:
-            stream = self._engine.generate(prompt_ids, sampling, request_id, cache_salt, peer)
-            async for out in stream:
+            args = (prompt_ids, sampling, request_id, cache_salt, peer)
+            async for out in self._engine.generate(*args, coalesce=True):  # a Ray item: ~0.3 ms
                 worker = self._info.worker_id
                 delta = stream_delta(out, request_id, sampling.n, sent, worker, prefetched)
                 pulled = pulled or delta.finish_reason == "length"

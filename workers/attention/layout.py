@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate, chain
 
+import numpy as np
 import torch
 
 
@@ -59,42 +61,75 @@ def build_layout(
     `block_tables[b]` lists request b's page ids in order; only the first
     `ceil(kv_lens[b] / page_size)` are used. Raises ValueError when a table is too short or a
     request has more new tokens than KV positions.
+
+    Per request only list arithmetic runs in Python (lengths, page counts, the used pages); the
+    write slots of every new token come from a few whole-batch tensor ops, so a step of 256
+    decodes costs about what a step of 16 does.
     """
     if not (len(qo_lens) == len(kv_lens) == len(block_tables)):
         raise ValueError("qo_lens, kv_lens and block_tables must have one entry per request")
-    indices: list[int] = []
-    indptr = [0]
-    last_lens: list[int] = []
-    slots: list[torch.Tensor] = []
-    for qo_len, kv_len, table in zip(qo_lens, kv_lens, block_tables, strict=True):
-        if qo_len > kv_len or kv_len <= 0:
-            raise ValueError(f"bad lengths qo_len={qo_len} kv_len={kv_len}")
-        num_pages = -(-kv_len // page_size)
-        if len(table) < num_pages:
-            raise ValueError(f"block table has {len(table)} pages, {num_pages} needed")
-        pages = list(table[:num_pages])
-        indices.extend(pages)
-        indptr.append(len(indices))
-        last_lens.append(kv_len - (num_pages - 1) * page_size)
-        positions = torch.arange(kv_len - qo_len, kv_len)
-        page_ids = torch.tensor(pages, dtype=torch.int64)[positions // page_size]
-        slots.append(page_ids * page_size + positions % page_size)
-    qo_indptr = [0]
-    for qo_len in qo_lens:
-        qo_indptr.append(qo_indptr[-1] + qo_len)
-    write_slots = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
+    qo = tuple(map(int, qo_lens))
+    kv = tuple(map(int, kv_lens))
+    num_pages = [-(-n // page_size) for n in kv]
+    _check_lengths(qo, kv, num_pages, block_tables)
+    kv_indptr = list(accumulate(num_pages, initial=0))
+    qo_indptr = list(accumulate(qo, initial=0))
+    last_lens = [n - (p - 1) * page_size for n, p in zip(kv, num_pages, strict=True)]
+    # NumPy reads the chained pages ~3x faster than torch.tensor reads a list (256 requests of
+    # 1K tokens: 16K page ids a step).
+    used = chain.from_iterable(t[:n] for t, n in zip(block_tables, num_pages, strict=True))
+    pages = torch.from_numpy(np.fromiter(used, dtype=np.int64, count=kv_indptr[-1]))
+    slots = _write_slots(pages, kv_indptr, qo, kv, qo_indptr[-1], page_size)
 
     def i32(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=device)
 
     return BatchLayout(
         qo_indptr=i32(qo_indptr),
-        kv_indptr=i32(indptr),
-        kv_indices=i32(indices),
+        kv_indptr=i32(kv_indptr),
+        kv_indices=pages.to(device=device, dtype=torch.int32),
         kv_last_page_len=i32(last_lens),
-        write_slots=write_slots.to(device),
+        write_slots=slots.to(device),
         page_size=page_size,
-        qo_lens=tuple(int(x) for x in qo_lens),
-        kv_lens=tuple(int(x) for x in kv_lens),
+        qo_lens=qo,
+        kv_lens=kv,
         causal=causal,
     )
+
+
+def _check_lengths(
+    qo: Sequence[int],
+    kv: Sequence[int],
+    num_pages: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+) -> None:
+    for qo_len, kv_len, need, table in zip(qo, kv, num_pages, block_tables, strict=True):
+        if qo_len > kv_len or kv_len <= 0:
+            raise ValueError(f"bad lengths qo_len={qo_len} kv_len={kv_len}")
+        if len(table) < need:
+            raise ValueError(f"block table has {len(table)} pages, {need} needed")
+
+
+def _write_slots(
+    pages: torch.Tensor,
+    kv_indptr: list[int],
+    qo: tuple[int, ...],
+    kv: tuple[int, ...],
+    num_tokens: int,
+    page_size: int,
+) -> torch.Tensor:
+    """int64 `[num_tokens]`: page * page_size + offset of each new token, the new tokens being
+    the last `qo[b]` of request b's `kv[b]` positions."""
+    if qo.count(1) == len(qo):  # one new token each (decode): the last position of each
+        position = torch.tensor(kv, dtype=torch.int64) - 1
+        first_page = torch.tensor(kv_indptr[:-1], dtype=torch.int64)
+    else:
+        counts = torch.tensor(qo, dtype=torch.int64)
+        owner = torch.repeat_interleave(torch.arange(len(qo)), counts)
+        # Token t of request b sits at kv[b] - qo[b] + (t - first query row of b).
+        first_row = torch.cumsum(counts, 0) - counts
+        shift = torch.tensor(kv, dtype=torch.int64) - counts - first_row
+        position = torch.arange(num_tokens) + shift[owner]
+        first_page = torch.tensor(kv_indptr[:-1], dtype=torch.int64)[owner]
+    page = pages[first_page + torch.div(position, page_size, rounding_mode="floor")]
+    return page * page_size + position % page_size

@@ -104,13 +104,19 @@ class _Plan:
     def decode_table(self) -> torch.Tensor:
         """int64 `[n, 3]` for the kernel: each decode's query row, first page, KV length."""
         if self._table is None:
+            # Whole columns of the layout (host copies, the kernel runs on CPU), not a row
+            # built in Python per request.
             layout = self.layout
-            starts = layout.qo_indptr.tolist()
-            first = layout.kv_indptr.tolist()
-            self._table = torch.tensor(
-                [[starts[b], first[b], layout.kv_lens[b]] for b in self.decode_batch],
-                dtype=torch.int64,
-            ).view(-1, 3)
+            rows = torch.tensor(self.decode_batch, dtype=torch.int64)
+            columns = (
+                layout.qo_indptr[:-1].cpu().long(),
+                layout.kv_indptr[:-1].cpu().long(),
+                torch.tensor(layout.kv_lens, dtype=torch.int64),
+            )
+            if len(self.decode_batch) == layout.batch_size:
+                self._table = torch.stack(columns, dim=1)
+            else:
+                self._table = torch.stack([c[rows] for c in columns], dim=1)
         return self._table
 
     @property

@@ -100,6 +100,7 @@ class Engine:
             config.block_size,
             config.device,
             scheme=config.prefill_scheme,
+            max_num_tokens=config.max_num_batched_tokens,
         )
         self._tracked: dict[RequestId, Tracked] = {}  # requests whose output a caller sees
         self._requests: dict[RequestId, Request] = {}  # every live request, beams included

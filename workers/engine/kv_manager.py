@@ -222,15 +222,14 @@ class KVCacheManager:
         Returns False, changing nothing, when the pool has too few free blocks.
         """
         total = request.num_computed_tokens + num_new_tokens
-        need = self.num_blocks_for(total) - len(request.block_ids)
-        if need > self.pool.num_free:
-            return False
-        if need > 0:
+        need = -(-total // self.block_size) - len(request.block_ids)
+        if need > 0:  # most decode steps need no block: the pool is not asked
+            if need > self.pool.num_free:
+                return False
             request.block_ids.extend(self.pool.allocate(need))
-        if self.enable_prefix_caching:
-            self._register(
-                request, request.num_computed_tokens // self.block_size, total // self.block_size
-            )
+        first, end = request.num_computed_tokens // self.block_size, total // self.block_size
+        if self.enable_prefix_caching and first < end:  # a block fills up: register it
+            self._register(request, first, end)
         return True
 
     def fork(self, parent: Request, child: Request) -> list[tuple[BlockId, BlockId]] | None:

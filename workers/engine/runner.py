@@ -12,9 +12,10 @@ from workers.attention.base import AttentionBackend
 from workers.attention.schemes import SchemeCosts
 from workers.engine.kv_copy import copy_blocks
 from workers.engine.request import Request
-from workers.engine.sampler import pick
+from workers.engine.sampler import sample_each
 from workers.engine.scheduler import SchedulerOutput
 from workers.engine.scheme_plan import plan_step
+from workers.engine.step_inputs import InputBuffers
 from workers.model.llama import LlamaModel
 
 
@@ -40,6 +41,7 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         scheme: str = "auto",
         costs: SchemeCosts | None = None,
+        max_num_tokens: int = 2048,
     ) -> None:
         self.model = model
         self.backend = backend  # a SchemeBackend: it runs whichever scheme the layout names
@@ -49,6 +51,8 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
+        # The step's token ids, positions and sampled rows, in buffers kept across steps.
+        self.inputs = InputBuffers(max_num_tokens, self.device)
 
     @torch.inference_mode()
     def execute(
@@ -72,23 +76,16 @@ class ModelRunner:
         )
         chunks = plan.chunks
         self.last_scheme = plan.layout.scheme
-        token_ids: list[int] = []
-        positions: list[int] = []
-        logits_rows: list[int] = []
-        for chunk in chunks:
-            token_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_pos, chunk.start_pos + len(chunk.token_ids)))
-            if chunk.sample:
-                logits_rows.append(len(token_ids) - 1)
+        inputs = self.inputs.build(chunks)
         layout = plan.layout
         self.backend.plan(layout)  # type: ignore[arg-type]
         logits = self.model(
-            torch.tensor(token_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
+            inputs.token_ids,
+            inputs.positions,
             self.kv_caches,
             layout,  # type: ignore[arg-type]  # the scheme backend reads its scheme layout
             self.backend,
-            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            inputs.logits_rows,
         )
         logits = logits.float().cpu()
         sampled = [requests[c.request_id] for c in chunks if c.sample]
@@ -131,16 +128,16 @@ class ModelRunner:
 def _sample_each(
     logits: torch.Tensor, requests: Sequence[Request]
 ) -> tuple[dict[RequestId, int], dict[RequestId, Exception]]:
-    """Row i of `logits` sampled for `requests[i]`: the tokens, and the errors of the rows that
-    raised, each kept to its own request."""
-    argmax = logits.argmax(dim=-1).tolist()  # every greedy row at once
-    tokens: dict[RequestId, int] = {}
+    """Row i of `logits` sampled for `requests[i]` (the whole batch at once, `sample_each`):
+    the tokens, and the errors of the rows that raised, each kept to its own request."""
+    # A greedy row takes no generator: re-seeding one per row is a cost of the seeded only.
+    generators = [None if r.params.greedy else r.next_generator() for r in requests]
+    results = sample_each(logits, [r.params for r in requests], generators)
+    sampled: dict[RequestId, int] = {}
     failed: dict[RequestId, Exception] = {}
-    for row, request in enumerate(requests):
-        try:
-            tokens[request.request_id] = pick(
-                logits[row], request.params, request.next_generator(), argmax[row]
-            )
-        except Exception as exc:  # this request's alone: the engine fails it, not the step
-            failed[request.request_id] = exc
-    return tokens, failed
+    for request, token in zip(requests, results, strict=True):
+        if isinstance(token, Exception):
+            failed[request.request_id] = token
+        else:
+            sampled[request.request_id] = token
+    return sampled, failed

@@ -92,7 +92,9 @@ class Scheduler:
         preempted: list[RequestId] = []
         scheduled: list[Request] = []
         for request in list(self.running):
-            if budget == 0 or request not in self.running:
+            # A request preempted earlier in this loop is waiting again (a status test, not a
+            # search of the running list: that made a step quadratic in its requests).
+            if budget == 0 or request.status is not RequestStatus.RUNNING:
                 continue
             self.kv.land_ready(request)  # a pull that arrived since the last step
             if not eligible(request):
@@ -225,7 +227,7 @@ class Scheduler:
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        tokens = request.all_token_ids[start : start + num_new]
+        tokens = request.token_slice(start, start + num_new)
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=tuple(tokens),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from workers.engine.outputs import RequestOutput
 from workers.engine.request import Request
@@ -20,6 +20,12 @@ class Tracked:
     detok: IncrementalDetokenizer | None
     text: str = ""
     num_computed: int = 0  # prompt tokens computed by the model for this request
+    # The prompt as every snapshot reports it, made once: a copy per step and per request
+    # would cost each step as much as the whole batch's context.
+    prompt_ids: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = tuple(self.request.prompt_token_ids)
 
     @classmethod
     def start(cls, request: Request, tokenizer: Tokenizer | None) -> Tracked:
@@ -30,8 +36,9 @@ class Tracked:
     def count_computed(self, start_pos: int, num_tokens: int) -> None:
         """Count the prompt tokens of a chunk: cached + computed == prompt length (without
         preemption; recomputation after one counts again)."""
-        end = min(self.request.num_prompt_tokens, start_pos + num_tokens)
-        self.num_computed += max(0, end - start_pos)
+        num_prompt = len(self.request.prompt_token_ids)
+        if start_pos < num_prompt:  # a decode chunk computes no prompt token
+            self.num_computed += min(num_prompt, start_pos + num_tokens) - start_pos
 
     def add_token(
         self, token_id: int, now: float, max_model_len: int
@@ -74,7 +81,7 @@ def snapshot(
         tps = (len(r.output_token_ids) - 1) / (r.finish_time - r.first_token_time)
     return RequestOutput(
         request_id=r.request_id,
-        prompt_token_ids=tuple(r.prompt_token_ids),
+        prompt_token_ids=tracked.prompt_ids,
         token_ids=tuple(r.output_token_ids),
         text=tracked.text,
         delta_text=delta,
@@ -101,6 +108,8 @@ def beam_snapshot(request: Request, tokenizer: Tokenizer | None, lossy_kv: bool)
 
 
 def _by_tier(num_cached: int, tier_usage: Mapping[str, int] | None) -> dict[str, int]:
+    if not tier_usage:  # no tiers: all from the device pool (the common case, every step)
+        return {"hbm": num_cached} if num_cached else {}
     usage = {k: v for k, v in (tier_usage or {}).items() if v}
     if not usage and num_cached:
         usage = {"hbm": num_cached}

@@ -101,6 +101,11 @@ def add_bench_parser(sub: Any) -> None:
     step.add_argument("--rounds", type=int, default=None, help="rounds of each path (5; quick 3)")
     step.add_argument("--batches", default=None, help="comma-separated (default 1,4,16,64)")
     step.add_argument("--contexts", default=None, help="prompt tokens (default 128,1024,4096)")
+    step.add_argument(
+        "--ray-stream",
+        action="store_true",
+        help="instead: one step's deltas through a local Ray actor, per request and in one list",
+    )
     _add_dtype_agreement_parser(bench_sub)
     _add_admission_parser(bench_sub)
     _add_routing_bench_parser(bench_sub)

@@ -7,7 +7,9 @@ to the engine's code: outside the context it runs unclocked. Each clock counts o
 outermost call, so a phase that calls itself (cascade's levels through `forward`) counts once.
 
 The phases are exclusive, so they add up to at most the step; `other` is the rest of the step
-(Python glue: building tensors from the batch, stop checks, output snapshots).
+(Python glue: building tensors from the batch, stop checks, output snapshots). `stream` is
+clocked by the bench itself, outside the step (the worker's deltas); `host` sums what is not
+the model's (`HOST_PHASES`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ _CLOCKS = (
     "gather",
     "sampling",
     "detokenize",
+    "stream",
 )
 # Exclusive phases, as reported: name -> what it holds.
 PHASES = {
@@ -41,6 +44,14 @@ PHASES = {
     "sampling": "sampling the next tokens",
     "detokenize": "token ids to text deltas",
 }
+# The host's work per step: the phases outside the model, the rest of the step (Python glue),
+# and, outside the step, the worker's stream deltas (`stream`: built and pickled, as its actor
+# ships them through Ray).
+HOST_PHASES = ("schedule", "layout", "sampling", "detokenize", "other", "stream")
+# Clocks that also read the thread's CPU time: on a shared machine, wall time counts the waits
+# for a core, CPU time does not (with one torch thread, the model computes on this thread too).
+# `host_cpu` = step - model + stream, in CPU seconds.
+_CPU_CLOCKS = ("step", "model", "stream")
 
 
 @dataclass
@@ -49,16 +60,22 @@ class PhaseClock:
 
     totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_CLOCKS, 0.0))
     _depth: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_CLOCKS, 0))
+    cpu_totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_CPU_CLOCKS, 0.0))
     _started: dict[str, float] = field(default_factory=dict)
+    _cpu_started: dict[str, float] = field(default_factory=dict)
 
     def start(self, clock: str) -> None:
         self._depth[clock] += 1
         if self._depth[clock] == 1:
             self._started[clock] = time.perf_counter()
+            if clock in self.cpu_totals:
+                self._cpu_started[clock] = time.thread_time()
 
     def stop(self, clock: str) -> None:
         self._depth[clock] -= 1
         if self._depth[clock] == 0:
+            if clock in self.cpu_totals:
+                self.cpu_totals[clock] += time.thread_time() - self._cpu_started.pop(clock)
             self.totals[clock] += time.perf_counter() - self._started.pop(clock)
 
     def timed(self, clock: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -87,7 +104,12 @@ class PhaseClock:
         }
         phases["step"] = t["step"]
         phases["other"] = max(t["step"] - sum(phases[p] for p in PHASES), 0.0)
+        phases["stream"] = t["stream"]
+        phases["host"] = sum(phases[p] for p in HOST_PHASES)
+        cpu = self.cpu_totals
+        phases["host_cpu"] = max(cpu["step"] - cpu["model"], 0.0) + cpu["stream"]
         self.totals = dict.fromkeys(_CLOCKS, 0.0)
+        self.cpu_totals = dict.fromkeys(_CPU_CLOCKS, 0.0)
         return phases
 
 

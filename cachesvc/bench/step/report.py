@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from cachesvc.bench.step.phases import PHASES
+from cachesvc.bench.step.phases import HOST_PHASES, PHASES
 from cachesvc.workloads.table import format_table
 
 
@@ -49,6 +49,36 @@ def phase_table(report: Mapping[str, Any]) -> str:
     return format_table(["batch", "context", "path", *PHASES, "other", "step"], rows)
 
 
+def host_table(report: Mapping[str, Any]) -> str:
+    """Per cell (in place): the host's mean ms a step by phase, its total (mean, median), its
+    median in CPU time (this thread's: what a shared machine's waits leave out), and the goal
+    of 1 ms + 20 us a sequence."""
+    rows = []
+    for c in report["cells"]:
+        s = c["paths"]["in_place"]
+        phases = {**s["phases_ms"], "other": s["other_ms"], "stream": s["stream_ms"]}
+        rows.append(
+            [
+                c["batch"],
+                c["context"],
+                *(f"{phases[p]:.2f}" for p in HOST_PHASES),
+                f"{s['host_ms']:.2f}",
+                f"{s['host_ms_median']:.2f}",
+                f"{s['host_cpu_ms_median']:.2f}",
+                f"{host_goal_ms(c['batch']):.2f}",
+            ]
+        )
+    headers = [
+        "batch", "context", *HOST_PHASES, "host ms", "host median", "host cpu median", "goal ms"
+    ]  # fmt: skip
+    return format_table(headers, rows)
+
+
+def host_goal_ms(batch: int) -> float:
+    """The host's budget a decode step: 1 ms plus 20 us a sequence."""
+    return 1.0 + 0.02 * batch
+
+
 def print_report(report: Mapping[str, Any]) -> None:
     print(
         f"decode step: {report['model']} {report['dtype']}, {report['threads']} threads, "
@@ -63,5 +93,7 @@ def print_report(report: Mapping[str, Any]) -> None:
     print(phase_table(report))
     for name, what in PHASES.items():
         print(f"  {name}: {what}")
+    print("\nhost work a step (in place), mean ms; stream: the worker's deltas, built and pickled:")
+    print(host_table(report))
     for cell in report["skipped_cells"]:
         print(f"skipped batch {cell['batch']} context {cell['context']}: {cell['why']}")

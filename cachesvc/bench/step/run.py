@@ -4,12 +4,16 @@ For each cell (batch x context) a real `Engine` gets `batch` requests with rando
 `context` tokens and steps until all are decoding; then rounds of `steps` decode steps are
 timed, alternating decode attention in place (the CPU kernel) and the gather path it replaced,
 on the same requests, so the ratio is of one sitting. Each step is split by phase
-(`step_phases`). The memory floor is the bytes the step must read (the weights the matmuls
-stream, every sequence's KV in every layer) over the copy bandwidth measured in the same run.
+(`step_phases`), and the host's share of it (everything but the model) is added up with the
+stream deltas the worker's actor would build and pickle for Ray from the step's outputs. The
+memory floor is the bytes the step must read (the weights the matmuls stream, every sequence's
+KV in every layer) over the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
 
+import collections
+import pickle
 import statistics
 import tempfile
 import time
@@ -45,6 +49,7 @@ class StepBenchArgs:
     steps: int | None = None  # timed decode steps a round (default 8, quick 4)
     rounds: int | None = None  # rounds of each path (default 5, quick 3)
     grid: tuple[Sequence[int], Sequence[int]] | None = None
+    ray_stream: bool = False  # instead: one step's deltas through a local Ray actor
 
     def __post_init__(self) -> None:
         for name in ("threads", "steps", "rounds"):
@@ -136,15 +141,29 @@ class _Timing:
         return len(PATHS) * (1 + self.rounds * self.steps) + 1
 
 
+def _stream(outputs: list[Any], sent: dict[str, dict[int, int]]) -> int:
+    """What the worker's actor does with a step's outputs: one stream delta each, pickled as
+    Ray pickles each item a streaming call yields; returns the bytes (kept, so nothing is
+    optimized away)."""
+    from workers.deltas import stream_delta
+
+    return sum(
+        len(pickle.dumps(stream_delta(out, out.request_id, 1, sent[out.request_id], "w"), 5))
+        for out in outputs
+    )
+
+
 def _time_cell(
     engine: Any, backends: dict[str, Any], clock: PhaseClock, batch: int, timing: _Timing
 ) -> dict[str, list[dict[str, float]]]:
-    """Per path, the phases of every timed step; rounds of each path alternate."""
+    """Per path, the phases of every timed step (and of its stream deltas); rounds of each path
+    alternate."""
     steps, rounds = timing.steps, timing.rounds
     per_path: dict[str, list[dict[str, float]]] = {p: [] for p in PATHS}
+    sent: dict[str, dict[int, int]] = collections.defaultdict(dict)
     for path in PATHS:  # one untimed step each: the first call of a path builds its tables
         engine.runner.backend = backends[path]
-        engine.step()
+        _stream(engine.step(), sent)
     for _ in range(rounds):
         for path in PATHS:
             engine.runner.backend = backends[path]
@@ -152,18 +171,26 @@ def _time_cell(
             for _ in range(steps):
                 outputs = engine.step()
                 assert len(outputs) == batch, "every request decodes one token a step"
+                clock.start("stream")
+                _stream(outputs, sent)
+                clock.stop("stream")
                 per_path[path].append(clock.take())
     return per_path
 
 
 def _summary(samples: list[dict[str, float]], floor_ms: float) -> dict[str, Any]:
     """Median step, mean phases (means add up: phases + other = step, in the mean too)."""
-    ms = {k: 1e3 * statistics.fmean(s[k] for s in samples) for k in (*PHASES, "other", "step")}
+    keys = (*PHASES, "other", "step", "stream", "host")
+    ms = {k: 1e3 * statistics.fmean(s[k] for s in samples) for k in keys}
     step_ms = 1e3 * statistics.median(s["step"] for s in samples)
     return {
         "step_ms": step_ms,
         "step_ms_mean": ms.pop("step"),
         "other_ms": ms.pop("other"),
+        "stream_ms": ms.pop("stream"),
+        "host_ms": ms.pop("host"),
+        "host_ms_median": 1e3 * statistics.median(s["host"] for s in samples),
+        "host_cpu_ms_median": 1e3 * statistics.median(s["host_cpu"] for s in samples),
         "phases_ms": ms,
         "floor_ratio": step_ms / floor_ms,
     }
@@ -188,6 +215,11 @@ def _cells(args: StepBenchArgs) -> list[tuple[int, int]]:
 
 def run_step_bench(args: StepBenchArgs) -> int:
     """Print the table (and write JSON); returns 0."""
+    if args.ray_stream:
+        from cachesvc.bench.step.run.stream import run_stream_bench
+
+        batches = args.grid[0] if args.grid else (16, 64, 256)
+        return run_stream_bench(batches, args.steps or 20, args.json_path)
     from workers.attention.paged_decode import load as kernel_built
     from workers.config import EngineConfig
     from workers.engine.engine import Engine
@@ -211,8 +243,17 @@ def run_step_bench(args: StepBenchArgs) -> int:
         skipped = [c for c in _cells(args) if c not in cells]
         # Whole pages per request, and a little room.
         need = max(tokens(c) // config.block_size + 2 * c[0] for c in cells) + 16
+        # Every request of the largest batch decodes in one step.
+        max_seqs = max(config.max_num_seqs, max(b for b, _ in cells))
         engine = Engine(
-            EngineConfig(model=model, num_blocks=need, num_threads=args.threads, dtype=dtype),
+            EngineConfig(
+                model=model,
+                num_blocks=need,
+                num_threads=args.threads,
+                dtype=dtype,
+                max_num_seqs=max_seqs,
+                max_num_batched_tokens=max(config.max_num_batched_tokens, max_seqs),
+            ),
             loaded=probe.loaded,
             tokenizer=probe.tokenizer,
         )

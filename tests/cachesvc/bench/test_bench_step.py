@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cachesvc.app.cli.main import main
-from cachesvc.bench.step.phases import PHASES, PhaseClock, instrument
+from cachesvc.bench.step.phases import HOST_PHASES, PHASES, PhaseClock, instrument
 from cachesvc.bench.step.run import QUICK_GRID, StepBenchArgs
 
 
@@ -39,6 +39,11 @@ def test_quick_run_reports_every_cell_and_path_with_consistent_phases(
             total = sum(summary["phases_ms"].values())
             assert total <= summary["step_ms_mean"] * (1 + 1e-9)
             assert total + summary["other_ms"] == pytest.approx(summary["step_ms_mean"])
+            # The host's share: its phases, the rest of the step and the stream deltas.
+            host = [summary["phases_ms"][p] for p in HOST_PHASES if p not in ("other", "stream")]
+            host_ms = sum(host) + summary["other_ms"] + summary["stream_ms"]
+            assert summary["host_ms"] == pytest.approx(host_ms)
+            assert summary["stream_ms"] > 0 and summary["host_cpu_ms_median"] > 0
         assert cell["in_place_over_gather"] == pytest.approx(
             cell["paths"]["in_place"]["step_ms"] / cell["paths"]["gather"]["step_ms"]
         )
@@ -49,7 +54,7 @@ def test_quick_run_reports_every_cell_and_path_with_consistent_phases(
             assert in_place["phases_ms"]["attn_gather"] == 0
         assert in_place["phases_ms"]["weights"] > 0
     out = capsys.readouterr().out
-    assert "in place ms" in out and "attn_gather" in out
+    assert "in place ms" in out and "attn_gather" in out and "host cpu median" in out
 
 
 def test_clocks_are_removed_when_the_context_exits(tmp_path: Path) -> None:
