@@ -164,6 +164,7 @@ def delta_to_proto(request_id: str, delta: StreamDelta) -> pb.GenerateResponse:
                 from_response_cache=u.from_response_cache,
                 prefill_worker_id=u.prefill_worker_id or "",
                 kv_transfer_tokens=u.kv_transfer_tokens,
+                cache_write_tokens=u.cache_write_tokens,
             )
         )
     return out

@@ -41,6 +41,7 @@ def stream_delta(
             completion_tokens=len(out.token_ids),
             cached_tokens=cached,
             computed_tokens=out.num_computed_tokens,
+            cache_write_tokens=out.num_cache_write_tokens,
             ttft_ms=out.ttft_ms or 0.0,
             decode_tokens_per_s=out.decode_tokens_per_s,
             worker_id=worker_id,

@@ -86,6 +86,7 @@ def snapshot(
         num_computed_tokens=tracked.num_computed,
         num_preemptions=r.num_preemptions,
         cached_tokens_by_tier=_by_tier(r.num_cached_tokens, tier_usage),
+        num_cache_write_tokens=r.num_cache_write_tokens,
         lossy_kv=lossy_kv,
     )
 
