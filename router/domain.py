@@ -62,6 +62,12 @@ class GenerateInput:
     use_response_cache: bool = True  # False: generate, and do not store the answer
     # The client set params.max_tokens: past the context it is refused, not lowered to fit.
     max_tokens_set: bool = False
+    # How long the client asked the prompt's cache entry to be kept, in seconds (Anthropic's
+    # `cache_control.ttl`, OpenAI's `prompt_cache_retention`); None: the default. A hint,
+    # carried but not yet honoured: every block is evicted by the pool's own policy.
+    retention_s: int | None = None
+    # Requests with the same key belong together (OpenAI's `prompt_cache_key`); None: none.
+    affinity_key: str | None = None
 
 
 @dataclass(frozen=True)

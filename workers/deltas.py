@@ -47,8 +47,9 @@ def stream_delta(
             worker_id=worker_id,
             lossy_kv=out.lossy_kv,
         )
+    stop = out.stop_sequence if out.finished else None
     return StreamDelta(
-        index, tuple(out.token_ids[start:]), out.delta_text, out.finish_reason, usage
+        index, tuple(out.token_ids[start:]), out.delta_text, out.finish_reason, usage, stop
     )
 
 

@@ -160,6 +160,7 @@ class StreamDelta:
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    stop_sequence: str | None = None  # on a last delta: the stop string that ended the sample
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ class RequestOutput:
     # Prompt tokens it wrote to the cache: full prompt blocks it computed and registered
     # first in the device pool (`Usage.cache_write_tokens`).
     num_cache_write_tokens: int = 0
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
     # Some of the KV it was computed over came from a lossy (quantized) tier.
     lossy_kv: bool = False
     error: str | None = None  # set with finish reason "error" only
