@@ -53,6 +53,10 @@ class PromptInput:
     add_generation_prompt: bool = True
 
 
+MAX_AFFINITY_KEY_LEN = 1024  # characters of an affinity key (OpenAI's prompt_cache_key's limit)
+MAX_RETENTION_S = 24 * 3600  # the longest retention a client may ask (OpenAI's `24h`)
+
+
 @dataclass(frozen=True)
 class GenerateInput:
     request_id: str

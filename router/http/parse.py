@@ -7,6 +7,8 @@ default: up to the model's context), `max_completion_tokens` (wins over `max_tok
 body, where vLLM puts its own: `top_k` (-1 or 0: off), `cache_salt`, `ignore_eos`,
 `beam_width`, `length_penalty`, `stop_token_ids`, `no_response_cache`, `request_id`,
 `return_token_ids` (each choice, or chunk, also carries its `token_ids`, as in vLLM).
+OpenAI's prompt cache controls, `prompt_cache_key` and `prompt_cache_retention`, are read by
+`router.http.cache_controls`.
 vLLM's `add_special_tokens` is honoured (completions: true or false; chat: false, as the
 template writes them); `skip_special_tokens` and `spaces_between_special_tokens` only as true
 (the answer's text never holds special tokens; `return_token_ids` gives every id).
@@ -29,6 +31,8 @@ from typing import Any
 
 from router.config import RouterConfig
 from router.domain import ChatMessage, GenerateInput, InvalidInput, PromptInput
+from router.http.cache_controls import FIELDS as CACHE_FIELDS
+from router.http.cache_controls import parse_cache_controls
 from router.http.fields import (
     check,
     check_fields,
@@ -84,6 +88,7 @@ _COMMON = (
     "request_id",
     "return_token_ids",
     "add_special_tokens",
+    *CACHE_FIELDS,
     *_ONLY_TRUE,
 )
 _COMPLETION_FIELDS = frozenset((*_COMMON, "prompt"))
@@ -163,6 +168,7 @@ def _request(
     if salt is not None and len(salt) > _MAX_SALT_LEN:
         raise InvalidInput(f"cache_salt is {len(salt)} characters; at most {_MAX_SALT_LEN}")
     use_cache = not typed(body, "no_response_cache", bool, False)
+    controls = parse_cache_controls(body)
     inputs = tuple(
         GenerateInput(
             request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
@@ -171,6 +177,8 @@ def _request(
             cache_salt=salt,
             use_response_cache=use_cache,
             max_tokens_set=body.get(_max_tokens_field(body)) is not None,
+            retention_s=controls.retention_s,
+            affinity_key=controls.affinity_key,
         )
         for i, prompt in enumerate(prompts)
     )
