@@ -20,6 +20,7 @@ from dataclasses import asdict, fields
 from cachesvc.types import WorkerId
 from router.admin import flush_workers, purge, worker_statuses
 from router.admission import Gate, admission_of
+from router.affinity import scoped_key
 from router.config import RouterConfig
 from router.disagg import Disaggregation
 from router.domain import (
@@ -187,6 +188,7 @@ class Router:
         # and a clash can tell nobody which ids another tenant has in flight.
         call_id = f"{outcome.request_id}/{uuid.uuid4().hex}"
         admit = functools.partial(self.admission.check_planned, outcome=outcome)
+        affinity = scoped_key(req.cache_salt, req.affinity_key)
         for attempt in range(self.config.max_retries + 1):
             parts = progress.parts()
             # Every part continues the same prompt: the first one's blocks stand for all.
@@ -204,7 +206,7 @@ class Router:
                     return
                 parts = progress.parts()
             placed = (handoff.take() if handoff else None) or self.placement.route(
-                len(prompt), hashes, excluded, self.pd.serving_roles()
+                len(prompt), hashes, excluded, self.pd.serving_roles(), affinity
             )
             decision, holder = placed.decision, placed.holder
             if attempt == 0 and handoff is None:

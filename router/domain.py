@@ -70,7 +70,8 @@ class GenerateInput:
     # `cache_control.ttl`, OpenAI's `prompt_cache_retention`); None: the default. A hint,
     # carried but not yet honoured: every block is evicted by the pool's own policy.
     retention_s: int | None = None
-    # Requests with the same key belong together (OpenAI's `prompt_cache_key`); None: none.
+    # Requests with the same key belong together (OpenAI's `prompt_cache_key`): routed to the
+    # same worker while it is within bounds (`router.affinity`); None: none.
     affinity_key: str | None = None
 
 

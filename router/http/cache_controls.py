@@ -1,8 +1,8 @@
 """OpenAI's prompt cache controls on the completions and chat endpoints: `prompt_cache_key`
 (a string of at most `MAX_AFFINITY_KEY_LEN` characters: requests with the same key belong
-together, `GenerateInput.affinity_key`) and `prompt_cache_retention` (`in_memory`, the default,
-or `24h`: `GenerateInput.retention_s`). The retention is a hint, carried but not yet honoured by
-eviction."""
+together, routed to one worker while it is within bounds: `GenerateInput.affinity_key`) and
+`prompt_cache_retention` (`in_memory`, the default, or `24h`: `GenerateInput.retention_s`).
+The retention is a hint, carried but not yet honoured by eviction."""
 
 from __future__ import annotations
 

@@ -197,3 +197,23 @@ def test_usage_adds_up_on_the_grpc_and_openai_doors(door: tuple[Any, Any]) -> No
     uncached = usage["prompt_tokens"] - details["cached_tokens"] - details["cache_write_tokens"]
     assert 0 <= uncached < usage["prompt_tokens"]
     assert usage["prompt_tokens"] == _num_prompt_tokens(server, "grpc", "openai")
+
+
+def test_an_affinity_key_keeps_distinct_prompts_on_one_worker(door: tuple[Any, Any]) -> None:
+    server, _ = door
+    stub = pb_grpc.InferenceStub(server.channel())
+    sampling = pb.SamplingParams(max_tokens=2, temperature=0.0)
+
+    def worker_of(text: str, key: str | None) -> str:
+        request = pb.GenerateRequest(prompt=pb.Prompt(text=text), sampling=sampling)
+        if key is not None:
+            request.affinity_key = key
+        replies = list(stub.Generate(request, metadata=AUTH, timeout=120))
+        return str(replies[-1].usage.worker_id)
+
+    # Prompts sharing no block: without a key, new conversations go where there was least
+    # to do lately, so they spread over the two workers.
+    spread = {worker_of(f"{word} quick brown fox", None) for word in ("One", "Two", "Six", "Ten")}
+    assert len(spread) == 2
+    keyed = {worker_of(f"{word} lazy dog", "user-42") for word in ("Red", "Tan", "Sky", "Fig")}
+    assert len(keyed) == 1
