@@ -1,7 +1,8 @@
 """Anthropic's Messages API on the HTTP door, over real Ray workers: the official `anthropic`
 SDK unchanged (non-streaming, streaming, stop sequences, usage, errors), `cache_control`
-refusals in Anthropic's shape, and the usage split on every door: read + written + uncached
-adds up to the prompt as the router tokenizes it."""
+refusals in Anthropic's shape, the usage split on every door (read + written + uncached adds up
+to the prompt as the router tokenizes it), and an affinity key keeping its requests on its
+worker."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import anthropic
 import pytest
 from http_support import MODEL_NAME, base_url, call, start_http, stop_http
 
@@ -33,9 +33,15 @@ def door(make_server: Any) -> Iterator[tuple[Any, Any]]:
     stop_http(server, http)
 
 
-def _client(door: tuple[Any, Any], key: str = KEY) -> anthropic.Anthropic:
+@pytest.fixture(scope="module")
+def sdk() -> Any:
+    """The official `anthropic` SDK (the dev extra installs it)."""
+    return pytest.importorskip("anthropic")
+
+
+def _client(sdk: Any, door: tuple[Any, Any], key: str = KEY) -> Any:
     url = base_url(door[1]).removesuffix("/v1")
-    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120)
+    return sdk.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120)
 
 
 def _system(tag: str, ttl: str = "5m") -> list[dict[str, Any]]:
@@ -63,9 +69,9 @@ def _split(usage: Any) -> tuple[int, int, int]:
     return read, written, usage.input_tokens
 
 
-def test_sdk_message_usage_adds_up_and_the_second_request_reads(door: tuple[Any, Any]) -> None:
+def test_sdk_usage_adds_up_and_the_second_request_reads(sdk: Any, door: tuple[Any, Any]) -> None:
     server, _ = door
-    client = _client(door)
+    client = _client(sdk, door)
     replies = [
         client.messages.create(
             model=MODEL_NAME,
@@ -87,8 +93,8 @@ def test_sdk_message_usage_adds_up_and_the_second_request_reads(door: tuple[Any,
     assert read1 > 0  # the second read them
 
 
-def test_sdk_stream_is_the_whole_answer_event_by_event(door: tuple[Any, Any]) -> None:
-    client = _client(door)
+def test_sdk_stream_is_the_whole_answer_event_by_event(sdk: Any, door: tuple[Any, Any]) -> None:
+    client = _client(sdk, door)
     kwargs: dict[str, Any] = {
         "model": MODEL_NAME,
         "max_tokens": 8,
@@ -102,25 +108,25 @@ def test_sdk_stream_is_the_whole_answer_event_by_event(door: tuple[Any, Any]) ->
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert {"content_block_start", "content_block_stop", "message_delta"} <= set(kinds)
-    assert final.content[0].text == whole.content[0].text  # type: ignore[union-attr]
+    assert final.content[0].text == whole.content[0].text
     assert final.stop_reason == whole.stop_reason
     assert sum(_split(final.usage)) == sum(_split(whole.usage))
     assert final.usage.cache_read_input_tokens  # the first request wrote the prompt
     assert final.usage.output_tokens == whole.usage.output_tokens
 
 
-def test_a_stop_sequence_ends_the_answer_before_it(door: tuple[Any, Any]) -> None:
-    client = _client(door)
+def test_a_stop_sequence_ends_the_answer_before_it(sdk: Any, door: tuple[Any, Any]) -> None:
+    client = _client(sdk, door)
     kwargs: dict[str, Any] = {"model": MODEL_NAME, "extra_body": GREEDY}
     kwargs["messages"] = [{"role": "user", "content": "hello world, hello router"}]
-    text = client.messages.create(max_tokens=16, **kwargs).content[0].text  # type: ignore[union-attr]
+    text = client.messages.create(max_tokens=16, **kwargs).content[0].text
     # A character past the first (the tiny model's text has stray bytes: not those).
     chars = [c for c in text[1:] if c != "\ufffd" and not c.isspace()]
     assert chars, f"no stop string to pick from the answer {text!r}"
     stop = chars[0]
     reply = client.messages.create(max_tokens=16, stop_sequences=[stop], **kwargs)
     assert reply.stop_reason == "stop_sequence" and reply.stop_sequence == stop
-    assert reply.content[0].text == text[: text.find(stop)]  # type: ignore[union-attr]
+    assert reply.content[0].text == text[: text.find(stop)]
 
 
 def _refused(door: tuple[Any, Any], body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -156,16 +162,23 @@ def test_bad_requests_get_anthropics_error_naming_the_field(door: tuple[Any, Any
         assert payload["type"] == "error"
         assert payload["error"]["type"] == "invalid_request_error"
         assert field in payload["error"]["message"], (field, payload)
-    with pytest.raises(anthropic.BadRequestError, match="cache_control.ttl"):
-        _client(door).messages.create(
+
+
+def test_the_sdk_raises_anthropics_exceptions(sdk: Any, door: tuple[Any, Any]) -> None:
+    user = {"role": "user", "content": "hi"}
+    with pytest.raises(sdk.BadRequestError, match="cache_control.ttl"):
+        _client(sdk, door).messages.create(
             model=MODEL_NAME, max_tokens=4, system=_system("bad", ttl="1d"), messages=[user]
-        )  # type: ignore[arg-type]
-    with pytest.raises(anthropic.AuthenticationError):
-        _client(door, key="wrong").messages.create(model=MODEL_NAME, max_tokens=4, messages=[user])
-    with pytest.raises(anthropic.NotFoundError):
-        _client(door).messages.create(model="claude-x", max_tokens=4, messages=[user])
+        )
+    with pytest.raises(sdk.AuthenticationError):
+        _client(sdk, door, key="wrong").messages.create(
+            model=MODEL_NAME, max_tokens=4, messages=[user]
+        )
+    with pytest.raises(sdk.NotFoundError):
+        _client(sdk, door).messages.create(model="claude-x", max_tokens=4, messages=[user])
     # The door still serves.
-    assert _client(door).messages.create(model=MODEL_NAME, max_tokens=2, messages=[user]).content
+    reply = _client(sdk, door).messages.create(model=MODEL_NAME, max_tokens=2, messages=[user])
+    assert reply.content
 
 
 def test_usage_adds_up_on_the_grpc_and_openai_doors(door: tuple[Any, Any]) -> None:
@@ -199,21 +212,33 @@ def test_usage_adds_up_on_the_grpc_and_openai_doors(door: tuple[Any, Any]) -> No
     assert usage["prompt_tokens"] == _num_prompt_tokens(server, "grpc", "openai")
 
 
-def test_an_affinity_key_keeps_distinct_prompts_on_one_worker(door: tuple[Any, Any]) -> None:
-    server, _ = door
-    stub = pb_grpc.InferenceStub(server.channel())
+def test_an_affinity_key_keeps_its_requests_on_its_worker(
+    door: tuple[Any, Any], make_server: Any
+) -> None:
     sampling = pb.SamplingParams(max_tokens=2, temperature=0.0)
 
-    def worker_of(text: str, key: str | None) -> str:
+    def worker_of(server: Any, text: str, key: str | None = None) -> str:
         request = pb.GenerateRequest(prompt=pb.Prompt(text=text), sampling=sampling)
         if key is not None:
             request.affinity_key = key
+        stub = pb_grpc.InferenceStub(server.channel())
         replies = list(stub.Generate(request, metadata=AUTH, timeout=120))
         return str(replies[-1].usage.worker_id)
 
-    # Prompts sharing no block: without a key, new conversations go where there was least
-    # to do lately, so they spread over the two workers.
-    spread = {worker_of(f"{word} quick brown fox", None) for word in ("One", "Two", "Six", "Ten")}
-    assert len(spread) == 2
-    keyed = {worker_of(f"{word} lazy dog", "user-42") for word in ("Red", "Tan", "Sky", "Fig")}
-    assert len(keyed) == 1
+    # Long prompts held by each worker: the module's router spreads new prompts once one
+    # worker got more than its share of them (its traffic bound).
+    held: dict[str, str] = {}
+    for i in range(12):
+        prompt = f"{i} " + " ".join(["the quick brown fox jumps over the lazy dog."] * 4)
+        held.setdefault(worker_of(door[0], prompt), prompt)
+        if len(held) == 2:
+            break
+    assert len(held) == 2, "every prompt went to one worker"
+    (x, on_x), (y, on_y) = held.items()
+    # A router of its own (fresh memory of recent traffic, its bound off): the key's first
+    # request goes to the holder of its prefix, y.
+    server = make_server(auth_token=KEY, balance_traffic_factor=0)
+    assert worker_of(server, on_y + " one", "user-42") == y
+    # Without the key a continuation of x's prompt goes to x; with it, to the key's worker.
+    assert worker_of(server, on_x + " two") == x
+    assert worker_of(server, on_x + " three", "user-42") == y
