@@ -4,10 +4,10 @@ Choices are numbered as OpenAI numbers them: prompt by prompt, `n` each (choice
 `prompt * n + sample`). Usage counts each prompt once however many samples it has, and
 `prompt_tokens_details.cached_tokens` is the part of the prompt the cache served: for a prompt
 with several samples, that of the sample that found least cached (later samples find the first
-one's blocks; those were not cached when the request came). Our extensions beside it, from that
-same sample: `cached_tokens_by_tier` (the tier each cached token came from: "hbm" the device,
-"dram", "nvme", "redis", "peer") and `cache_write_tokens` (`Usage.cache_write_tokens`), so that
-cached + written + uncached = `prompt_tokens`.
+one's blocks; those were not cached when the request came). Beside it, from that same sample:
+`cache_write_tokens` (OpenAI's field: `Usage.cache_write_tokens`) and our extension
+`cached_tokens_by_tier` (the tier each cached token came from: "hbm" the device, "dram", "nvme",
+"redis", "peer"), so that cached + written + uncached = `prompt_tokens`.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import openai
 import pytest
 from http_support import MODEL_NAME, base_url, call, start_http, stop_http
 
@@ -197,19 +198,30 @@ def test_usage_adds_up_on_the_grpc_and_openai_doors(door: tuple[Any, Any]) -> No
         assert usage.prompt_tokens == num_prompt
         assert 0 <= usage.prompt_tokens - read - usage.cache_write_tokens < num_prompt
     assert usages[0].cache_write_tokens > 0 and usages[1].cached_tokens
-    body = {
-        "model": MODEL_NAME,
-        "max_tokens": 3,
-        "messages": [{"role": m.role, "content": m.content} for m in _chat("grpc", "openai")],
-    }
-    status, _, raw = call(http, "POST", "/v1/chat/completions", body, dict(AUTH))
-    assert status == 200, raw
-    usage = json.loads(raw)["usage"]
-    details = usage["prompt_tokens_details"]
-    assert details["cached_tokens"] == sum(details["cached_tokens_by_tier"].values()) > 0
-    uncached = usage["prompt_tokens"] - details["cached_tokens"] - details["cache_write_tokens"]
-    assert 0 <= uncached < usage["prompt_tokens"]
-    assert usage["prompt_tokens"] == _num_prompt_tokens(server, "grpc", "openai")
+    # The openai SDK, with OpenAI's cache controls.
+    client = openai.OpenAI(base_url=base_url(http), api_key=KEY, max_retries=0, timeout=120)
+    reply = client.chat.completions.create(
+        model=MODEL_NAME,
+        max_tokens=3,
+        messages=[{"role": m.role, "content": m.content} for m in _chat("grpc", "openai")],
+        prompt_cache_key="user-7",
+        prompt_cache_retention="24h",
+    )
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    details = reply.usage.prompt_tokens_details
+    by_tier = details.model_extra["cached_tokens_by_tier"]  # type: ignore[index]
+    written = details.cache_write_tokens or 0  # OpenAI's own field
+    assert details.cached_tokens == sum(by_tier.values()) > 0
+    uncached = reply.usage.prompt_tokens - details.cached_tokens - written
+    assert 0 <= uncached < reply.usage.prompt_tokens
+    assert reply.usage.prompt_tokens == _num_prompt_tokens(server, "grpc", "openai")
+    with pytest.raises(openai.BadRequestError, match="prompt_cache_retention"):
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            max_tokens=3,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"prompt_cache_retention": "forever"},
+        )
 
 
 def test_an_affinity_key_keeps_its_requests_on_its_worker(
