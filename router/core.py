@@ -36,6 +36,7 @@ from router.policy.admission import admission_of
 from router.policy.routing import Policy, RouteDecision
 from router.pool.supervisor import Replace, Supervisor
 from router.pool.worker_pool import WorkerDied, WorkerPool
+from router.request.affinity import scoped_key
 from router.request.disagg import Disaggregation
 from router.request.gate import Gate
 from router.request.handoff import Handoff
@@ -188,6 +189,7 @@ class Router:
         # and a clash can tell nobody which ids another tenant has in flight.
         call_id = f"{outcome.request_id}/{uuid.uuid4().hex}"
         admit = functools.partial(self.admission.check_planned, outcome=outcome)
+        affinity = scoped_key(req.cache_salt, req.affinity_key)
         for attempt in range(self.config.max_retries + 1):
             parts = progress.parts()
             # Every part continues the same prompt: the first one's blocks stand for all.
@@ -205,7 +207,7 @@ class Router:
                     return
                 parts = progress.parts()
             placed = (handoff.take() if handoff else None) or self.placement.route(
-                len(prompt), hashes, excluded, self.pd.serving_roles()
+                len(prompt), hashes, excluded, self.pd.serving_roles(), affinity
             )
             decision, holder = placed.decision, placed.holder
             if attempt == 0 and handoff is None:

@@ -53,6 +53,10 @@ class PromptInput:
     add_generation_prompt: bool = True
 
 
+MAX_AFFINITY_KEY_LEN = 1024  # characters of an affinity key (OpenAI's prompt_cache_key's limit)
+MAX_RETENTION_S = 24 * 3600  # the longest retention a client may ask (OpenAI's `24h`)
+
+
 @dataclass(frozen=True)
 class GenerateInput:
     request_id: str
@@ -62,6 +66,13 @@ class GenerateInput:
     use_response_cache: bool = True  # False: generate, and do not store the answer
     # The client set params.max_tokens: past the context it is refused, not lowered to fit.
     max_tokens_set: bool = False
+    # How long the client asked the prompt's cache entry to be kept, in seconds (Anthropic's
+    # `cache_control.ttl`, OpenAI's `prompt_cache_retention`); None: the default. A hint,
+    # carried but not yet honoured: every block is evicted by the pool's own policy.
+    retention_s: int | None = None
+    # Requests with the same key belong together (OpenAI's `prompt_cache_key`): routed to the
+    # same worker while it is within bounds (`router.request.affinity`); None: none.
+    affinity_key: str | None = None
 
 
 @dataclass(frozen=True)

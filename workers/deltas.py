@@ -41,13 +41,15 @@ def stream_delta(
             completion_tokens=len(out.token_ids),
             cached_tokens=cached,
             computed_tokens=out.num_computed_tokens,
+            cache_write_tokens=out.num_cache_write_tokens,
             ttft_ms=out.ttft_ms or 0.0,
             decode_tokens_per_s=out.decode_tokens_per_s,
             worker_id=worker_id,
             lossy_kv=out.lossy_kv,
         )
+    stop = out.stop_sequence if out.finished else None
     return StreamDelta(
-        index, tuple(out.token_ids[start:]), out.delta_text, out.finish_reason, usage
+        index, tuple(out.token_ids[start:]), out.delta_text, out.finish_reason, usage, stop
     )
 
 

@@ -111,6 +111,18 @@ PEER_TOKENS = "peer"
 
 @dataclass(frozen=True)
 class Usage:
+    """What one sample's prompt cost and where it came from.
+
+    The prompt splits three ways: `cached_tokens` (read from the cache, per tier),
+    `cache_write_tokens` and the rest, uncached (`uncached_tokens`): read + written +
+    uncached == `prompt_tokens`. Written: the full blocks of the prompt this request computed
+    and registered in its worker's device pool under a hash the pool did not hold (so later
+    requests can hit them). Uncached: the partial last block, and full blocks it computed that
+    it could not register (another request of the same step registered them first, or prefix
+    caching is off). `computed_tokens` is work, not accounting: a recompute after a preemption
+    counts again, while the split is the first admission's.
+    """
+
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: Mapping[str, int]  # per tier
@@ -126,6 +138,17 @@ class Usage:
     # did) and the prompt tokens whose KV the decoding worker pulled from it.
     prefill_worker_id: str | None = None
     kv_transfer_tokens: int = 0
+    cache_write_tokens: int = 0
+
+    @property
+    def cache_read_tokens(self) -> int:
+        """Prompt tokens read from the cache, all tiers."""
+        return sum(self.cached_tokens.values())
+
+    @property
+    def uncached_tokens(self) -> int:
+        """Prompt tokens neither read from the cache nor written to it."""
+        return self.prompt_tokens - self.cache_read_tokens - self.cache_write_tokens
 
 
 @dataclass(frozen=True)
@@ -137,6 +160,7 @@ class StreamDelta:
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    stop_sequence: str | None = None  # on a last delta: the stop string that ended the sample
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,7 @@ def _empty(prompt: str, prompt_ids: Sequence[int]) -> dict[str, Any]:
         "cached_tokens": 0,
         "cached_tokens_by_tier": {},
         "computed_tokens": 0,
+        "cache_write_tokens": 0,
         "worker_id": None,
     }
 
@@ -221,6 +222,7 @@ def _apply_usage(sample: dict[str, Any], usage: pb.Usage) -> None:
     sample["cached_tokens"] = sum(usage.cached_tokens.values())
     sample["cached_tokens_by_tier"] = {k: v for k, v in usage.cached_tokens.items() if v}
     sample["computed_tokens"] = usage.computed_tokens
+    sample["cache_write_tokens"] = usage.cache_write_tokens
     sample["worker_id"] = usage.worker_id
     if usage.prefill_worker_id:  # handed off: where the prompt was computed, the KV moved
         sample["prefill_worker_id"] = usage.prefill_worker_id

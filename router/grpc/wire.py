@@ -15,6 +15,8 @@ from google.protobuf.message import DecodeError, Message
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from router.config import RouterConfig
 from router.domain import (
+    MAX_AFFINITY_KEY_LEN,
+    MAX_RETENTION_S,
     ChatMessage,
     GenerateInput,
     InvalidInput,
@@ -113,7 +115,27 @@ def generate_from_proto(msg: pb.GenerateRequest, config: RouterConfig) -> Genera
         use_response_cache=not msg.no_response_cache,
         # Set, it is the client's: past the context it is refused (unset, lowered to fit).
         max_tokens_set=msg.sampling.HasField("max_tokens"),
+        retention_s=_retention(msg),
+        affinity_key=_affinity_key(msg),
     )
+
+
+def _retention(msg: pb.GenerateRequest) -> int | None:
+    seconds = msg.retention_s
+    _check(
+        0 <= seconds <= MAX_RETENTION_S,
+        f"retention_s must be in [0, {MAX_RETENTION_S}] seconds, got {seconds}",
+    )
+    return seconds or None
+
+
+def _affinity_key(msg: pb.GenerateRequest) -> str | None:
+    key = msg.affinity_key
+    _check(
+        len(key) <= MAX_AFFINITY_KEY_LEN,
+        f"affinity_key is {len(key)} characters; at most {MAX_AFFINITY_KEY_LEN}",
+    )
+    return key or None
 
 
 def score_from_proto(msg: pb.ScoreRequest) -> ScoreInput:
@@ -164,6 +186,7 @@ def delta_to_proto(request_id: str, delta: StreamDelta) -> pb.GenerateResponse:
                 from_response_cache=u.from_response_cache,
                 prefill_worker_id=u.prefill_worker_id or "",
                 kv_transfer_tokens=u.kv_transfer_tokens,
+                cache_write_tokens=u.cache_write_tokens,
             )
         )
     return out

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible endpoints (a Starlette app) over a started `router.core.Router`.
+"""The OpenAI-compatible endpoints (a Starlette app) over a started `router.core.Router`, and
+Anthropic's Messages endpoint beside them (`router.http.messages`).
 
 Translate and delegate, as `router/grpc/server.py` does for gRPC: the bearer token names the
 caller and its tenant (the same `TokenTable`), the body (`router.http.body`) becomes
@@ -16,36 +17,32 @@ request on its worker; one that goes away while sending its body is counted as c
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncGenerator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive
 
 from router.auth import Caller, TokenTable, tenant_cache_salt
 from router.core import Router
-from router.domain import GenerateInput, PromptInput, RouterError
-from router.http.body import ClientGone, read_json
-from router.http.errors import STATUS_NAMES, HttpError, error_body, from_router_error
+from router.domain import GenerateInput, PromptInput
+from router.http.body import read_json
+from router.http.errors import STATUS_NAMES, HttpError, error_body
+from router.http.flow import http_error, until_disconnect
+from router.http.messages import MessagesEndpoint
 from router.http.parse import OpenAIRequest, parse_chat, parse_completion
 from router.http.render import Answer, StreamChunks, full_response
 from router.request.ids import check_header_id
 from router.request.streams import merged
 from workers.protocol import StreamDelta
 
-T = TypeVar("T")
 _UNAUTHORIZED = "missing or invalid bearer token: send the header 'Authorization: Bearer <token>'"
-_log = logging.getLogger(__name__)
 Deltas = AsyncGenerator[tuple[int, StreamDelta], None]
 
 
@@ -59,12 +56,14 @@ class OpenAIDoor:
         self._tokens = tokens
         self.closing = False
         self._created = int(time.time())
+        messages = MessagesEndpoint(router, model_name, tokens, self._count)
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/messages", messages.handle, methods=["POST"]),
             ],
             exception_handlers={404: _unrouted, 405: _unrouted},
         )
@@ -105,11 +104,11 @@ class OpenAIDoor:
                 chunks = StreamChunks(parsed, response_id, self.model_name, int(time.time()))
                 return await self._stream(request, method, chunks, deltas)
             answer = Answer(parsed)
-            await _until_disconnect(request.receive, _collect(deltas, answer))
+            await until_disconnect(request.receive, _collect(deltas, answer))
             body = full_response(parsed, answer, response_id, self.model_name, int(time.time()))
             response = JSONResponse(body, headers={"x-request-id": response_id})
         except Exception as exc:
-            err = _http_error(exc, request_id)
+            err = http_error(exc, request_id)
             self._count(method, err.status)
             return _error_response(err)
         self._count(method, 200)
@@ -168,7 +167,7 @@ class OpenAIDoor:
     ) -> Response:
         # The first delta before the status: a refusal is then an error status, not an event.
         try:
-            first = await _until_disconnect(request.receive, anext(deltas, None))
+            first = await until_disconnect(request.receive, anext(deltas, None))
         except BaseException:
             await deltas.aclose()
             raise
@@ -194,7 +193,7 @@ class OpenAIDoor:
             status = 200
             yield chunks.end()
         except Exception as exc:
-            err = _http_error(exc, chunks.request.inputs[0].request_id)
+            err = http_error(exc, chunks.request.inputs[0].request_id)
             status = err.status
             yield chunks.error(err)
         finally:
@@ -225,43 +224,12 @@ async def _collect(deltas: Deltas, answer: Answer) -> None:
             answer.add(prompt, delta)
 
 
-async def _until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """`work`'s result; cancels it and raises ClientGone when the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _unrouted(request: Request, exc: Exception) -> Response:
     """An unknown path (404) or method (405), in OpenAI's error shape like every error."""
     assert isinstance(exc, HTTPException)
     what = "path" if exc.status_code == 404 else "method"
     message = f"{exc.detail}: {request.method} {request.url.path} (no such {what})"
     return _error_response(HttpError(exc.status_code, message))
-
-
-def _http_error(exc: Exception, request_id: str | None) -> HttpError:
-    """The error answer of `exc`; one that is neither the client's nor the router's own
-    (a bug) is logged with its traceback, as the gRPC door logs it."""
-    if isinstance(exc, ClientGone):
-        return HttpError(499, "client closed the request")
-    if not isinstance(exc, HttpError | RouterError):
-        _log.exception("internal error", exc_info=exc, extra={"request_id": request_id})
-    return from_router_error(exc)
 
 
 def _error_response(err: HttpError) -> Response:

@@ -7,6 +7,8 @@ default: up to the model's context), `max_completion_tokens` (wins over `max_tok
 body, where vLLM puts its own: `top_k` (-1 or 0: off), `cache_salt`, `ignore_eos`,
 `beam_width`, `length_penalty`, `stop_token_ids`, `no_response_cache`, `request_id`,
 `return_token_ids` (each choice, or chunk, also carries its `token_ids`, as in vLLM).
+OpenAI's prompt cache controls, `prompt_cache_key` and `prompt_cache_retention`, are read by
+`router.http.cache_controls`.
 vLLM's `add_special_tokens` is honoured (completions: true or false; chat: false, as the
 template writes them); `skip_special_tokens` and `spaces_between_special_tokens` only as true
 (the answer's text never holds special tokens; `return_token_ids` gives every id).
@@ -23,13 +25,23 @@ is told, never silently served something else.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from router.config import RouterConfig
 from router.domain import ChatMessage, GenerateInput, InvalidInput, PromptInput
+from router.http.cache_controls import FIELDS as CACHE_FIELDS
+from router.http.cache_controls import parse_cache_controls
+from router.http.fields import (
+    check,
+    check_fields,
+    integer,
+    json_object,
+    number,
+    shown,
+    typed,
+)
 from router.request.ids import check_header_id
 from workers.sampling_params import SamplingParams
 
@@ -39,8 +51,6 @@ _MAX_STOP_STRINGS = 16  # as on the gRPC door
 _MAX_SALT_LEN = 256  # as a request id's
 _INT64 = 2**63
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's
-# Fields named in a refusal are cut to this many characters (a body may be megabytes).
-_SHOWN_CHARS = 64
 
 # Fields we do not serve, accepted only with the value that asks for nothing (beyond the
 # generic null / false / empty).
@@ -78,6 +88,7 @@ _COMMON = (
     "request_id",
     "return_token_ids",
     "add_special_tokens",
+    *CACHE_FIELDS,
     *_ONLY_TRUE,
 )
 _COMPLETION_FIELDS = frozenset((*_COMMON, "prompt"))
@@ -103,11 +114,11 @@ class OpenAIRequest:
 
 def parse_completion(body: Any, config: RouterConfig, request_id: str) -> OpenAIRequest:
     """A `/v1/completions` body; raises InvalidInput naming the field."""
-    body = _object(body)
-    _check_fields(body, _COMPLETION_FIELDS)
+    body = json_object(body)
+    check_fields(body, _COMPLETION_FIELDS, _NEUTRAL)
     prompts = _prompts(body.get("prompt"))
     params = _sampling(body, config, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    add_special_tokens = _typed(body, "add_special_tokens", bool, True)
+    add_special_tokens = typed(body, "add_special_tokens", bool, True)
     parsed = _request(body, False, prompts, params, request_id)
     return dataclasses.replace(parsed, add_special_tokens=add_special_tokens)
 
@@ -117,12 +128,12 @@ def parse_chat(
 ) -> OpenAIRequest:
     """A `/v1/chat/completions` body; raises InvalidInput naming the field. Without a token
     limit a chat answer may run to the end of the model's context (`max_model_len`)."""
-    body = _object(body)
-    _check_fields(body, _CHAT_FIELDS)
+    body = json_object(body)
+    check_fields(body, _CHAT_FIELDS, _NEUTRAL)
     messages = _messages(body.get("messages"))
-    add_generation_prompt = _typed(body, "add_generation_prompt", bool, True)
-    _check(
-        not _typed(body, "add_special_tokens", bool, False),
+    add_generation_prompt = typed(body, "add_generation_prompt", bool, True)
+    check(
+        not typed(body, "add_special_tokens", bool, False),
         "add_special_tokens must be false on chat completions: the chat template writes the "
         "model's special tokens (as in vLLM)",
     )
@@ -138,25 +149,26 @@ def _request(
     params: SamplingParams,
     request_id: str,
 ) -> OpenAIRequest:
-    stream = _typed(body, "stream", bool, False)
+    stream = typed(body, "stream", bool, False)
     options = body.get("stream_options")
     if options is not None and not stream:
         raise InvalidInput("stream_options is allowed only when stream is true")
-    options = _object(options or {}, "stream_options")
-    _check_fields(options, frozenset(("include_usage",)), "stream_options.")
-    _typed(body, "user", str, None)
+    options = json_object(options or {}, "stream_options")
+    check_fields(options, frozenset(("include_usage",)), prefix="stream_options.")
+    typed(body, "user", str, None)
     for name in _ONLY_TRUE:
-        _check(
-            _typed(body, name, bool, True),
+        check(
+            typed(body, name, bool, True),
             f"{name} must be true: this server always leaves special tokens out of the "
             "answer's text (return_token_ids gives every token id)",
         )
-    salt = _typed(body, "cache_salt", str, None)
-    request_id = _typed(body, "request_id", str, None) or request_id
+    salt = typed(body, "cache_salt", str, None)
+    request_id = typed(body, "request_id", str, None) or request_id
     check_header_id(request_id)
     if salt is not None and len(salt) > _MAX_SALT_LEN:
         raise InvalidInput(f"cache_salt is {len(salt)} characters; at most {_MAX_SALT_LEN}")
-    use_cache = not _typed(body, "no_response_cache", bool, False)
+    use_cache = not typed(body, "no_response_cache", bool, False)
+    controls = parse_cache_controls(body)
     inputs = tuple(
         GenerateInput(
             request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
@@ -165,17 +177,19 @@ def _request(
             cache_salt=salt,
             use_response_cache=use_cache,
             max_tokens_set=body.get(_max_tokens_field(body)) is not None,
+            retention_s=controls.retention_s,
+            affinity_key=controls.affinity_key,
         )
         for i, prompt in enumerate(prompts)
     )
     return OpenAIRequest(
         chat=chat,
-        model=_typed(body, "model", str, None),
+        model=typed(body, "model", str, None),
         inputs=inputs,
         n=1 if params.beam_width > 1 else params.n,
         stream=stream,
-        include_usage=_typed(options, "include_usage", bool, False, "stream_options."),
-        return_token_ids=_typed(body, "return_token_ids", bool, False),
+        include_usage=typed(options, "include_usage", bool, False, "stream_options."),
+        return_token_ids=typed(body, "return_token_ids", bool, False),
     )
 
 
@@ -183,26 +197,26 @@ def _sampling(
     body: dict[str, Any], config: RouterConfig, default_max_tokens: int
 ) -> SamplingParams:
     field = _max_tokens_field(body)
-    max_tokens = _integer(body, "max_completion_tokens")
+    max_tokens = integer(body, "max_completion_tokens")
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens")
+        max_tokens = integer(body, "max_tokens")
     max_tokens = default_max_tokens if max_tokens is None else max_tokens
-    _check(max_tokens >= 1, f"{field} must be >= 1, got {max_tokens}")
-    temperature = _number(body, "temperature", 1.0)
-    top_p = _number(body, "top_p", 1.0)
-    top_k = _integer(body, "top_k", 0)
-    n = _integer(body, "n", 1)
-    beam_width = _integer(body, "beam_width", 1)
-    seed = _integer(body, "seed")
-    _check(temperature >= 0, f"temperature must be >= 0, got {temperature:g}")
-    _check(0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p:g}")
-    _check(top_k >= -1, f"top_k must be >= -1 (-1 or 0: off), got {top_k}")
-    _check(1 <= n <= config.max_n, f"n must be in [1, {config.max_n}], got {n}")
-    _check(
+    check(max_tokens >= 1, f"{field} must be >= 1, got {max_tokens}")
+    temperature = number(body, "temperature", 1.0)
+    top_p = number(body, "top_p", 1.0)
+    top_k = integer(body, "top_k", 0)
+    n = integer(body, "n", 1)
+    beam_width = integer(body, "beam_width", 1)
+    seed = integer(body, "seed")
+    check(temperature >= 0, f"temperature must be >= 0, got {temperature:g}")
+    check(0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p:g}")
+    check(top_k >= -1, f"top_k must be >= -1 (-1 or 0: off), got {top_k}")
+    check(1 <= n <= config.max_n, f"n must be in [1, {config.max_n}], got {n}")
+    check(
         1 <= beam_width <= config.max_beam_width,
         f"beam_width must be in [1, {config.max_beam_width}], got {beam_width}",
     )
-    _check(seed is None or -_INT64 <= seed < _INT64, f"seed must fit in 64 bits, got {seed}")
+    check(seed is None or -_INT64 <= seed < _INT64, f"seed must fit in 64 bits, got {seed}")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -212,10 +226,10 @@ def _sampling(
             seed=seed,
             stop=_stop(body.get("stop")),
             stop_token_ids=_token_ids(body.get("stop_token_ids", []), "stop_token_ids"),
-            ignore_eos=_typed(body, "ignore_eos", bool, False),
+            ignore_eos=typed(body, "ignore_eos", bool, False),
             n=n,
             beam_width=beam_width,
-            length_penalty=_number(body, "length_penalty", 1.0),
+            length_penalty=number(body, "length_penalty", 1.0),
         )
     except ValueError as exc:  # a rule of the engine's that the checks above do not cover
         raise InvalidInput(str(exc)) from exc
@@ -237,7 +251,7 @@ def _prompts(value: Any) -> list[PromptInput]:
         raise InvalidInput("prompt must be a string, an array of token ids, or an array of those")
     if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
         return [PromptInput(token_ids=tuple(value))]
-    _check(len(value) <= MAX_PROMPTS, f"prompt has {len(value)} prompts; at most {MAX_PROMPTS}")
+    check(len(value) <= MAX_PROMPTS, f"prompt has {len(value)} prompts; at most {MAX_PROMPTS}")
     prompts = []
     for i, item in enumerate(value):
         if isinstance(item, str):
@@ -255,13 +269,11 @@ def _messages(value: Any) -> tuple[ChatMessage, ...]:
     messages = []
     for i, m in enumerate(value):
         where = f"messages[{i}]"
-        m = _object(m, where)
-        _check_fields(m, frozenset(("role", "content")), f"{where}.")
+        m = json_object(m, where)
+        check_fields(m, frozenset(("role", "content")), prefix=f"{where}.")
         role = m.get("role")
         if role not in ROLES:
-            raise InvalidInput(
-                f"{where}.role must be one of {', '.join(ROLES)}; got {_shown(role)}"
-            )
+            raise InvalidInput(f"{where}.role must be one of {', '.join(ROLES)}; got {shown(role)}")
         messages.append(ChatMessage(role, _content(m.get("content"), f"{where}.content")))
     return tuple(messages)
 
@@ -274,9 +286,9 @@ def _content(value: Any, where: str) -> str:
         raise InvalidInput(f"{where} must be a string or an array of text parts")
     texts = []
     for j, part in enumerate(value):
-        part = _object(part, f"{where}[{j}]")
+        part = json_object(part, f"{where}[{j}]")
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = _shown(part.get("type"))
+            kind = shown(part.get("type"))
             raise InvalidInput(f"{where}[{j}]: only text parts are supported, got type {kind}")
         texts.append(part["text"])
     return "\n".join(texts)
@@ -286,16 +298,16 @@ def _stop(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     stops = [value] if isinstance(value, str) else value
-    _check(
+    check(
         isinstance(stops, list) and all(isinstance(s, str) for s in stops),
         "stop must be a string or an array of strings",
     )
-    _check(
+    check(
         len(stops) <= _MAX_STOP_STRINGS,
         f"stop has {len(stops)} strings; at most {_MAX_STOP_STRINGS}",
     )
     for i, s in enumerate(stops):
-        _check(bool(s), f"stop[{i}] must not be empty")
+        check(bool(s), f"stop[{i}] must not be empty")
     return tuple(stops)
 
 
@@ -303,87 +315,5 @@ def _token_ids(value: Any, field: str) -> tuple[int, ...]:
     ok = isinstance(value, list) and all(
         isinstance(x, int) and not isinstance(x, bool) for x in value
     )
-    _check(ok, f"{field} must be an array of integers")
+    check(ok, f"{field} must be an array of integers")
     return tuple(value)
-
-
-def _check_fields(body: dict[str, Any], known: frozenset[str], prefix: str = "") -> None:
-    """Refuse a field outside `known` unless its value asks for nothing."""
-    for name, value in body.items():
-        if name in known or value is None or value is False or value in ("", [], {}):
-            continue
-        neutral = _NEUTRAL.get(name)
-        if neutral is not None and isinstance(value, str | int | float) and neutral(value, body):
-            continue
-        shown = name if len(name) <= _SHOWN_CHARS else name[:_SHOWN_CHARS] + "..."
-        raise InvalidInput(f"{prefix}{shown} is not supported by this server")
-
-
-def _object(value: Any, field: str = "the request body") -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise InvalidInput(f"{field} must be a JSON object")
-    return value
-
-
-def _typed(body: dict[str, Any], name: str, kind: type, default: Any, prefix: str = "") -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, kind):
-        raise InvalidInput(f"{prefix}{name} must be a {_KINDS[kind]}, got {_json_kind(value)}")
-    return value
-
-
-def _integer(body: dict[str, Any], name: str, default: int | None = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)  # JSON has one number type; 16.0 is 16
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInput(f"{name} must be an integer, got {_json_kind(value)}")
-    return value
-
-
-def _number(body: dict[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value):
-        raise InvalidInput(f"{name} must be a finite number, got {_json_kind(value)}")
-    return float(value)
-
-
-def _finite(value: int | float) -> bool:
-    """Whether a JSON number is a finite double (an integer past 1.8e308 is not)."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-_KINDS = {bool: "boolean", str: "string", int: "integer", float: "number"}
-
-
-def _json_kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number" if _finite(value) else "non-finite number"
-    if isinstance(value, str):
-        return "string"
-    return "array" if isinstance(value, list) else "object"
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise InvalidInput(message)
-
-
-def _shown(value: Any) -> str:
-    """A value as a refusal quotes it: a short string itself, anything else its kind."""
-    if isinstance(value, str) and len(value) <= _SHOWN_CHARS:
-        return repr(value)
-    return "a long string" if isinstance(value, str) else _json_kind(value)

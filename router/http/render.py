@@ -3,8 +3,11 @@
 Choices are numbered as OpenAI numbers them: prompt by prompt, `n` each (choice
 `prompt * n + sample`). Usage counts each prompt once however many samples it has, and
 `prompt_tokens_details.cached_tokens` is the part of the prompt the cache served: for a prompt
-with several samples, the least any sample found cached (later samples find the first one's
-blocks; those were not cached when the request came).
+with several samples, that of the sample that found least cached (later samples find the first
+one's blocks; those were not cached when the request came). Beside it, from that same sample:
+`cache_write_tokens` (OpenAI's field: `Usage.cache_write_tokens`) and our extension
+`cached_tokens_by_tier` (the tier each cached token came from: "hbm" the device, "dram", "nvme",
+"redis", "peer"), so that cached + written + uncached = `prompt_tokens`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 from router.http.errors import HttpError
 from router.http.parse import OpenAIRequest
-from workers.protocol import StreamDelta
+from workers.protocol import StreamDelta, Usage
 
 DONE = b"data: [DONE]\n\n"
 
@@ -27,8 +30,7 @@ class Answer:
         self.texts: dict[int, list[str]] = {}
         self.token_ids: dict[int, list[int]] = {}
         self.finish: dict[int, str] = {}
-        self._prompt_tokens: dict[int, int] = {}
-        self._cached_tokens: dict[int, int] = {}
+        self._prompt_usage: dict[int, Usage] = {}  # per prompt: its least-cached sample's
         self._completion_tokens = 0
 
     def add(self, prompt: int, delta: StreamDelta) -> int:
@@ -41,19 +43,33 @@ class Answer:
             self.finish[choice] = delta.finish_reason
         if delta.usage is not None:
             u = delta.usage
-            self._prompt_tokens[prompt] = u.prompt_tokens
-            cached = sum(u.cached_tokens.values())
-            self._cached_tokens[prompt] = min(cached, self._cached_tokens.get(prompt, cached))
+            known = self._prompt_usage.get(prompt)
+            if known is None or u.cache_read_tokens < known.cache_read_tokens:
+                self._prompt_usage[prompt] = u
             self._completion_tokens += u.completion_tokens
         return choice
 
+    def prompt_usages(self) -> list[Usage]:
+        """Each prompt's usage (that of its sample that found least cached)."""
+        return list(self._prompt_usage.values())
+
     def usage(self) -> dict[str, Any]:
-        prompt = sum(self._prompt_tokens.values())
+        usages = self.prompt_usages()
+        prompt = sum(u.prompt_tokens for u in usages)
+        by_tier: dict[str, int] = {}
+        for u in usages:
+            for tier, n in u.cached_tokens.items():
+                by_tier[tier] = by_tier.get(tier, 0) + n
+        details = {
+            "cached_tokens": sum(u.cache_read_tokens for u in usages),
+            "cached_tokens_by_tier": {tier: n for tier, n in by_tier.items() if n},
+            "cache_write_tokens": sum(u.cache_write_tokens for u in usages),
+        }
         return {
             "prompt_tokens": prompt,
             "completion_tokens": self._completion_tokens,
             "total_tokens": prompt + self._completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(self._cached_tokens.values())},
+            "prompt_tokens_details": details,
         }
 
     def text(self, choice: int) -> str:

@@ -47,6 +47,9 @@ class RouteRequest:
     # When it is routed, in seconds on a clock that never goes back (the router's monotonic
     # clock, the simulator's): the policies' memory of recent work decays by it.
     now_s: float = 0.0
+    # The worker the request's affinity key went to last (`router.request.affinity`): `prefix_aware`
+    # sends it there while that worker is within its bounds. None: no key, or a new one.
+    affinity: WorkerId | None = None
 
 
 def fetch_weights(candidate: Candidate) -> Mapping[str, float]:

@@ -244,10 +244,11 @@ class PrefixAware:
         scores = self._scores(request, candidates, eligible, lately)
         best = min(scores.values())
         limit = best + self.tie_fraction * request.num_prompt_tokens
-        near = [c for c in eligible if scores[c.worker] <= limit]
+        near = [c for c in eligible if scores[c.worker] <= limit or c.worker == request.affinity]
         pick = min(
             near,
             key=lambda c: (
+                c.worker != request.affinity,  # an affinity key's worker within bounds wins
                 lately.busy[c.worker] + queued[c.worker],
                 scores[c.worker],
                 self._recency.age_key(c.worker),

@@ -79,6 +79,7 @@ class Handoff:
             last,
             cached_tokens=dict(first.cached_tokens),
             computed_tokens=first.computed_tokens + last.computed_tokens,
+            cache_write_tokens=first.cache_write_tokens,  # the decode side pulled, wrote none
             ttft_ms=first.ttft_ms,
             lossy_kv=first.lossy_kv or last.lossy_kv,
             prefill_worker_id=first.worker_id,

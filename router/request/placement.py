@@ -17,6 +17,7 @@ from router.policy.placement import Asked, LiveWorker, choose
 from router.policy.routing import Policy, RouteDecision, RouteRequest, can_pull
 from router.pool.worker_pool import WorkerPool
 from router.pool.worker_state import WorkerState
+from router.request.affinity import AffinityTable
 from workers.protocol import HolderHint
 
 
@@ -42,6 +43,7 @@ class Placement:
         self.pool = pool
         self.policy = policy
         self.config = config
+        self.affinity = AffinityTable()
 
     def candidates_left(self, excluded: set[WorkerId]) -> bool:
         return any(s.worker_id not in excluded for s in self.pool.routable())
@@ -52,11 +54,16 @@ class Placement:
         hashes: list[BlockHash],
         excluded: set[WorkerId],
         roles: Collection[str] | None = None,
+        affinity_key: str | None = None,
     ) -> Placed:
-        """`choose`, recorded by the policy: the request runs where it chose."""
-        placed = self.choose(num_tokens, hashes, excluded, roles)
+        """`choose`, recorded by the policy: the request runs where it chose. With an
+        `affinity_key` (`affinity.scoped_key`), where that key's last request went while the
+        policy finds that worker within its bounds (`prefix_aware` only); the key is noted
+        wherever the request goes."""
+        placed = self.choose(num_tokens, hashes, excluded, roles, affinity_key)
         assert placed.asked is not None
         placed.asked.record(placed.decision.worker)
+        self.affinity.routed(affinity_key, placed.decision.worker)
         return placed
 
     def choose(
@@ -65,6 +72,7 @@ class Placement:
         hashes: list[BlockHash],
         excluded: set[WorkerId],
         roles: Collection[str] | None = None,
+        affinity_key: str | None = None,
     ) -> Placed:
         """The policy's choice among the live workers not `excluded`, and the holder it may
         pull from (one index lookup for both), not recorded (`Placed.asked`). With `roles`,
@@ -86,7 +94,9 @@ class Placement:
             LiveWorker(s.worker_id, s.num_requests, s.num_queued_tokens, s.load.block_costs)
             for s in live
         ]
-        request = RouteRequest(num_tokens, self.pool.model.block_size, time.monotonic())
+        sticky = self.affinity.worker(affinity_key)
+        block_size = self.pool.model.block_size
+        request = RouteRequest(num_tokens, block_size, time.monotonic(), sticky)
         choice = choose(self.policy, request, loads, matches, holders)
         if choice.holder is None:
             return Placed(choice.decision, asked=choice.asked)

@@ -56,6 +56,7 @@ class CachedResponse:
                 sample.usage,
                 cached_tokens={},
                 computed_tokens=0,
+                cache_write_tokens=0,
                 ttft_ms=ttft_ms,
                 decode_tokens_per_s=None,
                 worker_id="",

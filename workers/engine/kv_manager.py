@@ -273,6 +273,16 @@ class KVCacheManager:
             parent = hashes[i - 1] if i > 0 else None
             if self.pool.register(request.block_ids[i], hashes[i], chunk, parent):
                 self._in_flight.add(request.block_ids[i])
+                self._count_write(request, i)
+
+    def _count_write(self, request: Request, index: int) -> None:
+        """Count block `index`, just registered by `request` under a hash the pool did not
+        hold, as the request's cache write when it is a full block of its prompt. Only before a
+        preemption: the report's cached tokens are the first admission's, and what a recompute
+        registers again was counted (or cached) then, so cached + written never exceed the
+        prompt."""
+        if request.num_preemptions == 0 and index < request.num_prompt_tokens // self.block_size:
+            request.num_cache_write_tokens += self.block_size
 
     def _root(self, salt: str | None) -> BlockHash:
         # A cache of a pure function: one entry per salt seen, so it is bounded (salts come

@@ -33,6 +33,10 @@ class RequestOutput:
     num_preemptions: int
     # Cached prompt tokens by the tier they came from ("hbm" is the device pool).
     cached_tokens_by_tier: Mapping[str, int] = field(default_factory=dict)
+    # Prompt tokens it wrote to the cache: full prompt blocks it computed and registered
+    # first in the device pool (`Usage.cache_write_tokens`).
+    num_cache_write_tokens: int = 0
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
     # Some of the KV it was computed over came from a lossy (quantized) tier.
     lossy_kv: bool = False
     error: str | None = None  # set with finish reason "error" only

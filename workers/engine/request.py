@@ -67,6 +67,8 @@ class Request:
     # Counters for the usage report: tokens served from the prefix cache and tokens computed.
     num_cached_tokens: int = 0
     num_prompt_tokens_computed: int = 0
+    # Prompt tokens this request wrote to the cache (`KVCacheManager` counts them).
+    num_cache_write_tokens: int = 0
     _generator: torch.Generator | None = field(default=None, repr=False)
 
     def next_generator(self) -> torch.Generator | None:

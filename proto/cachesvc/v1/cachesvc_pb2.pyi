@@ -64,21 +64,25 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., beam_width: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "cache_salt", "no_response_cache")
+    __slots__ = ("request_id", "prompt", "sampling", "cache_salt", "no_response_cache", "affinity_key", "retention_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     NO_RESPONSE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    AFFINITY_KEY_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: Prompt
     sampling: SamplingParams
     cache_salt: str
     no_response_cache: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., no_response_cache: _Optional[bool] = ...) -> None: ...
+    affinity_key: str
+    retention_s: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., no_response_cache: _Optional[bool] = ..., affinity_key: _Optional[str] = ..., retention_s: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "computed_tokens", "worker_id", "ttft_ms", "decode_tokens_per_s", "from_response_cache", "prefill_worker_id", "kv_transfer_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "computed_tokens", "worker_id", "ttft_ms", "decode_tokens_per_s", "from_response_cache", "prefill_worker_id", "kv_transfer_tokens", "cache_write_tokens")
     class CachedTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +100,7 @@ class Usage(_message.Message):
     FROM_RESPONSE_CACHE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_WRITE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: _containers.ScalarMap[str, int]
@@ -106,7 +111,8 @@ class Usage(_message.Message):
     from_response_cache: bool
     prefill_worker_id: str
     kv_transfer_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[_Mapping[str, int]] = ..., computed_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., from_response_cache: _Optional[bool] = ..., prefill_worker_id: _Optional[str] = ..., kv_transfer_tokens: _Optional[int] = ...) -> None: ...
+    cache_write_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[_Mapping[str, int]] = ..., computed_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., from_response_cache: _Optional[bool] = ..., prefill_worker_id: _Optional[str] = ..., kv_transfer_tokens: _Optional[int] = ..., cache_write_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "text", "finish_reason", "usage")

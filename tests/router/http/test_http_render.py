@@ -42,7 +42,11 @@ def test_choices_numbered_by_prompt_then_sample_and_usage_counts_prompts_once() 
         "completion_tokens": 4,
         "total_tokens": 17,
         # The second sample of prompt 0 found the first one's blocks: not cached for the request.
-        "prompt_tokens_details": {"cached_tokens": 4},
+        "prompt_tokens_details": {
+            "cached_tokens": 4,
+            "cached_tokens_by_tier": {"hbm": 4},
+            "cache_write_tokens": 0,
+        },
     }
 
 
