@@ -32,6 +32,7 @@ from workers.engine.request import FinishReason, PeerSource, Request
 from workers.engine.runner import ModelRunner, StepResult
 from workers.engine.sampler import sample
 from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.engine.scheme_plan import startup_costs
 from workers.engine.scoring import encode_input, validate
 from workers.engine.scoring import score as run_score
 from workers.engine.suspects import Verdict
@@ -100,6 +101,7 @@ class Engine:
             config.block_size,
             config.device,
             scheme=config.prefill_scheme,
+            costs=startup_costs(config, self.loaded.config),
         )
         self._tracked: dict[RequestId, Tracked] = {}  # requests whose output a caller sees
         self._requests: dict[RequestId, Request] = {}  # every live request, beams included
