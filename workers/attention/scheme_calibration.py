@@ -60,13 +60,18 @@ class CalibrationTarget:
     num_kv_heads: int
     head_dim: int
     page_size: int
+    # The P, S and M levels to measure; None: CPU_GRID or GPU_GRID by device.
+    grid: Grid | None = None
 
     @property
     def sm_scale(self) -> float:
         return float(self.head_dim) ** -0.5
 
     @property
-    def grid(self) -> Grid:
+    def levels(self) -> Grid:
+        """The grid measured: `grid`, or the device's default."""
+        if self.grid is not None:
+            return self.grid
         return GPU_GRID if self.device.startswith("cuda") else CPU_GRID
 
     def key(self) -> dict[str, Any]:
@@ -77,7 +82,7 @@ class CalibrationTarget:
             "machine": _machine(self.device),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
-            "grid": [list(levels) for levels in self.grid],
+            "grid": [list(levels) for levels in self.levels],
             "version": _VERSION,
         }
 
@@ -160,12 +165,12 @@ def scheme_costs(
 
 
 def calibrate(target: CalibrationTarget) -> list[dict[str, Any]]:
-    """Time every scheme on each cell of `target.grid`; records as `SchemeCosts` reads them."""
+    """Time every scheme on each cell of `target.levels`; records as `SchemeCosts` reads them."""
     start = time.perf_counter()
     cells = []
-    for p in target.grid[0]:
-        for s in target.grid[1]:
-            for m in target.grid[2]:
+    for p in target.levels[0]:
+        for s in target.levels[1]:
+            for m in target.levels[2]:
                 ms = measure_cell(p, s, m, target)
                 cells.append(
                     {"P": p, "S": s, "M": m, "backend": target.backend, "decode": False, "ms": ms}
