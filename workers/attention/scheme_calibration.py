@@ -46,7 +46,7 @@ Grid = tuple[Sequence[int], Sequence[int], Sequence[int]]
 # 2-core build machine for SmolLM2's heads, ~15 s for the benchmark's 16/8 x 128 heads.
 CPU_GRID: Grid = ((64, 256, 1024), (4, 64), (2, 8))
 # A GPU computes these in milliseconds: the seed's range (P to 8K, S to 256, M to 32).
-GPU_GRID: Grid = ((64, 512, 4096), (4, 64, 256), (2, 8, 32))
+GPU_GRID: Grid = ((64, 512, 8192), (4, 64, 256), (2, 8, 32))
 
 
 @dataclass(frozen=True)
