@@ -147,9 +147,9 @@ def scheme_costs(
         raise ValueError(f"scheme calibration must be one of {SCHEME_CALIBRATIONS}: {mode!r}")
     if mode == "off":
         return None
-    key = target.key()
-    path = cache_path(key, cache_dir or default_cache_dir())
     try:
+        key = target.key()
+        path = cache_path(key, cache_dir or default_cache_dir())
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.with_suffix(".lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -159,7 +159,10 @@ def scheme_costs(
             cells = calibrate(target)
             save_costs(path, key, cells)
             return SchemeCosts.from_records(cells)
-    except Exception as exc:  # a worker still serves, with the built-in rule
+    # A backend that cannot run here (ValueError, RuntimeError: no CUDA or package, ImportError),
+    # a kernel that fails, a cache folder that cannot be written: the worker still serves, with
+    # the built-in rule. Anything else (a caller's timeout) propagates.
+    except (ValueError, RuntimeError, ImportError, OSError, AssertionError) as exc:
         logger.warning("prefill scheme calibration failed (%s); using the built-in rule", exc)
         return None
 

@@ -173,6 +173,9 @@ def test_the_rule_decides_when_calibration_is_off_or_fails(tmp_path: Path) -> No
     # An attention backend that cannot run here: measuring fails, the worker still starts.
     broken = CalibrationTarget(**{**TINY.__dict__, "backend": "no-such-backend"})
     assert scheme_costs(broken, "auto", tmp_path) is None
+    if not torch.cuda.is_available():  # a GPU target on a machine without one
+        gpu = CalibrationTarget(**{**TINY.__dict__, "backend": "flashinfer", "device": "cuda"})
+        assert scheme_costs(gpu, "auto", tmp_path) is None
     assert choose_scheme(shape, None) == choose_scheme(shape)
     with pytest.raises(ValueError, match="scheme calibration"):
         scheme_costs(TINY, "sometimes", tmp_path)
