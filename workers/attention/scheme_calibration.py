@@ -42,8 +42,9 @@ _VERSION = 2
 
 Grid = tuple[Sequence[int], Sequence[int], Sequence[int]]
 # Levels 4x apart in P and 16x in S and M span what one prefill step holds (2K tokens by
-# default); between levels `SchemeCosts.estimate` interpolates. About 3 s on this project's
-# 2-core build machine for SmolLM2's heads, ~15 s for the benchmark's 16/8 x 128 heads.
+# default); between levels `SchemeCosts.estimate` interpolates. On this project's 2-core build
+# machine, one thread, quiet: 2 s for the tiny test model's heads, 8 s for SmolLM2's (9/3 x 64),
+# 25 s for the benchmark's 16/8 x 128; several times that while other work loads the machine.
 CPU_GRID: Grid = ((64, 256, 1024), (4, 64), (2, 8))
 # A GPU computes these in milliseconds: the seed's range (P to 8K, S to 256, M to 32).
 GPU_GRID: Grid = ((64, 512, 8192), (4, 64, 256), (2, 8, 32))
