@@ -10,6 +10,9 @@ from cachesvc.kv.config import ConfigError, TierConfig, check_policy
 
 _DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_SCHEMES = ("auto", "naive", "split", "ragged", "cascade", "multi_item", "custom_mask")
+# "auto": measure the schemes' costs at start unless this machine's cache has them; "refresh":
+# measure again; "off": the built-in rule alone.
+SCHEME_CALIBRATIONS = ("auto", "refresh", "off")
 # What a worker is for under prefill/decode disaggregation (`EngineConfig.role`).
 WORKER_ROLES = ("mixed", "prefill", "decode")
 
@@ -36,6 +39,8 @@ class EngineConfig:
     # How requests sharing a prefix in one batch are computed (the seed article's schemes);
     # "auto" picks per batch from its shape and measured costs.
     prefill_scheme: str = "auto"
+    # How "auto" knows the schemes' costs on this machine (SCHEME_CALIBRATIONS).
+    scheme_calibration: str = "auto"
     attention_backend: str = "torch"
     max_model_len: int | None = None
     num_threads: int | None = None
@@ -84,6 +89,11 @@ class EngineConfig:
         if self.prefill_scheme not in PREFILL_SCHEMES:
             raise ConfigError(
                 f"prefill_scheme must be one of {PREFILL_SCHEMES}, got {self.prefill_scheme!r}"
+            )
+        if self.scheme_calibration not in SCHEME_CALIBRATIONS:
+            raise ConfigError(
+                f"scheme_calibration must be one of {SCHEME_CALIBRATIONS}, "
+                f"got {self.scheme_calibration!r}"
             )
         for name in ("block_size", "kv_cache_mb", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:

@@ -10,6 +10,7 @@ layout its scheme attends with, which any backend's `forward` dispatches on.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -236,20 +237,61 @@ class SchemeCosts:
 
         return min(same, key=distance)
 
+    def estimate(self, shape: BatchShape) -> dict[str, float] | None:
+        """Each scheme's ms at `shape`, from the cells of the same backend and phase.
+
+        When those cells form a full P x S x M grid timing the same schemes, each scheme's log
+        ms is interpolated multilinearly in log P, log S, log M (clamped to the grid: no
+        extrapolation), so a shape between cells weighs both sides rather than taking the
+        nearest one's ranking, which flips on a near tie. Otherwise the nearest cell's ms; None
+        when there is no cell.
+        """
+        same = [
+            c
+            for c in self.cells
+            if c.shape.backend == shape.backend and c.shape.decode == shape.decode
+        ]
+        grid = {(c.shape.prefix_len, c.shape.suffix_len, c.shape.num_requests): c.ms for c in same}
+        axes = [sorted({key[i] for key in grid}) for i in range(3)]
+        schemes = {frozenset(ms) for ms in grid.values()}
+        if len(grid) != len(same) or len(grid) != math.prod(map(len, axes)) or len(schemes) != 1:
+            cell = self.nearest(shape)
+            return None if cell is None else dict(cell.ms)
+        point = (shape.prefix_len, shape.suffix_len, shape.num_requests)
+        weights = [_axis_weights(axis, x) for axis, x in zip(axes, point, strict=True)]
+        log_ms = dict.fromkeys(next(iter(schemes)), 0.0)
+        for (p, wp), (s, ws), (m, wm) in itertools.product(*weights):
+            for scheme, ms in grid[(p, s, m)].items():
+                log_ms[scheme] += wp * ws * wm * math.log(max(ms, 1e-9))
+        return {scheme: math.exp(v) for scheme, v in log_ms.items()}
+
+
+def _axis_weights(levels: Sequence[int], x: int) -> list[tuple[int, float]]:
+    """The two levels around `x` with their linear weights in log2(x + 1), clamped to the ends."""
+    if x <= levels[0] or len(levels) == 1:
+        return [(levels[0], 1.0)]
+    if x >= levels[-1]:
+        return [(levels[-1], 1.0)]
+    hi = next(i for i, level in enumerate(levels) if level >= x)
+    lo_x, hi_x = math.log2(levels[hi - 1] + 1), math.log2(levels[hi] + 1)
+    t = (math.log2(x + 1) - lo_x) / (hi_x - lo_x)
+    return [(levels[hi - 1], 1.0 - t), (levels[hi], t)]
+
 
 def choose_scheme(shape: BatchShape, costs: SchemeCosts | None = None) -> str:
     """The scheme to run a step of this shape with.
 
-    With `costs`, the fastest measured scheme of the nearest cell of the same backend and phase;
+    With `costs`, the scheme `SchemeCosts.estimate` finds cheapest from the measured cells of
+    the same backend and phase (a worker's start-up calibration, `scheme_calibration`);
     otherwise (or when no such cell exists) the built-in rules: the seed's FlashInfer
     measurements for GPU backends, ours for the CPU torch backend. Decode returns "cascade" or
     "ragged" (plain paged attention over shared prefix pages).
     """
     if shape.num_requests < 2 or shape.prefix_len == 0:
         return "ragged" if shape.decode else "naive"
-    cell = costs.nearest(shape) if costs is not None else None
-    if cell is not None:
-        return cell.fastest
+    estimates = costs.estimate(shape) if costs is not None else None
+    if estimates:
+        return min(estimates, key=lambda k: estimates[k])
     rule = _torch_rule if shape.backend == "torch" else _gpu_rule
     return rule(shape)
 

@@ -32,6 +32,7 @@ from workers.engine.request import FinishReason, PeerSource, Request
 from workers.engine.runner import ModelRunner, StepResult
 from workers.engine.sampler import sample
 from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.engine.scheme_plan import startup_costs
 from workers.engine.scoring import encode_input, validate
 from workers.engine.scoring import score as run_score
 from workers.engine.suspects import Verdict
@@ -101,6 +102,7 @@ class Engine:
             config.device,
             scheme=config.prefill_scheme,
             max_num_tokens=config.max_num_batched_tokens,
+            costs=startup_costs(config, self.loaded.config),
         )
         self._tracked: dict[RequestId, Tracked] = {}  # requests whose output a caller sees
         self._requests: dict[RequestId, Request] = {}  # every live request, beams included

@@ -3,15 +3,21 @@
 The scheduler decides which tokens each request computes; this module only looks at the batch
 it produced. Requests whose block tables start with the same block share a prefix: they are
 ordered next to each other (leader first, the one computing the prefix), measured as a
-`BatchShape` (P, S, M), and the scheme is either the configured one or `choose_scheme`'s pick.
+`BatchShape` (P, S, M), and the scheme is either the configured one or `choose_scheme`'s pick,
+from the costs `startup_costs` measured for this machine, backend and model when the engine
+started.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from workers.attention.cascade import find_prefix_groups
+from workers.attention.scheme_calibration import CalibrationTarget, scheme_costs
 from workers.attention.schemes import (
     BatchShape,
     SchemeCosts,
@@ -19,7 +25,9 @@ from workers.attention.schemes import (
     build_scheme_layout,
     choose_scheme,
 )
+from workers.config import EngineConfig
 from workers.engine.scheduler import ScheduledChunk
+from workers.model.config import ModelConfig
 
 PLAIN = ("naive", "split", "ragged")
 
@@ -129,3 +137,24 @@ def plan_step(
     else:
         layout = build_scheme_layout("ragged" if scheme in PLAIN else scheme, *args, device=device)
     return StepPlan(ordered, layout, shape)
+
+
+def startup_costs(
+    config: EngineConfig, model: ModelConfig, cache_dir: Path | None = None
+) -> SchemeCosts | None:
+    """The prefill schemes' costs for this engine's backend, device, dtype, heads and block
+    size, measured now (seconds) or read from this machine's cache; None (the built-in rule)
+    when the scheme is fixed, calibration is off, or it failed. Run it after the thread count
+    is set: the costs depend on it."""
+    if config.prefill_scheme != "auto":
+        return None
+    target = CalibrationTarget(
+        backend=config.attention_backend,
+        device=str(config.device),
+        dtype=getattr(torch, config.dtype),
+        num_qo_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        page_size=config.block_size,
+    )
+    return scheme_costs(target, config.scheme_calibration, cache_dir)

@@ -33,6 +33,14 @@ def add_bench_parser(sub: Any) -> None:
         b.add_argument("--json", dest="json_path", help="also write the results to this file")
         b.add_argument("--quick", action="store_true", help="a small run, under a minute")
         b.add_argument("--backend", default="torch", help="attention backend (torch, flashinfer)")
+        if name == "prefill-schemes":
+            b.add_argument(
+                "--scheme-calibration",
+                default="auto",
+                choices=("auto", "refresh", "off"),
+                help="the costs auto picks from: this machine's cached calibration, measured "
+                "if absent (auto), measured again (refresh), or the built-in rule (off)",
+            )
         if name == "prefix-cache":
             b.add_argument("--model", default=None)
             b.add_argument("--groups", type=int, default=4, help="prefix groups")
@@ -162,7 +170,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.suite == "prefill-schemes":
         from cachesvc.bench.prefill_schemes import run_prefill_schemes_bench
 
-        return run_prefill_schemes_bench(args.quick, args.json_path, backend=args.backend)
+        return run_prefill_schemes_bench(
+            args.quick,
+            args.json_path,
+            backend=args.backend,
+            calibration=args.scheme_calibration,
+        )
     if args.suite == "decode-cascade":
         from cachesvc.bench.decode_cascade import run_decode_cascade_bench
 

@@ -49,6 +49,14 @@ def add_engine_args(p: argparse.ArgumentParser, redis_flag: str = "--redis-url")
         choices=("auto", "naive", "split", "ragged", "cascade", "multi_item", "custom_mask"),
         help="how requests sharing a prefix in one batch are computed (default: chosen per batch)",
     )
+    p.add_argument(
+        "--scheme-calibration",
+        default="auto",
+        choices=("auto", "refresh", "off"),
+        help="how the auto prefill scheme learns this machine's costs: measured at start once "
+        "per machine, backend and model shape, then cached (auto); measured again (refresh); "
+        "or the built-in rule (off)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument(
         "--eviction-policy",
@@ -127,6 +135,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_prefix_cache,
         prefill_scheme=args.prefill_scheme,
+        scheme_calibration=args.scheme_calibration,
         num_threads=args.threads,
         dtype=args.dtype,
         eviction_policy=getattr(args, "eviction_policy", None),

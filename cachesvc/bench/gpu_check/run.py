@@ -40,6 +40,7 @@ from cachesvc.bench import decode_cascade, prefill_schemes
 from cachesvc.bench.gpu_check import correctness as correctness
 from cachesvc.bench.gpu_check.engine import phase_engine
 from cachesvc.bench.gpu_check.report import Run, time_cap, write_report
+from workers.attention.scheme_calibration import scheme_costs
 from workers.attention.schemes import make_scheme_backend
 
 PHASES = ("build", "correctness", "engine", "timing")
@@ -128,8 +129,11 @@ def phase_timing(run: Run) -> None:
     jobs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("decode", partial(decode_cascade.bench_cell, p, n, cfg)) for p, n in product(*d_grid)
     ]
+    # `auto` as a worker on this GPU picks it: from the costs it calibrates at start.
+    target = prefill_schemes.calibration_target(cfg)
+    costs = run.guarded("scheme calibration", partial(scheme_costs, target))
     jobs += [
-        ("prefill", partial(prefill_schemes.bench_cell, p, s, m, cfg))
+        ("prefill", partial(prefill_schemes.bench_cell, p, s, m, cfg, costs))
         for p, s, m in product(*p_grid)
     ]
     for i, (kind, job) in enumerate(jobs):

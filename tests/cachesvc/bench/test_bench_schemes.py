@@ -9,25 +9,24 @@ import pytest
 import torch
 
 from cachesvc.bench.decode_cascade import run_decode_cascade_bench
-from cachesvc.bench.prefill_schemes import (
-    bench_config,
-    make_case,
-    run_prefill_schemes_bench,
-    run_scheme,
-    scheme_run,
-)
+from cachesvc.bench.prefill_schemes import bench_config, run_prefill_schemes_bench
+from workers.attention.scheme_cases import SchemeRun, make_case, run_scheme, scheme_run
 from workers.attention.schemes import SCHEMES, SchemeCosts, choose_scheme
 
 
 def test_prefill_bench_writes_a_cell_per_grid_point(tmp_path: Path, capsys) -> None:
     path = tmp_path / "prefill.json"
-    status = run_prefill_schemes_bench(True, str(path), grid=((20,), (3,), (2, 3)))
+    # Calibration off: `auto` is then the built-in rule, and the smoke run stays short.
+    status = run_prefill_schemes_bench(
+        True, str(path), grid=((20,), (3,), (2, 3)), calibration="off"
+    )
     assert status in (0, 1)  # 1 only says auto missed the 10% band on this noisy machine
     cells = json.loads(path.read_text())
     assert [(c["P"], c["S"], c["M"]) for c in cells] == [(20, 3, 2), (20, 3, 3)]
     for cell in cells:
         assert set(cell["ms"]) == set(SCHEMES) and cell["backend"] == "torch"
-        assert cell["auto"] in SCHEMES
+        assert cell["auto"] in SCHEMES and cell["auto"] == cell["rule"]
+        assert cell["auto_ratio"] >= 1.0
     assert "SCALED" in capsys.readouterr().out
     # The file is what SchemeCosts reads back.
     costs = SchemeCosts.from_records(cells)
@@ -51,7 +50,7 @@ def test_bench_refuses_a_scheme_that_differs_from_naive(monkeypatch) -> None:
         run = real(scheme, case, backend)
         if scheme != "ragged":
             return run
-        return bench.SchemeRun(run.steps, lambda outs: run.suffix_rows(outs) + 1.0)
+        return SchemeRun(run.steps, lambda outs: run.suffix_rows(outs) + 1.0)
 
     monkeypatch.setattr(bench, "scheme_run", broken)
     with pytest.raises(AssertionError, match="ragged"):

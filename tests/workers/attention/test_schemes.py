@@ -278,7 +278,7 @@ def test_costs_table_takes_the_nearest_cells_fastest() -> None:
     for (p, s, m), ms in SEED_GPU_MS.items():
         shape = BatchShape(p, s, m, backend="flashinfer")
         assert choose_scheme(shape, costs) == min(ms, key=lambda k: ms[k])
-    # Between cells: the nearest in log space (P 6000 is nearer 8196 than 96).
+    # Between cells: each scheme's cost interpolated in log space (P 6000 is near 8196).
     assert choose_scheme(BatchShape(6000, 8, 24, "flashinfer"), costs) == "multi_item"
     assert choose_scheme(BatchShape(128, 200, 3, "flashinfer"), costs) == "naive"
     # Decode cells only answer decode shapes; no cell of the backend: the built-in rules.
