@@ -145,15 +145,17 @@ def load_comparable(args: ServeBenchArgs) -> dict[str, Any] | None:
 
 def compare_texts(answers: list[Answer], other: dict[str, Any], path: str) -> dict[str, Any]:
     """How many of this run's prompts got the same text as in the `other` run (read from
-    `path`), and which differ."""
+    `path`), of those both answered, and which differ (a prompt either failed included)."""
     theirs = {a["index"]: a for a in other["answers"]}
     mine = {a.index: a for a in answers}
     common = sorted(set(theirs) & set(mine))
-    same = {i for i in common if mine[i].ok and mine[i].text == theirs[i]["text"]}
+    both = [i for i in common if mine[i].ok and theirs[i].get("ok", True)]
+    same = {i for i in both if mine[i].text == theirs[i]["text"]}
     return {
         "other": path,
         "other_label": other.get("label"),
         "compared": len(common),
+        "both_answered": len(both),
         "same_text": len(same),
         "differ": [i for i in common if i not in same],
     }
@@ -225,6 +227,7 @@ def report(
     if comparison is not None:
         lines.append(
             f"same text as {comparison['other_label'] or comparison['other']} on "
-            f"{comparison['same_text']} of {comparison['compared']} prompts"
+            f"{comparison['same_text']} of {comparison['both_answered']} prompts both answered "
+            f"({comparison['compared']} sent)"
         )
     return "\n".join(lines)

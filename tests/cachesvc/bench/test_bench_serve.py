@@ -80,9 +80,13 @@ def test_compare_counts_same_texts_and_refuses_other_prompts(tmp_path: Path) -> 
     (tmp_path / "other.json").write_text(json.dumps(other))
     loaded = load_comparable(args)
     assert loaded is not None
-    mine = [_answer(0, "same", 0.1, [0.1]), _answer(1, "mine", 0.1, [0.1])]
+    mine = [_answer(0, "same", 0.1, [0.1]), _answer(1, "mine", 0.1, [0.1]), Answer(2)]
     result = compare_texts(mine, loaded, str(tmp_path / "other.json"))
     assert (result["compared"], result["same_text"], result["differ"]) == (2, 1, [1])
+    assert result["both_answered"] == 2
+    loaded["answers"].append({"index": 2, "text": "", "ok": True})
+    result = compare_texts(mine, loaded, str(tmp_path / "other.json"))
+    assert (result["compared"], result["both_answered"], result["differ"]) == (3, 2, [1, 2])
     other["args"]["seed"] = 2  # type: ignore[index]
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="other prompts"):
