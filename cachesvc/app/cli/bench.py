@@ -1,5 +1,4 @@
-"""`cachesvc bench ...`: the benchmark suites' flags and dispatch (each prints ratios against a
-baseline measured in the same run; heavy imports happen inside the suite that runs)."""
+"""`cachesvc bench ...`: suites' flags and dispatch (ratios to a same-run baseline, lazy imports)"""
 
 from __future__ import annotations
 
@@ -7,6 +6,7 @@ import argparse
 import dataclasses
 from typing import Any, TypeVar
 
+from cachesvc.app.cli.bench_serve import add_bench_serve_parser, run_bench_serve_command
 from cachesvc.app.cli.common import CliError, add_dtype_arg
 
 T = TypeVar("T")
@@ -118,6 +118,7 @@ def add_bench_parser(sub: Any) -> None:
     _add_admission_parser(bench_sub)
     _add_routing_bench_parser(bench_sub)
     _add_agreement_parser(bench_sub)
+    add_bench_serve_parser(bench_sub)
     rb = bench_sub.add_parser("router", help="the router's own cost per decision, per stage")
     rb.add_argument("--json", dest="json_path", help="also write the results to this file")
     rb.add_argument("--quick", action="store_true", help="fewer prompts, a few seconds")
@@ -144,6 +145,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     """Run the suite `args.suite`; returns the exit status."""
     if args.suite == "routing":
         return _run_routing_bench_command(args)
+    if args.suite == "serve":
+        return run_bench_serve_command(args)
     if args.suite == "sim-agreement":
         from cachesvc.bench.agreement import AgreementArgs, run_agreement
 
