@@ -19,10 +19,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cachesvc.bench.pd import percentile
 from cachesvc.bench.serve_client import APIS, Answer, OpenAIServer
 from cachesvc.bench.serve_workload import WORKLOADS, ServePrompt, serve_prompts, warmup_prompt
-from cachesvc.bench.table import format_table, write_json
+from cachesvc.workloads.table import format_table, percentile, write_json
 
 
 @dataclass(frozen=True)
