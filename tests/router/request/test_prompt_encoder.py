@@ -58,8 +58,10 @@ def test_long_texts_are_tokenized_on_threads_while_the_loop_runs(tokenizer: Toke
 def test_short_texts_are_tokenized_inline_and_too_many_long_ones_are_refused(
     tokenizer: Tokenizer,
 ) -> None:
-    encoder = PromptEncoder(tokenizer, max_model_len=1 << 20, threads=1, max_pending=2)
     long_text = "lorem ipsum dolor sit amet " * 20000
+    encoder = PromptEncoder(
+        tokenizer, max_model_len=1 << 20, threads=1, max_pending_chars=2 * len(long_text)
+    )
 
     async def run() -> list[object]:
         first = [asyncio.ensure_future(encoder.encode(long_text, "p")) for _ in range(2)]
@@ -78,4 +80,23 @@ def test_short_texts_are_tokenized_inline_and_too_many_long_ones_are_refused(
     assert short == tokenizer.encode("short" * (INLINE_CHARS // 10))
     assert all(ids == tokenizer.encode(long_text) for ids in done)
     assert encoder.num_pending == 0
+    encoder.close()
+
+
+def test_a_burst_of_ordinary_long_prompts_waits_its_turn_and_none_is_refused(
+    tokenizer: Tokenizer,
+) -> None:
+    # 16 streams of ~1K-token prompts (~6,000 characters each), all at once: a load tool's
+    # burst, which vLLM queues; a bound on their count refused half of them.
+    encoder = PromptEncoder(tokenizer, max_model_len=4096)
+    texts = [
+        f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 140 for i in range(16)
+    ]
+    assert all(len(text) > INLINE_CHARS for text in texts)
+
+    async def run() -> list[list[int]]:
+        return await asyncio.gather(*(encoder.encode(text, "prompt") for text in texts))
+
+    assert asyncio.run(run()) == [tokenizer.encode(text) for text in texts]
+    assert encoder.num_pending == 0 and encoder.pending_chars == 0
     encoder.close()
