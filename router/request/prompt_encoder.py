@@ -7,8 +7,11 @@ stall health checks, metrics and every other stream. So:
   tokenizing: a token never stands for more than `max_token_chars` characters of text (the
   longest vocabulary entry), so a longer text has more tokens than the context holds;
 - a short text is tokenized inline (cheaper than a thread hop);
-- a long one goes to a small thread pool (`Tokenizer.encode` releases the GIL), and when
-  that pool already has `max_pending` texts the request is refused as exhausted (retryable).
+- a long one goes to a small thread pool (`Tokenizer.encode` releases the GIL) and waits its
+  turn there, as in vLLM's async tokenizer: a burst of ordinary long prompts (16 streams of
+  ~1K-token prompts) is queued, never refused. Only when the texts waiting already hold
+  `max_pending_chars` characters (seconds of tokenizing) is a request refused as exhausted
+  (retryable): that bounds the memory and the wait a flood of huge prompts can cause.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from workers.text.tokenizer import Tokenizer, TokenizerError
 
 # Up to this many characters a text is tokenized on the event loop (well under a millisecond).
 INLINE_CHARS = 4096
+# Characters of long texts that may wait for the pool at once: two threads tokenize about
+# 1-2 MB/s each, so this is a few seconds of work, and two prompts at the message size limit.
+MAX_PENDING_CHARS = 8 << 20
 # NFKC-style normalizers may compose characters (e + combining accent -> é): allow the text to
 # be longer than the normalized text its tokens spell.
 _NORMALIZE_MARGIN = 2
@@ -30,19 +36,24 @@ class PromptEncoder:
     """Encodes text for one tokenizer and context length; owns its thread pool (`close`)."""
 
     def __init__(
-        self, tokenizer: Tokenizer, max_model_len: int, threads: int = 2, max_pending: int = 8
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        threads: int = 2,
+        max_pending_chars: int = MAX_PENDING_CHARS,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_chars = max_model_len * tokenizer.max_token_chars * _NORMALIZE_MARGIN
         self.max_model_len = max_model_len
-        self.max_pending = max_pending
+        self.max_pending_chars = max_pending_chars
         self.num_pending = 0
+        self.pending_chars = 0
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
 
     async def encode(self, text: str, field: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; raises InvalidInput naming `field` for a text that cannot fit
-        the context (or that the tokenizer refuses), Exhausted when too many long texts are
-        being tokenized already."""
+        the context (or that the tokenizer refuses), Exhausted when the long texts waiting
+        already hold `max_pending_chars` characters (one text alone is always taken)."""
         if len(text) > self.max_chars:
             raise InvalidInput(
                 f"{field} has {len(text)} characters, more than {self.max_model_len} tokens "
@@ -50,11 +61,13 @@ class PromptEncoder:
             )
         if len(text) <= INLINE_CHARS:
             return self._encode(text, field, add_special_tokens)
-        if self.num_pending >= self.max_pending:
+        if self.num_pending and self.pending_chars + len(text) > self.max_pending_chars:
             raise Exhausted(
-                f"the router is tokenizing {self.num_pending} long prompts already; retry later"
+                f"the router is tokenizing {self.num_pending} long prompts "
+                f"({self.pending_chars} characters) already; retry later"
             )
         self.num_pending += 1
+        self.pending_chars += len(text)
         try:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(
@@ -62,6 +75,7 @@ class PromptEncoder:
             )
         finally:
             self.num_pending -= 1
+            self.pending_chars -= len(text)
 
     def close(self) -> None:
         """Stop the thread pool (texts being tokenized finish first)."""
