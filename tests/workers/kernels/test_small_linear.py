@@ -1,5 +1,6 @@
 """The small-M linear kernel against `F.linear` in float64, on the model's shapes and odd ones
-(row counts around the 4-row blocks, weights not a multiple of 4 rows or 16 columns), and the
+(row counts around the kernel's row blocks, weights not a multiple of its 8-row blocks or of
+16 columns), and the
 torch fallback where the kernel is off, cannot take the call or is not built."""
 
 from __future__ import annotations
@@ -13,7 +14,17 @@ from workers.kernels import linear as kernel
 needs_kernel = pytest.mark.skipif(not kernel.load(), reason="no C++ compiler: F.linear is used")
 
 # (N, K): SmolLM2's q/k/v, o, gate/up and down, then odd sizes.
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (7, 33), (5, 16), (1, 1), (3, 1537)]
+SHAPES = [
+    (960, 576),
+    (576, 576),
+    (3072, 576),
+    (576, 1536),
+    (7, 33),
+    (13, 600),
+    (5, 16),
+    (1, 1),
+    (3, 1537),
+]
 # Sums of K products of unit normals, compared in float64: float32 rounding grows with sqrt(K);
 # bfloat16 output is rounded once, to 8 bits (a relative 2^-8), on top of float32 sums.
 TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 1e-2)}

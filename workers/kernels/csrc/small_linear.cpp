@@ -3,8 +3,8 @@
 // At 1-16 rows a linear layer is a stream of its weights: SmolLM2's 540 MB a step against a few
 // KB of activations. The library's sgemm packs and blocks for large M and, at these shapes,
 // reads the weights at about half the machine's bandwidth on one core. Here a work item is a
-// block of kNR consecutive weight rows: it is read from memory once, for the first kMR input
-// rows, and from L1 for the next ones, while kMR x kNR dot products accumulate in registers
+// block of kNR (8) consecutive weight rows: it is read from memory once, for the first kMR input
+// rows, and from L1 for the next ones, while kMR x kNR (2 x 8) dot products accumulate in registers
 // (lanes of 16 partial sums, added up at the end: float32 results differ from sgemm's only in
 // the last bits, by summation order). bfloat16 weights are widened to float32 as they are read;
 // the sums are float32 and rounded once, to the output's dtype.
@@ -28,8 +28,10 @@
 
 namespace {
 
-constexpr int64_t kNR = 4;  // weight rows a block
-constexpr int64_t kMR = 4;  // input rows a block (16 accumulators + 4 weight vectors)
+// Weight rows a block: 8 concurrent streams of weights read one core's memory bandwidth better
+// than 4 (a pass over SmolLM2's matmuls at 1 row took ~0.8x the time, alternating passes).
+constexpr int64_t kNR = 8;
+constexpr int64_t kMR = 2;  // input rows a block (16 accumulators + 8 weight vectors)
 // Weight elements a thread's share must reach before a call splits: waking the pool costs
 // more than streaming a few KB.
 constexpr int64_t kMinParallelElements = 1 << 16;
@@ -112,7 +114,11 @@ constexpr TileFn<W> tile_of(int64_t nr) {
     case 1: return tile<MR, 1, W>;
     case 2: return tile<MR, 2, W>;
     case 3: return tile<MR, 3, W>;
-    default: return tile<MR, 4, W>;
+    case 4: return tile<MR, 4, W>;
+    case 5: return tile<MR, 5, W>;
+    case 6: return tile<MR, 6, W>;
+    case 7: return tile<MR, 7, W>;
+    default: return tile<MR, 8, W>;
   }
 }
 
@@ -120,9 +126,7 @@ template <typename W>
 TileFn<W> tile_of(int64_t mr, int64_t nr) {
   switch (mr) {
     case 1: return tile_of<W, 1>(nr);
-    case 2: return tile_of<W, 2>(nr);
-    case 3: return tile_of<W, 3>(nr);
-    default: return tile_of<W, 4>(nr);
+    default: return tile_of<W, 2>(nr);
   }
 }
 
