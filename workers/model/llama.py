@@ -4,6 +4,8 @@ All requests' new tokens are concatenated in layout order into one `[T]` batch; 
 the whole batch and only attention looks at request boundaries, through the attention backend.
 q/k/v and gate/up are stored fused so each is one matmul. Weights are created on the meta device,
 without memory, and the loader assigns the real ones (`load_state_dict(..., assign=True)`).
+At decode's few rows the matmuls run on the small-M CPU kernel (`workers.kernels.linear`) where
+`native_linear` is on, as it is by default on CPUs with AVX-512.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 from cachesvc.kv.host_memory import host_buffer
 from workers.attention.base import AttentionBackend
 from workers.attention.layout import BatchLayout
+from workers.kernels.linear import linear, native_by_default
 from workers.model.config import ModelConfig
 from workers.model.rope import RotaryEmbedding, apply_rope
 
@@ -66,6 +69,8 @@ class DecoderLayer(nn.Module):
         # Rows: gate, then up.
         self.gate_up_weight = weight(2 * config.intermediate_size, hidden)
         self.down_weight = weight(hidden, config.intermediate_size)
+        # Set by the model (`LlamaModel.native_linear`).
+        self.native_linear = False
 
     def forward(
         self,
@@ -93,18 +98,20 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = x.shape[0], self.num_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, native=self.native_linear)
         # One RoPE call rotates the q and k heads together.
         qk = apply_rope(qkv[:, : self.qk_size].view(num_tokens, -1, head_dim), cos, sin)
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, head_dim)
         backend.write_kv(kv_cache, layout, k, v)
         out = cast(torch.Tensor, backend.forward(q, kv_cache, layout, sm_scale=self.sm_scale))
-        return F.linear(out.reshape(num_tokens, num_heads * head_dim), self.o_weight, self.o_bias)
+        out = out.reshape(num_tokens, num_heads * head_dim)
+        return linear(out, self.o_weight, self.o_bias, native=self.native_linear)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate).mul_(up), self.down_weight)
+        native = self.native_linear
+        gate, up = linear(x, self.gate_up_weight, None, native=native).chunk(2, dim=-1)
+        return linear(F.silu(gate).mul_(up), self.down_weight, None, native=native)
 
 
 class LlamaModel(nn.Module):
@@ -138,6 +145,19 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             config, dtype=dtype, device=device, freq_factors=rope_freq_factors
         )
+        self.native_linear = native_by_default(device)
+
+    @property
+    def native_linear(self) -> bool:
+        """Whether matmuls of at most 16 rows (`MAX_ROWS`) run on the small-M CPU kernel (where it
+        builds; else on `F.linear`, as all larger ones do). Settable, e.g. by a bench's A/B."""
+        return self._native_linear
+
+    @native_linear.setter
+    def native_linear(self, on: bool) -> None:
+        self._native_linear = on
+        for layer in self.layers:
+            cast(DecoderLayer, layer).native_linear = on
 
     @torch.inference_mode()
     def forward(
@@ -172,7 +192,7 @@ class LlamaModel(nn.Module):
         # Norm and LM head only for the rows that need logits: at decode the head dominates.
         hidden = hidden[logits_indices]
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight, None, native=self.native_linear).float()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

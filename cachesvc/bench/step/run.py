@@ -104,13 +104,13 @@ def _scheme_backends(inner: str) -> dict[str, Any]:
     }
 
 
-def _max_tokens(batch: int, context: int, decode_tokens: int, budget: int) -> int:
+def decode_max_tokens(batch: int, context: int, decode_tokens: int, budget: int) -> int:
     """Tokens a request may generate: the timed decode, plus what it decodes while the last
     prompts of its batch are still being computed (at most one token per step of the fill)."""
     return decode_tokens + -(-batch * context // budget) + batch
 
 
-def _start_decoding(
+def start_decoding(
     engine: Any, batch: int, context: int, max_tokens: int, seed: int
 ) -> dict[str, int]:
     """Add `batch` requests with random prompts of `context` tokens and step until each has its
@@ -236,7 +236,9 @@ def run_step_bench(args: StepBenchArgs) -> int:
 
         def tokens(cell: tuple[int, int]) -> int:  # the KV a cell's requests reach, in tokens
             b, c = cell
-            return b * (c + _max_tokens(b, c, timing.decode_tokens, config.max_num_batched_tokens))
+            return b * (
+                c + decode_max_tokens(b, c, timing.decode_tokens, config.max_num_batched_tokens)
+            )
 
         per_token = kv_bytes_per_token(probe)
         cells = [c for c in _cells(args) if tokens(c) * per_token <= MAX_KV_BYTES]
@@ -283,8 +285,8 @@ def _run_cells(engine: Any, cells: list[tuple[int, int]], timing: _Timing) -> di
     with instrument(engine, clock, list(backends.values())):
         for batch, context in cells:
             budget = engine.config.max_num_batched_tokens
-            max_tokens = _max_tokens(batch, context, timing.decode_tokens, budget)
-            generated = _start_decoding(engine, batch, context, max_tokens, batch * 7919 + context)
+            max_tokens = decode_max_tokens(batch, context, timing.decode_tokens, budget)
+            generated = start_decoding(engine, batch, context, max_tokens, batch * 7919 + context)
             # The KV read at the middle of the timed steps, in every layer.
             mid = len(PATHS) * (1 + timing.rounds * timing.steps) // 2
             kv = sum(context + n + mid for n in generated.values()) * per_token

@@ -8,7 +8,6 @@ import math
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -188,16 +187,3 @@ def test_a_new_process_loads_the_cached_library_without_building() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
     )
     assert "building" not in done.stderr
-
-
-def test_a_failed_build_is_remembered_and_not_retried(tmp_path: Path) -> None:
-    # `false` is a compiler that always fails: the first call records it, the second does not
-    # run it again (it would fail the same way), and neither leaves a library behind.
-    compiler = "/bin/false"
-    assert paged_decode._build(compiler, tmp_path) is None
-    log = tmp_path / "build-failed.log"
-    assert log.exists()
-    log.write_text("recorded")
-    assert paged_decode._build(compiler, tmp_path) is None
-    assert log.read_text() == "recorded"
-    assert not list(tmp_path.glob("*.so"))

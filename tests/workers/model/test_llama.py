@@ -17,6 +17,7 @@ import torch
 
 from workers.attention import get_backend
 from workers.attention.layout import build_layout
+from workers.kernels import linear as linear_kernel
 from workers.model.config import ModelConfig
 from workers.model.llama import LlamaModel
 from workers.model.loader import LoadedModel, load_model
@@ -158,6 +159,32 @@ def test_decode_token_by_token(pair: Any) -> None:
     for pos in range(prefill_len, len(tokens)):
         outs += paged_forward(loaded.model, cache, [Chunk(tokens[pos : pos + 1], pos, table)])
     assert_close_logits(torch.cat(outs), hf_logits(hf, tokens))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["small-m-kernel", "f-linear"])
+def test_decode_matches_on_either_linear_path(
+    pair: Any, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode's few rows on the small-M kernel (the CPU default where it builds) or on
+    `F.linear`: the same logits as HF's either way, and the kernel runs only where asked."""
+    hf, loaded = pair
+    calls: list[int] = []
+    real = linear_kernel.small_linear
+    monkeypatch.setattr(linear_kernel, "small_linear", lambda *args: calls.append(1) or real(*args))
+    before = loaded.model.native_linear
+    loaded.model.native_linear = native
+    try:
+        tokens, table, prefill_len = prompt(12, seed=8), [3, 10], 9
+        cache = fresh_cache(loaded)
+        outs = paged_forward(loaded.model, cache, [Chunk(tokens[:prefill_len], 0, table)])
+        for pos in range(prefill_len, len(tokens)):
+            outs += paged_forward(loaded.model, cache, [Chunk(tokens[pos : pos + 1], pos, table)])
+    finally:
+        loaded.model.native_linear = before
+    assert_close_logits(torch.cat(outs), hf_logits(hf, tokens))
+    # 4 matmuls a layer and the LM head, per step; prefill's 9 rows count too (at most 16).
+    expected = (len(tokens) - prefill_len + 1) * (4 * SHAPE["num_hidden_layers"] + 1)
+    assert len(calls) == (expected if native and linear_kernel.load() else 0)
 
 
 def test_logits_only_for_requested_rows(pair: Any) -> None:
