@@ -23,7 +23,7 @@ VOLATILE = ("request_id", "ttft_ms", "decode_tokens_per_s", "worker_id")
 # Where a prompt's tokens came from depends on the worker the router picked: a new conversation
 # sharing only the system prompt may start on the other of two workers (the offline engine has
 # the one cache). The second turn's cache is checked on its own below.
-CACHE_SPLIT = ("cached_tokens", "computed_tokens", "cached_tokens_by_tier")
+CACHE_SPLIT = ("cached_tokens", "computed_tokens", "cached_tokens_by_tier", "cache_write_tokens")
 
 
 @pytest.fixture(scope="module")

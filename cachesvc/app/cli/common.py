@@ -205,6 +205,7 @@ def output_json(prompt: str, out: Any) -> dict[str, Any]:
         "cached_tokens": out.num_cached_tokens,
         "cached_tokens_by_tier": dict(out.cached_tokens_by_tier),
         "computed_tokens": out.num_computed_tokens,
+        "cache_write_tokens": out.num_cache_write_tokens,
     }
 
 
