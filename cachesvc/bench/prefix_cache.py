@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from cachesvc.workloads.table import format_table, write_json
+from cachesvc.workloads.table import format_table, percentile, write_json
 
 MODES = {
     "off": {"enable_prefix_caching": False},
@@ -52,11 +52,6 @@ def workload(
     return prompts
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def run_mode(
     mode: str, loaded: Any, tokenizer: Any, prompts: list[list[int]], output_len: int
 ) -> ModeResult:
@@ -74,7 +69,7 @@ def run_mode(
     return ModeResult(
         mode=mode,
         ttft_p50_ms=statistics.median(ttfts),
-        ttft_p99_ms=_percentile(ttfts, 0.99),
+        ttft_p99_ms=percentile(ttfts, 99),
         throughput_tok_s=sum(len(o.token_ids) for o in outs) / wall,
         computed_tokens=sum(o.num_computed_tokens for o in outs),
         cached_tokens=sum(o.num_cached_tokens for o in outs),

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cachesvc.workloads.table import format_table, write_json
+from cachesvc.workloads.table import format_table, percentile, write_json
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,6 @@ class Sample:
     latency_s: float
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _rows(samples: list[Sample]) -> list[list[Any]]:
     kinds = list(dict.fromkeys(s.kind for s in samples))
     rows = []
@@ -55,9 +50,9 @@ def _rows(samples: list[Sample]) -> list[list[Any]]:
                 kind,
                 len(ttft),
                 statistics.median(ttft),
-                _percentile(ttft, 0.99),
+                percentile(ttft, 99),
                 statistics.median(e2e),
-                _percentile(e2e, 0.99),
+                percentile(e2e, 99),
             ]
         )
     return rows

@@ -21,8 +21,7 @@ from typing import Any
 from cachesvc.kv.hashing import hash_blocks, root_hash
 from cachesvc.kv.index import IndexSnapshot, MemoryPrefixIndex
 from cachesvc.kv.types import BlockHash, WorkerId
-from cachesvc.workloads.routing_report import _percentile
-from cachesvc.workloads.table import format_table, write_json
+from cachesvc.workloads.table import format_table, percentile, write_json
 from router.policy.routing import Candidate, RouteRequest, choose_and_record, make_policy
 
 SIZES = (1024, 8192, 32768)
@@ -97,8 +96,8 @@ def measure(tokenizer: Any, num_tokens: int, num_prompts: int, repeats: int) -> 
     return OverheadResult(
         prompt_tokens=round(sum(lengths) / len(lengths)),
         num_decisions=len(lengths),
-        p50_ms={s: _percentile(v, 0.50) for s, v in times.items()},
-        p99_ms={s: _percentile(v, 0.99) for s, v in times.items()},
+        p50_ms={s: percentile(v, 50) for s, v in times.items()},
+        p99_ms={s: percentile(v, 99) for s, v in times.items()},
         requests_per_s=1e3 / mean_ms if mean_ms else 0.0,
     )
 

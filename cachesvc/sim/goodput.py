@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from cachesvc.sim.loop import SimRun
 from cachesvc.sim.seq import SimSeq
-from cachesvc.workloads.routing_report import _percentile
+from cachesvc.workloads.table import percentile
 
 
 @dataclass(frozen=True)
@@ -123,10 +123,10 @@ def measure(done: Sequence[Outcome], slo: SLO, makespan_s: float, num_refused: i
         goodput_rps=good / makespan_s if makespan_s > 0 else 0.0,
         ttft_met=sum(o.ttft_s * 1e3 <= slo.ttft_ms for o in done) / n if n else 0.0,
         itl_met=sum(o.itl_s * 1e3 <= slo.itl_ms for o in done) / n if n else 0.0,
-        ttft_p50_ms=_percentile(ttfts, 0.50),
-        ttft_p99_ms=_percentile(ttfts, 0.99),
-        itl_p50_ms=_percentile(gaps, 0.50),
-        itl_p99_ms=_percentile(gaps, 0.99),
+        ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p99_ms=percentile(ttfts, 99),
+        itl_p50_ms=percentile(gaps, 50),
+        itl_p99_ms=percentile(gaps, 99),
         num_disaggregated=sum(o.disaggregated for o in done),
         makespan_s=makespan_s,
         num_refused=num_refused,

@@ -13,8 +13,7 @@ from typing import Any
 
 from cachesvc.sim.loop import SimRun
 from cachesvc.sim.trace import SimRequest, oracle_hit_blocks
-from cachesvc.workloads.routing_report import _percentile
-from cachesvc.workloads.table import format_table
+from cachesvc.workloads.table import format_table, percentile
 from router.policy.routing import PEER
 
 
@@ -85,8 +84,8 @@ def summarize(
         hit_by_tier=by_tier,
         oracle_hit_ratio=oracle,
         ratio_to_oracle=hit / oracle if oracle else 0.0,
-        ttft_p50_ms=_percentile(ttfts, 0.50),
-        ttft_p99_ms=_percentile(ttfts, 0.99),
+        ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p99_ms=percentile(ttfts, 99),
         throughput_tok_s=output / makespan if makespan > 0 else 0.0,
         pulled_tokens=sum(s.cached.get(PEER, 0) for s in done),
         pulled_mib=sum(w.loads.pulled_bytes for w in run.workers) / 2**20,

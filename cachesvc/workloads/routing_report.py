@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachesvc.workloads.table import format_table
+from cachesvc.workloads.table import format_table, percentile
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,6 @@ class PolicyResult:
     pulled_mb: float = 0.0  # KV bytes the workers pulled from each other
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 def summarize(
     policy: str,
     workload: str,
@@ -76,8 +69,8 @@ def summarize(
         num_errors=num_errors,
         hit_ratio=sum(r.cached_tokens for r in records) / prompt if prompt else 0.0,
         computed_tokens=sum(r.computed_tokens for r in records),
-        ttft_p50_ms=_percentile(ttfts, 0.50),
-        ttft_p99_ms=_percentile(ttfts, 0.99),
+        ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p99_ms=percentile(ttfts, 99),
         throughput_tok_s=sum(r.output_tokens for r in records) / wall_s if wall_s > 0 else 0.0,
         imbalance=max(per_worker.values()) / mean if mean else 0.0,
         requests_per_worker=per_worker,

@@ -1,9 +1,16 @@
-"""Plain-text tables, JSON files and percentiles for benchmark results."""
+"""Plain-text tables, JSON files and percentiles for benchmark results.
+
+`percentile` is the one percentile every bench and the simulator report: q as a percent
+(0..100), linear interpolation between the closest ranks (numpy's default), NaN of nothing.
+Raw JSON recorded under docs/results before it existed was computed with the older per-bench
+conventions (nearest rank, q as a fraction, 0.0 of nothing); the figures in docs stay as
+recorded, and a re-run may move a p99 by up to one rank.
+"""
 
 from __future__ import annotations
 
 import json
-import statistics
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,9 +41,20 @@ def write_json(path: str | None, payload: Any) -> None:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The `q`th percentile (1..99), interpolated; 0.0 of nothing."""
+    """The `q`th percentile of `values`, `q` a percent in 0..100.
+
+    Linear interpolation between the two closest ranks (numpy's default, "inclusive"): the
+    0th is the minimum, the 100th the maximum, the 50th the median. An empty list gives NaN,
+    not 0.0 and not an error: a run that measured nothing (no inter-token gap with
+    max_tokens=1, a phase with no long prompt) must not read as a real 0 ms figure, nor
+    crash a bench after minutes of measuring; NaN prints as "nan" in tables and JSON.
+    """
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be a percent in 0..100, got {q}")
     if not values:
-        return 0.0
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+        return math.nan
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)

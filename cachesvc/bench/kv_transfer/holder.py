@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from cachesvc.workloads.table import format_table
+from cachesvc.workloads.table import format_table, percentile
 
 
 async def _stream_gaps(actor: Any, prompt: list[int], max_tokens: int) -> list[float]:
@@ -131,9 +131,9 @@ async def _measure(
     }
     for mode in ("alone", "beside", "serving"):
         figures[f"{mode}_p50_ms"] = statistics.median(p50(g[mode]) for g, _ in measured) * 1000
-        p99s = [percentile(g[mode], 0.99) for g, _ in measured]
+        p99s = [percentile(g[mode], 99) for g, _ in measured]
         figures[f"{mode}_p99_ms"] = statistics.median(p99s) * 1000
-        alone = [percentile(g["alone"], 0.99) for g, _ in measured]
+        alone = [percentile(g["alone"], 99) for g, _ in measured]
         figures[f"{mode}_p99_vs_alone"] = statistics.median(
             a / max(b, 1e-9) for a, b in zip(p99s, alone, strict=True)
         )
@@ -200,14 +200,6 @@ def format_holder(r: dict[str, Any]) -> str:
         f"{r['rounds']} rounds; {r['pulled_blocks']:.0f} blocks pulled, "
         f"{r['pull_failures']:.0f} failed pulls\n" + format_table(headers, rows)
     )
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The `q` quantile (0..1) of `values`, nearest rank; 0 when empty."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def p50(values: list[float]) -> float:

@@ -85,7 +85,8 @@ def test_summary_hit_ratio_percentiles_and_imbalance() -> None:
     assert result.hit_ratio == pytest.approx(0.5)
     assert result.computed_tokens == 150
     assert result.ttft_p50_ms == pytest.approx(20.0)
-    assert result.ttft_p99_ms == pytest.approx(30.0)
+    # Interpolated between the 2nd and 3rd: 20 + 0.98 * (30 - 20).
+    assert result.ttft_p99_ms == pytest.approx(29.8)
     assert result.throughput_tok_s == pytest.approx(6.0)
     assert result.imbalance == pytest.approx(2 / 1)  # w0 served 2, the mean is 1
     assert result.num_errors == 1
