@@ -107,3 +107,16 @@ def check_fields(
         if test is not None and test(value, body):
             continue
         raise InvalidInput(f"{prefix}{shown_name(name)} is not supported by this server")
+
+
+def stop_strings(stops: Any, field: str, limit: int, expected: str) -> tuple[str, ...]:
+    """A list of at most `limit` non-empty stop strings, or InvalidInput naming `field` (the
+    message says the field must be `expected`)."""
+    check(
+        isinstance(stops, list) and all(isinstance(s, str) for s in stops),
+        f"{field} must be {expected}",
+    )
+    check(len(stops) <= limit, f"{field} has {len(stops)} strings; at most {limit}")
+    for i, s in enumerate(stops):
+        check(bool(s), f"{field}[{i}] must not be empty")
+    return tuple(stops)

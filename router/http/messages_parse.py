@@ -30,6 +30,7 @@ from router.http.fields import (
     json_object,
     number,
     shown,
+    stop_strings,
     typed,
 )
 from router.request.ids import check_header_id
@@ -219,17 +220,7 @@ def _check_breakpoints(breakpoints: list[Breakpoint]) -> None:
 def _stop_sequences(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
-    check(
-        isinstance(value, list) and all(isinstance(s, str) for s in value),
-        "stop_sequences must be an array of strings",
-    )
-    check(
-        len(value) <= _MAX_STOP_SEQUENCES,
-        f"stop_sequences has {len(value)} strings; at most {_MAX_STOP_SEQUENCES}",
-    )
-    for i, s in enumerate(value):
-        check(bool(s), f"stop_sequences[{i}] must not be empty")
-    return tuple(value)
+    return stop_strings(value, "stop_sequences", _MAX_STOP_SEQUENCES, "an array of strings")
 
 
 def _metadata(value: Any) -> None:

@@ -40,6 +40,7 @@ from router.http.fields import (
     json_object,
     number,
     shown,
+    stop_strings,
     typed,
 )
 from router.request.ids import check_header_id
@@ -298,17 +299,7 @@ def _stop(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     stops = [value] if isinstance(value, str) else value
-    check(
-        isinstance(stops, list) and all(isinstance(s, str) for s in stops),
-        "stop must be a string or an array of strings",
-    )
-    check(
-        len(stops) <= _MAX_STOP_STRINGS,
-        f"stop has {len(stops)} strings; at most {_MAX_STOP_STRINGS}",
-    )
-    for i, s in enumerate(stops):
-        check(bool(s), f"stop[{i}] must not be empty")
-    return tuple(stops)
+    return stop_strings(stops, "stop", _MAX_STOP_STRINGS, "a string or an array of strings")
 
 
 def _token_ids(value: Any, field: str) -> tuple[int, ...]:
