@@ -63,7 +63,10 @@ class Belady(EvictionPolicy[BlockHash]):
         self._entry.pop(key, None)
 
     def to_front(self, key: BlockHash) -> None:
-        raise NotImplementedError("the replay frees no block to the front")
+        # The next victim whatever its future: ahead of every entry, even one never used again.
+        entry = (-math.inf, -(1 << 62), next(self._seq), key)
+        self._entry[key] = entry
+        heapq.heappush(self._heap, entry)
 
     def pop(self) -> BlockHash:
         while self._heap:

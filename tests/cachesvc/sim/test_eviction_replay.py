@@ -164,3 +164,14 @@ def test_bad_flags_are_named(
 ) -> None:
     assert main(["simulate", "eviction", "--workloads", "multi-turn", *flags]) == 2
     assert field in capsys.readouterr().err
+
+
+def test_belady_puts_a_block_sent_to_the_front_out_first() -> None:
+    from cachesvc.sim.belady import Belady
+
+    policy = Belady([])
+    first, second = b"a" * 16, b"b" * 16
+    policy.push(first)
+    policy.push(second)
+    policy.to_front(first)
+    assert [policy.pop(), policy.pop()] == [first, second]
