@@ -167,10 +167,11 @@ def test_bad_flags_are_named(
 
 
 def test_belady_puts_a_block_sent_to_the_front_out_first() -> None:
+    from cachesvc.kv.types import BlockHash
     from cachesvc.sim.belady import Belady
 
     policy = Belady([])
-    first, second = b"a" * 16, b"b" * 16
+    first, second = BlockHash(b"a" * 16), BlockHash(b"b" * 16)
     policy.push(first)
     policy.push(second)
     policy.to_front(first)
