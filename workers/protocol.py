@@ -139,6 +139,10 @@ class Usage:
     prefill_worker_id: str | None = None
     kv_transfer_tokens: int = 0
     cache_write_tokens: int = 0
+    # Prompt tokens now retained for this request (full blocks under its retention), and the
+    # tokens it asked to retain that its tenant's retention budget trimmed.
+    retained_tokens: int = 0
+    retention_trimmed_tokens: int = 0
 
     @property
     def cache_read_tokens(self) -> int:
@@ -149,6 +153,41 @@ class Usage:
     def uncached_tokens(self) -> int:
         """Prompt tokens neither read from the cache nor written to it."""
         return self.prompt_tokens - self.cache_read_tokens - self.cache_write_tokens
+
+
+@dataclass(frozen=True)
+class CacheHints:
+    """A request's explicit cache controls, as the router passes them to its worker.
+
+    `retention_s` > 0 retains the prompt's full blocks (the leading `retention_tokens` of it, or
+    all when None) for that long, soft (`cachesvc.kv.retention`), against `tenant`'s budget;
+    `session_id` tags them so that closing the session demotes them. `skip_read`: reuse no
+    cached KV for the prompt; `skip_write`: register none of what it computes.
+    """
+
+    retention_s: int = 0
+    retention_tokens: int | None = None
+    tenant: str = ""
+    session_id: str | None = None
+    skip_read: bool = False
+    skip_write: bool = False
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    """A tenant's soft share of each tier (a tenant under it borrows freely; one over it is
+    evicted first), and of each tier for its retained blocks. 1.0 and 1.0: no quota."""
+
+    share: float = 1.0
+    retention_share: float = 0.5
+
+
+@dataclass(frozen=True)
+class TenantBlocks:
+    """One tenant's blocks in one tier: registered (cached) and, of those, retained."""
+
+    cached: int
+    retained: int
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., beam_width: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "cache_salt", "no_response_cache", "affinity_key", "retention_s")
+    __slots__ = ("request_id", "prompt", "sampling", "cache_salt", "no_response_cache", "affinity_key", "retention_s", "session_id", "skip_cache_read", "skip_cache_write", "explain_cache", "retention_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,11 @@ class GenerateRequest(_message.Message):
     NO_RESPONSE_CACHE_FIELD_NUMBER: _ClassVar[int]
     AFFINITY_KEY_FIELD_NUMBER: _ClassVar[int]
     RETENTION_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SKIP_CACHE_READ_FIELD_NUMBER: _ClassVar[int]
+    SKIP_CACHE_WRITE_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_CACHE_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: Prompt
     sampling: SamplingParams
@@ -79,10 +84,15 @@ class GenerateRequest(_message.Message):
     no_response_cache: bool
     affinity_key: str
     retention_s: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., no_response_cache: _Optional[bool] = ..., affinity_key: _Optional[str] = ..., retention_s: _Optional[int] = ...) -> None: ...
+    session_id: str
+    skip_cache_read: bool
+    skip_cache_write: bool
+    explain_cache: bool
+    retention_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., no_response_cache: _Optional[bool] = ..., affinity_key: _Optional[str] = ..., retention_s: _Optional[int] = ..., session_id: _Optional[str] = ..., skip_cache_read: _Optional[bool] = ..., skip_cache_write: _Optional[bool] = ..., explain_cache: _Optional[bool] = ..., retention_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "computed_tokens", "worker_id", "ttft_ms", "decode_tokens_per_s", "from_response_cache", "prefill_worker_id", "kv_transfer_tokens", "cache_write_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "computed_tokens", "worker_id", "ttft_ms", "decode_tokens_per_s", "from_response_cache", "prefill_worker_id", "kv_transfer_tokens", "cache_write_tokens", "retained_tokens", "retention_trimmed_tokens", "explanation")
     class CachedTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +111,9 @@ class Usage(_message.Message):
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_WRITE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_TRIMMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPLANATION_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: _containers.ScalarMap[str, int]
@@ -112,7 +125,30 @@ class Usage(_message.Message):
     prefill_worker_id: str
     kv_transfer_tokens: int
     cache_write_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[_Mapping[str, int]] = ..., computed_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., from_response_cache: _Optional[bool] = ..., prefill_worker_id: _Optional[str] = ..., kv_transfer_tokens: _Optional[int] = ..., cache_write_tokens: _Optional[int] = ...) -> None: ...
+    retained_tokens: int
+    retention_trimmed_tokens: int
+    explanation: CacheExplanation
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[_Mapping[str, int]] = ..., computed_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., from_response_cache: _Optional[bool] = ..., prefill_worker_id: _Optional[str] = ..., kv_transfer_tokens: _Optional[int] = ..., cache_write_tokens: _Optional[int] = ..., retained_tokens: _Optional[int] = ..., retention_trimmed_tokens: _Optional[int] = ..., explanation: _Optional[_Union[CacheExplanation, _Mapping]] = ...) -> None: ...
+
+class CacheSegment(_message.Message):
+    __slots__ = ("start_token", "end_token", "source", "worker_id", "miss_reason")
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MISS_REASON_FIELD_NUMBER: _ClassVar[int]
+    start_token: int
+    end_token: int
+    source: str
+    worker_id: str
+    miss_reason: str
+    def __init__(self, start_token: _Optional[int] = ..., end_token: _Optional[int] = ..., source: _Optional[str] = ..., worker_id: _Optional[str] = ..., miss_reason: _Optional[str] = ...) -> None: ...
+
+class CacheExplanation(_message.Message):
+    __slots__ = ("segments",)
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    segments: _containers.RepeatedCompositeFieldContainer[CacheSegment]
+    def __init__(self, segments: _Optional[_Iterable[_Union[CacheSegment, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "text", "finish_reason", "usage")
@@ -175,6 +211,103 @@ class TokenizeResponse(_message.Message):
     num_blocks: int
     text: str
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+
+class PrewarmRequest(_message.Message):
+    __slots__ = ("prompt", "cache_salt", "retention_s", "session_id", "affinity_key")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    AFFINITY_KEY_FIELD_NUMBER: _ClassVar[int]
+    prompt: Prompt
+    cache_salt: str
+    retention_s: int
+    session_id: str
+    affinity_key: str
+    def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., cache_salt: _Optional[str] = ..., retention_s: _Optional[int] = ..., session_id: _Optional[str] = ..., affinity_key: _Optional[str] = ...) -> None: ...
+
+class PrewarmResponse(_message.Message):
+    __slots__ = ("prompt_tokens", "cached_tokens", "worker_id", "retained_tokens", "retention_trimmed_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_TRIMMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    cached_tokens: int
+    worker_id: str
+    retained_tokens: int
+    retention_trimmed_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., retained_tokens: _Optional[int] = ..., retention_trimmed_tokens: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("num_blocks_released",)
+    NUM_BLOCKS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_released: int
+    def __init__(self, num_blocks_released: _Optional[int] = ...) -> None: ...
+
+class TenantQuota(_message.Message):
+    __slots__ = ("tenant", "share", "max_retention_s", "retention_share")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RETENTION_S_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_SHARE_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    share: float
+    max_retention_s: int
+    retention_share: float
+    def __init__(self, tenant: _Optional[str] = ..., share: _Optional[float] = ..., max_retention_s: _Optional[int] = ..., retention_share: _Optional[float] = ...) -> None: ...
+
+class SetTenantQuotaRequest(_message.Message):
+    __slots__ = ("quota",)
+    QUOTA_FIELD_NUMBER: _ClassVar[int]
+    quota: TenantQuota
+    def __init__(self, quota: _Optional[_Union[TenantQuota, _Mapping]] = ...) -> None: ...
+
+class SetTenantQuotaResponse(_message.Message):
+    __slots__ = ("quota",)
+    QUOTA_FIELD_NUMBER: _ClassVar[int]
+    quota: TenantQuota
+    def __init__(self, quota: _Optional[_Union[TenantQuota, _Mapping]] = ...) -> None: ...
+
+class TenantUsageRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TenantTierUsage(_message.Message):
+    __slots__ = ("cached", "retained")
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
+    cached: int
+    retained: int
+    def __init__(self, cached: _Optional[int] = ..., retained: _Optional[int] = ...) -> None: ...
+
+class TenantUsageEntry(_message.Message):
+    __slots__ = ("quota", "tiers")
+    class TiersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TenantTierUsage
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TenantTierUsage, _Mapping]] = ...) -> None: ...
+    QUOTA_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    quota: TenantQuota
+    tiers: _containers.MessageMap[str, TenantTierUsage]
+    def __init__(self, quota: _Optional[_Union[TenantQuota, _Mapping]] = ..., tiers: _Optional[_Mapping[str, TenantTierUsage]] = ...) -> None: ...
+
+class TenantUsageResponse(_message.Message):
+    __slots__ = ("tenants",)
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantUsageEntry]
+    def __init__(self, tenants: _Optional[_Iterable[_Union[TenantUsageEntry, _Mapping]]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

@@ -190,6 +190,128 @@ class Inference:
             _registered_method=True)
 
 
+class CacheStub:
+    """Cache: explicit cache control for a tenant's own prompts (a tenant's token suffices).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Prewarm = channel.unary_unary(
+                '/cachesvc.v1.Cache/Prewarm',
+                request_serializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PrewarmRequest.SerializeToString,
+                response_deserializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PrewarmResponse.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/cachesvc.v1.Cache/CloseSession',
+                request_serializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
+
+
+class CacheServicer:
+    """Cache: explicit cache control for a tenant's own prompts (a tenant's token suffices).
+    """
+
+    def Prewarm(self, request, context):
+        """Compute a prompt's KV on the worker routing would choose, without answering it, and keep
+        it under the retention asked. Answers how many of its tokens are now cached there.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Demote every block a session's requests retained (they become ordinary cache, evicted
+        first); answers how many blocks, summed over the workers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CacheServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Prewarm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prewarm,
+                    request_deserializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PrewarmRequest.FromString,
+                    response_serializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PrewarmResponse.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.CloseSessionRequest.FromString,
+                    response_serializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.CloseSessionResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'cachesvc.v1.Cache', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('cachesvc.v1.Cache', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Cache:
+    """Cache: explicit cache control for a tenant's own prompts (a tenant's token suffices).
+    """
+
+    @staticmethod
+    def Prewarm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachesvc.v1.Cache/Prewarm',
+            proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PrewarmRequest.SerializeToString,
+            proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PrewarmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachesvc.v1.Cache/CloseSession',
+            proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.CloseSessionRequest.SerializeToString,
+            proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class AdminStub:
     """Admin: the workers' state, router statistics, cache flush and purge. With tokens configured,
     the operator's token only (a tenant's gets PERMISSION_DENIED: these act on every tenant).
@@ -220,6 +342,16 @@ class AdminStub:
                 '/cachesvc.v1.Admin/Purge',
                 request_serializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PurgeRequest.SerializeToString,
                 response_deserializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PurgeResponse.FromString,
+                _registered_method=True)
+        self.SetTenantQuota = channel.unary_unary(
+                '/cachesvc.v1.Admin/SetTenantQuota',
+                request_serializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.SetTenantQuotaRequest.SerializeToString,
+                response_deserializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.SetTenantQuotaResponse.FromString,
+                _registered_method=True)
+        self.TenantUsage = channel.unary_unary(
+                '/cachesvc.v1.Admin/TenantUsage',
+                request_serializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.TenantUsageRequest.SerializeToString,
+                response_deserializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.TenantUsageResponse.FromString,
                 _registered_method=True)
 
 
@@ -262,6 +394,21 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetTenantQuota(self, request, context):
+        """A tenant's soft share of each tier and the longest retention it may ask; replaces the
+        tenants file's entry until the router restarts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TenantUsage(self, request, context):
+        """Per tenant and tier: blocks cached and retained, summed over the workers, and the quota.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -284,6 +431,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Purge,
                     request_deserializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PurgeRequest.FromString,
                     response_serializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PurgeResponse.SerializeToString,
+            ),
+            'SetTenantQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTenantQuota,
+                    request_deserializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.SetTenantQuotaRequest.FromString,
+                    response_serializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.SetTenantQuotaResponse.SerializeToString,
+            ),
+            'TenantUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.TenantUsage,
+                    request_deserializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.TenantUsageRequest.FromString,
+                    response_serializer=proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.TenantUsageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,6 +553,60 @@ class Admin:
             '/cachesvc.v1.Admin/Purge',
             proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PurgeRequest.SerializeToString,
             proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.PurgeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetTenantQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachesvc.v1.Admin/SetTenantQuota',
+            proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.SetTenantQuotaRequest.SerializeToString,
+            proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.SetTenantQuotaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TenantUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachesvc.v1.Admin/TenantUsage',
+            proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.TenantUsageRequest.SerializeToString,
+            proto_dot_cachesvc_dot_v1_dot_cachesvc__pb2.TenantUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,
