@@ -100,6 +100,10 @@ def add_bench_parser(sub: Any) -> None:
         action="store_true",
         help="the decode worker pulls only after the first token (the router's pd_prefetch off)",
     )
+    cc = bench_sub.add_parser(
+        "cache-control", help="retention through a flood, tenant quotas, usage that adds up"
+    )
+    _add_live_bench_flags(cc, "a 1K prefix, a 2K-token pool")
     step = bench_sub.add_parser(
         "step", help="one decode step by phase, in-place attention vs gather, beside its floor"
     )
@@ -202,6 +206,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return run_pd_bench(
             _bench_args(PDBenchArgs, args, prefill_chunk_tokens=chunk, prefetch=prefetch)
         )
+    if args.suite == "cache-control":
+        from cachesvc.bench.cache_control import CacheControlBenchArgs, run_cache_control_bench
+
+        return run_cache_control_bench(_bench_args(CacheControlBenchArgs, args))
     if args.suite == "step":
         from cachesvc.bench.step.run import StepBenchArgs, run_step_bench
 
