@@ -81,7 +81,13 @@ class EvictionPolicy(ABC, Generic[K]):
 
 
 PolicyFactory = Callable[[], EvictionPolicy]  # type: ignore[type-arg]
-_MODULES = {"lru": "lru", "slru": "slru", "s3fifo": "s3fifo", "leaf_lru": "leaf_first"}
+_MODULES = {
+    "lru": "lru",
+    "slru": "slru",
+    "s3fifo": "s3fifo",
+    "leaf_lru": "leaf_first",
+    "fanout_lru": "fanout",
+}
 POLICY_NAMES = tuple(_MODULES)
 _REGISTRY: dict[str, PolicyFactory] = {}
 

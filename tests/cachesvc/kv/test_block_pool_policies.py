@@ -141,3 +141,5 @@ TestS3FifoPoolMachine = _machine_for("s3fifo").TestCase
 TestS3FifoPoolMachine.settings = _STATEFUL
 TestLeafLruPoolMachine = _machine_for("leaf_lru").TestCase
 TestLeafLruPoolMachine.settings = _STATEFUL
+TestFanoutLruPoolMachine = _machine_for("fanout_lru").TestCase
+TestFanoutLruPoolMachine.settings = _STATEFUL

@@ -1,5 +1,5 @@
 """Eviction policies: each one's order on small hand-built sequences, scan resistance,
-leaf-first order, and the interface's contract under random operations."""
+leaf-first and fan-out order, and the interface's contract under random operations."""
 
 from __future__ import annotations
 
@@ -166,6 +166,61 @@ def test_leaf_first_store_never_holds_a_block_without_its_prefix() -> None:
             assert parent in store.held, f"{key} outlived {parent}"
 
 
+def test_fanout_protects_a_prefix_once_it_leads_into_a_third_chain() -> None:
+    p: EvictionPolicy[str] = make_policy("fanout_lru")
+    p.push("p", parent="r")
+    p.push("r")
+    for follower in ("x", "y"):  # the follower changes once: not yet shared
+        p.pull("p")
+        p.pull("r")
+        p.push(follower, parent="p")
+        p.push("p", parent="r")
+        p.push("r")
+    assert list(p) == ["x", "y", "p", "r"]  # LRU order
+    p.pull("p")
+    p.pull("r")
+    p.push("z", parent="p")  # a second change: p and its ancestor r are shared
+    p.push("p", parent="r")
+    p.push("r")
+    for key in ("q0", "q1", "q2", "q3"):
+        p.push(key)
+    # LRU would take p and r right after z; here they wait until they are more than half of
+    # what is left (two of three), then take turns with the last own key.
+    order = ["x", "y", "z", "q0", "q1", "q2", "p", "q3", "r"]
+    assert list(p) == order
+    assert _pop_all(p) == order
+
+
+def test_fanout_gives_up_shared_keys_beyond_their_share() -> None:
+    p: EvictionPolicy[str] = make_policy("fanout_lru")
+    p.push("p")
+    for follower in ("x", "y", "z"):
+        p.pull("p")
+        p.push(follower, parent="p")
+        p.push("p")
+    for key in ("x", "y", "z"):  # no longer evictable: p, shared, is half of what is
+        p.pull(key)
+    p.push("q")
+    assert list(p) == ["q", "p"]
+    p.pull("q")  # p alone: more than its share, so the next victim
+    assert list(p) == ["p"] and p.pop() == "p"
+
+
+@pytest.mark.parametrize(("name", "expected_hits"), [("fanout_lru", 2), ("lru", 0)])
+def test_fanout_keeps_a_system_prompt_that_lru_lets_one_off_chains_flush(
+    name: str, expected_hits: int
+) -> None:
+    store = Store(name, capacity=12)
+    for i in range(4):  # four conversations in a row: the prompt's follower changes thrice
+        store.request(["s0", "s1", f"warm{i}"])
+    hits = []
+    for i in range(10):
+        hits.append(store.request(["s0", "s1", f"conv{i}"]))
+        for j in range(2):  # two chains of their own, 12 blocks: more than LRU keeps
+            store.request([f"once{i}.{j}.{d}" for d in range(6)])
+    assert hits[1:] == [expected_hits] * 9
+
+
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_random_operations_keep_the_contract(name: str) -> None:
     """Against a set of evictable keys: membership and size agree, `pop` returns a member,
@@ -209,5 +264,5 @@ def test_random_operations_keep_the_contract(name: str) -> None:
 
 
 def test_unknown_policy_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="lru, slru, s3fifo, leaf_lru"):
+    with pytest.raises(ValueError, match="lru, slru, s3fifo, leaf_lru, fanout_lru"):
         make_policy("arc")
