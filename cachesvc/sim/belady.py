@@ -2,7 +2,8 @@
 block whose next use lies farthest in the future (never used again first).
 
 It reads the future from the replayed requests themselves, so it is a policy only for the
-replay (`cachesvc.sim.eviction`), never for a store. Blocks next used by the same request go
+replay (`cachesvc.sim.eviction`), never for a store; so is `ReuseOracle`, which knows only
+whether a block is used again. Blocks next used by the same request go
 deepest first: a prefix always outlives its extensions, so every block it keeps is reachable.
 A heap with lazy deletion: O(log n) per operation.
 """
@@ -91,3 +92,20 @@ class Belady(EvictionPolicy[BlockHash]):
 
     def __iter__(self) -> Iterator[BlockHash]:
         return iter(sorted(self._entry, key=self._entry.__getitem__))
+
+
+class ReuseOracle(Belady):
+    """LRU that knows which blocks are never used again, but not when the others will be:
+    those go first, then the rest in LRU order. Between LRU and Belady, it splits Belady's lead
+    into knowing who comes back (this) and knowing when (the rest). A policy only for the
+    replay, as Belady."""
+
+    name = "reuse_oracle"
+
+    def push(
+        self, key: BlockHash, parent: BlockHash | None = None, content: Hashable = None
+    ) -> None:
+        used_again = self._now.get(key, math.inf) < math.inf
+        entry = (float(used_again), 0, next(self._seq), key)
+        self._entry[key] = entry
+        heapq.heappush(self._heap, entry)

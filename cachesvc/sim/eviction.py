@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from cachesvc.kv.eviction.base import EvictionPolicy, make_policy
 from cachesvc.kv.types import BlockHash
-from cachesvc.sim.belady import Belady
+from cachesvc.sim.belady import Belady, ReuseOracle
 from cachesvc.sim.generate import GeneratedTrace, generate_rows
 from cachesvc.sim.trace import (
     SimRequest,
@@ -27,6 +27,8 @@ from cachesvc.sim.trace import (
 )
 
 BELADY = "belady"
+REUSE_ORACLE = "reuse_oracle"  # LRU that knows which blocks are never used again
+ORACLES = (REUSE_ORACLE, BELADY)
 UNBOUNDED = "unbounded"  # a store holding every block: the most any policy could hit
 WORKLOADS = ("trace", "multi-turn", "mixed")
 # Generated workloads are drawn for a cluster of this many workers (0.5 requests per second
@@ -100,9 +102,9 @@ def replay(requests: Sequence[SimRequest], policy: EvictionPolicy[BlockHash], ca
 def run_eviction(
     workloads: dict[str, list[SimRequest]], sizes_pct: Sequence[float], policies: Sequence[str]
 ) -> list[ReplayResult]:
-    """Every policy (and Belady) on every workload at every size; sizes in percent of the
-    workload's distinct blocks (at least one block). Each workload also has an `UNBOUNDED`
-    result at 100%."""
+    """Every policy (and the oracles, Belady last) on every workload at every size; sizes in
+    percent of the workload's distinct blocks (at least one block). Each workload also has an
+    `UNBOUNDED` result at 100%."""
     out = []
     for name, requests in workloads.items():
         unique = num_unique_blocks(requests)
@@ -111,8 +113,17 @@ def run_eviction(
         out.append(ReplayResult(name, UNBOUNDED, 100.0, unique, hits, lookups))
         for pct in sizes_pct:
             capacity = max(1, round(unique * pct / 100))
-            for policy in (*policies, BELADY):
-                store = Belady(requests) if policy == BELADY else make_policy(policy)
+            for policy in (*policies, *ORACLES):
+                store = _store(policy, requests)
                 hits = replay(requests, store, capacity)
                 out.append(ReplayResult(name, policy, pct, capacity, hits, lookups))
     return out
+
+
+def _store(policy: str, requests: Sequence[SimRequest]) -> EvictionPolicy[BlockHash]:
+    """A new store's policy: an oracle reading `requests`' future, or a policy by name."""
+    if policy == BELADY:
+        return Belady(requests)
+    if policy == REUSE_ORACLE:
+        return ReuseOracle(requests)
+    return make_policy(policy)

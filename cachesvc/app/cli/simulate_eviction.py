@@ -41,7 +41,7 @@ def add_eviction_parser(actions: Any) -> None:
 def run_eviction_command(args: argparse.Namespace) -> int:
     from cachesvc.kv.eviction.base import POLICY_NAMES
     from cachesvc.sim.eviction import run_eviction, workload_requests
-    from cachesvc.sim.eviction_report import choose_default, format_report, verdicts
+    from cachesvc.sim.eviction_report import bounds, choose_default, format_report, verdicts
     from cachesvc.workloads.table import write_json
 
     policies = [p for p in args.policies.split(",") if p]
@@ -67,6 +67,7 @@ def run_eviction_command(args: argparse.Namespace) -> int:
             "requests": {w: len(r) for w, r in workloads.items()},
             "default": choose_default(results),
             "verdicts": [v.as_dict() for v in verdicts(results)],
+            "bounds": [v.as_dict() for v in bounds(results)],
             "results": [r.as_dict() for r in results],
         },
     )

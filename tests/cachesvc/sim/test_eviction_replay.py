@@ -13,9 +13,9 @@ from cachesvc.app.cli.main import main
 from cachesvc.kv.block_pool import BlockPool
 from cachesvc.kv.eviction.base import POLICY_NAMES, make_policy
 from cachesvc.kv.types import BlockId
-from cachesvc.sim.belady import Belady
+from cachesvc.sim.belady import Belady, ReuseOracle
 from cachesvc.sim.eviction import ReplayResult, replay, run_eviction, workload_requests
-from cachesvc.sim.eviction_report import choose_default, verdicts
+from cachesvc.sim.eviction_report import bounds, choose_default, verdicts
 from cachesvc.sim.trace import SimRequest, block_hash, load_trace, oracle_hit_blocks
 
 
@@ -47,6 +47,15 @@ def test_belady_hits_at_least_every_policy(seed: int, capacity: int) -> None:
     best = replay(requests, Belady(requests), capacity)
     for name in POLICY_NAMES:
         assert replay(requests, make_policy(name), capacity) <= best, name
+    assert replay(requests, ReuseOracle(requests), capacity) <= best
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("capacity", [8, 20, 60])
+def test_knowing_which_blocks_come_back_hits_at_least_lru(seed: int, capacity: int) -> None:
+    requests = _random_requests(seed)
+    lru = replay(requests, make_policy("lru"), capacity)
+    assert replay(requests, ReuseOracle(requests), capacity) >= lru
 
 
 def _pool_hits(requests: list[SimRequest], policy: str, capacity: int) -> int:
@@ -99,14 +108,16 @@ def test_run_eviction_reports_every_policy_and_belady(sample_trace: Path) -> Non
         (100, "unbounded"),
         (1, "lru"),
         (1, "s3fifo"),
+        (1, "reuse_oracle"),
         (1, "belady"),
         (5, "lru"),
         (5, "s3fifo"),
+        (5, "reuse_oracle"),
         (5, "belady"),
     ]
     for r in results:
         assert 0 <= r.hit_ratio <= 1 and r.capacity_blocks >= 1
-    unbounded, small, large = results[0], results[3], results[6]
+    unbounded, small, large = results[0], results[4], results[8]
     assert unbounded.hit_blocks == sum(oracle_hit_blocks(requests))
     assert unbounded.hit_ratio >= large.hit_ratio >= small.hit_ratio  # Belady's, by size
 
@@ -130,6 +141,12 @@ def test_the_default_stays_lru_unless_a_policy_meets_the_goal() -> None:
     assert not a.meets_goal and a.worst_at == "multi-turn 5%"
     assert b.meets_goal and b.gap_closed == pytest.approx({1: 2 / 3, 5: 2 / 3})
     cells[("multi-turn", 5)]["b"] = 25  # closes a sixth of the gap there: nobody meets it
+    assert choose_default(_results(cells)) == "lru"
+    for cell in cells.values():  # an oracle meeting the goal is a bound, never the default
+        cell["reuse_oracle"] = cell["belady"]
+    assert [v.policy for v in verdicts(_results(cells))] == ["a", "b"]
+    [bound] = bounds(_results(cells))
+    assert bound.policy == "reuse_oracle" and bound.meets_goal
     assert choose_default(_results(cells)) == "lru"
 
 
