@@ -42,7 +42,7 @@ def reference(tiny_hf_model: Any, hf_greedy: Any) -> list[list[int]]:
     return [hf_greedy(tiny_hf_model, p, NUM_TOKENS) for p in _prompts()]
 
 
-@pytest.mark.parametrize("policy", ["s3fifo", "leaf_lru"])
+@pytest.mark.parametrize("policy", ["s3fifo", "leaf_lru", "fanout_lru"])
 def test_greedy_tokens_match_hf_under_policy(
     tiny_llama_dir: Path, reference: list[list[int]], policy: str
 ) -> None:

@@ -42,6 +42,15 @@ def test_dram_under_lru_offers_the_hot_blocks_first() -> None:
     assert _scan_after_hot(DramTier(capacity_mb=1, slot_bytes=128)) == [h(0), h(1)]
 
 
+@pytest.mark.parametrize(("policy", "prefix_at"), [("fanout_lru", 9), ("lru", 0)])
+def test_dram_under_fanout_offers_a_three_chain_prefix_last(policy: str, prefix_at: int) -> None:
+    tier = DramTier(capacity_mb=1, slot_bytes=128, policy=policy)
+    tier.put([item(0)])
+    tier.put([TierItem(h(i), h(0), bytes([i]) * 100) for i in (1, 2, 3)])  # three chains
+    tier.put([item(i) for i in range(10, 16)])
+    assert tier.oldest(10).index(h(0)) == prefix_at
+
+
 def test_nvme_follows_its_policy_and_restarts_holding_the_same(tmp_path: Path) -> None:
     tier = NvmeTier(tmp_path, capacity_mb=1, policy="slru")
     assert _scan_after_hot(tier) == [h(10), h(11)]
