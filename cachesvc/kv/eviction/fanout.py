@@ -43,7 +43,10 @@ class FanoutLru(EvictionPolicy[K]):
         self._own: OrderedDict[K, None] = OrderedDict()
         self._shared_queue: OrderedDict[K, None] = OrderedDict()
         self._known: set[K] = set()  # pushed and not yet popped or discarded
-        self._parent: dict[K, K] = {}  # known key -> the key before it in its chain
+        # Chain links between known keys, both ways: a key forgotten takes its links along,
+        # so a slot handed to another block is never walked as an old chain's ancestor.
+        self._parent: dict[K, K] = {}  # known key -> the known key before it in its chain
+        self._children: dict[K, set[K]] = {}  # known key -> the known keys naming it parent
         self._follower: dict[K, Hashable] = {}  # known key -> the block last pushed after it
         self._forks: dict[K, int] = {}  # known key -> how often its follower changed
         self._shared: set[K] = set()
@@ -51,13 +54,25 @@ class FanoutLru(EvictionPolicy[K]):
     def push(self, key: K, parent: K | None = None, content: Hashable = None) -> None:
         self._unlink(key)
         self._known.add(key)
-        if parent is not None and parent != key:
-            self._parent[key] = parent
-            if parent in self._known:
-                # A slot's content names the block: the same block back in another slot is
-                # the same follower, another block in a reused slot is not.
-                self._note_follower(parent, key if content is None else content)
+        if parent is not None and parent != key and parent in self._known:
+            self._link(key, parent)
+            # A slot's content names the block: the same block back in another slot is the
+            # same follower, another block in a reused slot is not.
+            self._note_follower(parent, key if content is None else content)
         (self._shared_queue if key in self._shared else self._own)[key] = None
+
+    def _link(self, key: K, parent: K) -> None:
+        old = self._parent.get(key)
+        if old is not None and old != parent:
+            self._unlink_child(key, old)
+        self._parent[key] = parent
+        self._children.setdefault(parent, set()).add(key)
+
+    def _unlink_child(self, key: K, parent: K) -> None:
+        children = self._children[parent]
+        children.discard(key)
+        if not children:
+            del self._children[parent]
 
     def _note_follower(self, parent: K, follower: Hashable) -> None:
         last = self._follower.get(parent, follower)
@@ -70,7 +85,7 @@ class FanoutLru(EvictionPolicy[K]):
     def _mark_shared(self, key: K | None) -> None:
         """Mark `key` and its known ancestors shared, moving the evictable ones to the shared
         segment's recent end (they were just extended); stops at the first marked already."""
-        while key is not None and key in self._known and key not in self._shared:
+        while key is not None and key not in self._shared:
             self._shared.add(key)
             if self._own.pop(key, 1) is None:  # stored values are None: found and removed
                 self._shared_queue[key] = None
@@ -107,9 +122,14 @@ class FanoutLru(EvictionPolicy[K]):
         self._forget(key)
 
     def _forget(self, key: K) -> None:
-        # A child may still name `key` as its parent: `_known` keeps the walk from following it.
+        """Drop `key`'s history and its chain links, both ways. O(its children): each link
+        was made by one `push`."""
         self._known.discard(key)
-        self._parent.pop(key, None)
+        parent = self._parent.pop(key, None)
+        if parent is not None:
+            self._unlink_child(key, parent)
+        for child in self._children.pop(key, ()):
+            del self._parent[child]
         self._follower.pop(key, None)
         self._forks.pop(key, None)
         self._shared.discard(key)
@@ -146,6 +166,9 @@ class FanoutLru(EvictionPolicy[K]):
         assert self._shared.issuperset(self._shared_queue), "an unshared key in the shared segment"
         assert not self._shared.intersection(self._own), "a shared key in the own segment"
         assert self._shared.issubset(self._known), "a forgotten key still shared"
-        for history in (self._parent, self._follower, self._forks):
+        for history in (self._parent, self._children, self._follower, self._forks):
             assert self._known.issuperset(history), "the history of a forgotten key"
+        assert self._known.issuperset(self._parent.values()), "a link to a forgotten key"
+        links = {(c, p) for p, children in self._children.items() for c in children}
+        assert links == set(self._parent.items()), "the chain links disagree"
         assert all(n >= 1 for n in self._forks.values())

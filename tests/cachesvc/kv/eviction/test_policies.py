@@ -206,6 +206,21 @@ def test_fanout_gives_up_shared_keys_beyond_their_share() -> None:
     assert list(p) == ["p"] and p.pop() == "p"
 
 
+def test_fanout_never_walks_into_a_slot_handed_to_another_block() -> None:
+    """Slots as keys, as in the device pool: slot 1 held b's parent, then another block."""
+    p: EvictionPolicy[int] = make_policy("fanout_lru")
+    p.push(1, content="a")
+    p.push(2, parent=1, content="b")
+    p.pull(2)
+    assert p.pop() == 1  # evicted: its link to slot 2 goes with it
+    p.push(1, content="x")
+    for slot, content in zip((10, 11, 12), "cde", strict=True):
+        p.push(slot, parent=2, content=content)  # b leads into three chains: shared
+    p.push(2, content="b")
+    assert list(p) == [1, 10, 11, 12, 2]  # with slot 1 taken for b's parent: 10, 11, 1, ...
+    p.check_integrity()
+
+
 @pytest.mark.parametrize(("name", "expected_hits"), [("fanout_lru", 2), ("lru", 0)])
 def test_fanout_keeps_a_system_prompt_that_lru_lets_one_off_chains_flush(
     name: str, expected_hits: int
