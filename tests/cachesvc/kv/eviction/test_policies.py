@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from copy import deepcopy
 
 import pytest
 
@@ -219,6 +220,28 @@ def test_fanout_never_walks_into_a_slot_handed_to_another_block() -> None:
     p.push(2, content="b")
     assert list(p) == [1, 10, 11, 12, 2]  # with slot 1 taken for b's parent: 10, 11, 1, ...
     p.check_integrity()
+
+
+def test_fanout_iterates_in_the_order_it_evicts() -> None:
+    """`__iter__` replays `pop`'s choice between the segments: a copy popped empty agrees, with
+    shared keys above and below their share."""
+    rng = random.Random(7)
+    store = Store("fanout_lru", capacity=30)
+    orders = []
+    for step in range(300):  # four prompts of three blocks, to fill more than half the store
+        k = rng.randrange(4)
+        prefix = [f"sys{k}.{d}" for d in range(3)] if rng.random() < 0.8 else []
+        store.request([*prefix, *(f"c{step}.{d}" for d in range(rng.randint(1, 8)))])
+        if step % 10 == 0:
+            orders.append(list(store.policy))
+            assert orders[-1] == _pop_all(deepcopy(store.policy))
+    # A prompt's block (shared: forked) before a conversation's: shared keys over their share.
+    assert any(_a_prompt_before_a_conversation(order) for order in orders)
+
+
+def _a_prompt_before_a_conversation(order: list[str]) -> bool:
+    first_prompt = next((i for i, key in enumerate(order) if key.startswith("sys")), len(order))
+    return any(key.startswith("c") for key in order[first_prompt:])
 
 
 @pytest.mark.parametrize(("name", "expected_hits"), [("fanout_lru", 2), ("lru", 0)])
