@@ -167,6 +167,16 @@ class RetentionBook(Generic[K]):
             return None
         return entry.retention
 
+    def outranks(self, key: K, retention: Retention | None) -> bool:
+        """Whether held `key` should stay rather than make room for a newcomer of `retention`
+        (None: unretained): its class is higher, and its owner is within its share. A store
+        full of such keys sends the newcomer elsewhere (a tier below) rather than evict them."""
+        mine = self.retention_of(key)
+        theirs = 0 if retention is None or retention.expired(self.clock()) else retention.cls
+        if mine is None or mine.cls <= theirs:
+            return False
+        return self._entries[key].tenant not in self._over_share()
+
     def tenant_of(self, key: K) -> str:
         return self._entries[key].tenant
 

@@ -171,6 +171,11 @@ class Tier(ABC):
         tier, which keeps none)."""
         return None
 
+    def outranks(self, block_hash: BlockHash, retention: Retention | None) -> bool:
+        """Whether a held block should stay rather than make room for a block of `retention`
+        (a higher retention class, its owner within its share)."""
+        return False
+
     def tenant_of(self, block_hash: BlockHash) -> str | None:
         """Whose a held block is (None: not held, or a shared tier)."""
         return None

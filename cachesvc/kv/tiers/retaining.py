@@ -42,6 +42,10 @@ class RetainingTier(Tier):
         with self._lock:
             return self._book.retention_of(block_hash)
 
+    def outranks(self, block_hash: BlockHash, retention: Retention | None) -> bool:
+        with self._lock:
+            return block_hash in self._book and self._book.outranks(block_hash, retention)
+
     def tenant_of(self, block_hash: BlockHash) -> str | None:
         with self._lock:
             return self._book.tenant_of(block_hash) if block_hash in self._book else None

@@ -105,12 +105,17 @@ class TierManager:
 
     # ---- demotion ---------------------------------------------------------------------------
 
-    def demote(self, block: KVBlock, retention: Retention | None = None) -> bool:
+    def demote(
+        self, block: KVBlock, retention: Retention | None = None, tenant: str | None = None
+    ) -> bool:
         """Take a block leaving the device (its KV copied out) with its retention (None:
-        unretained); False when no tier took it, in which case its held descendants are dropped
-        too. A block held already keeps its copies, their retention merged with `retention`."""
+        unretained) and owner (None: its retention's tenant, else ""); False when no tier took
+        it, in which case its held descendants are dropped too. A block held already keeps its
+        copies, their retention merged with `retention`."""
         self.poll()
-        payload = Payload(block.block_hash, block.parent, block=block, retention=retention)
+        payload = Payload(
+            block.block_hash, block.parent, block=block, retention=retention, tenant=tenant
+        )
         held = self._where.get(block.block_hash)
         landed = "held" if held else self._admit(0, payload)
         if held and retention is not None:
@@ -138,7 +143,9 @@ class TierManager:
             data = payload.encoded(codec)
             if data is None:
                 return None  # a corrupt blob is not demoted, it is dropped
-            if not tier.fits_at_all(len(data)) or not self._make_room(tier, len(data)):
+            if not tier.fits_at_all(len(data)):
+                continue
+            if not self._make_room(tier, len(data), payload.retention):
                 continue
             if payload.parent is not None and not self._is_held(payload.parent):
                 return None  # making room dropped its prefix: it would be an orphan
@@ -147,10 +154,12 @@ class TierManager:
                 return tier.name
         return None
 
-    def _make_room(self, tier: Tier, num_bytes: int) -> bool:
+    def _make_room(self, tier: Tier, num_bytes: int, retention: Retention | None) -> bool:
+        """Evict from `tier` until `num_bytes` fit; False when it cannot, or only by evicting
+        a block that outranks the newcomer's `retention` (it then tries the tier below)."""
         while not tier.room_for(num_bytes):
             victim = self._victim(tier)
-            if victim is None:
+            if victim is None or tier.outranks(victim, retention):
                 return False
             self._evict(tier, victim)
         return True
