@@ -30,7 +30,7 @@ from cachesvc.kv.quotas import TenantBlocks, TenantQuota
 from cachesvc.kv.retention import NO_RETENTION, NUM_CLASSES, Retention
 
 K = TypeVar("K", bound=Hashable)
-_DEFAULT_QUOTA = TenantQuota()
+NO_QUOTA = TenantQuota(share=1.0, retention_share=1.0)
 
 
 @dataclass
@@ -57,6 +57,7 @@ class RetentionBook(Generic[K]):
         self.clock = clock
         self.on_change = on_change
         self.quotas: dict[str, TenantQuota] = {}
+        self.default_quota = TenantQuota()  # a tenant's not named in `quotas`
         self._entries: dict[K, _Entry] = {}
         self._order: ClassedPolicy[K] = ClassedPolicy(policy, NUM_CLASSES)
         self._by_tenant: dict[str, ClassedPolicy[K]] = {}  # the same order, per owner
@@ -223,7 +224,7 @@ class RetentionBook(Generic[K]):
     # ---- inside -----------------------------------------------------------------------------
 
     def _quota(self, tenant: str) -> TenantQuota:
-        return self.quotas.get(tenant, _DEFAULT_QUOTA)
+        return self.quotas.get(tenant, self.default_quota)
 
     def _over_share(self) -> list[str]:
         """Owners over their soft share, the most over (in units) first."""

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+from cachesvc.kv.quotas import TenantQuota
 from cachesvc.kv.retention import Retention
-from cachesvc.kv.retention_book import RetentionBook
+from cachesvc.kv.retention_book import NO_QUOTA, RetentionBook
 from cachesvc.kv.tiers.base import TierItem, register_tier
 from cachesvc.kv.tiers.read_arena import ReadArena
 from cachesvc.kv.tiers.retaining import RetainingTier
@@ -124,11 +125,17 @@ class NvmeTier(RetainingTier):
             st = entry.stat()
             found.append((st.st_mtime, parsed[0], _File(st.st_size, parsed[1])))
         kept = self._journal.load()
+        # No budget yet: the quotas come later (`set_quotas`), and trim what they must then.
+        self._book.default_quota = NO_QUOTA
         for _, h, f in sorted(found, key=lambda t: t[0]):
             self._files[h] = f
-            # An expired retention is ignored: the block is an ordinary one again.
-            self._book.add(h, f.size, f.parent, kept.get(h))
+            owner = kept[h].tenant if h in kept else None  # an unretained block's is not kept
+            self._book.add(h, f.size, f.parent, tenant=owner)
             self._used += f.size
+        for h, retention in kept.items():  # in the order they were retained: oldest first
+            if h in self._files:
+                self._book.retain(h, retention)  # an expired one is ignored
+        self._book.default_quota = TenantQuota()
         self._journal.rewrite(self._book.retained())
 
     def _journal_change(self, block_hash: BlockHash, retention: Retention | None) -> None:

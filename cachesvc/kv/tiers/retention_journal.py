@@ -52,7 +52,8 @@ class RetentionJournal:
         self._num_lines = 0
 
     def load(self) -> dict[BlockHash, Retention]:
-        """The retentions the file records (expired ones included: the caller drops them)."""
+        """The retentions the file records, the least recently retained first (expired ones
+        included: the caller drops them)."""
         out: dict[BlockHash, Retention] = {}
         try:
             with open(self.path, encoding="utf-8", errors="replace") as f:
@@ -61,9 +62,8 @@ class RetentionJournal:
                     if parsed is None:
                         continue
                     h, retention = parsed
-                    if retention is None:
-                        out.pop(h, None)
-                    else:
+                    out.pop(h, None)  # the last line on a hash places it in the order
+                    if retention is not None:
                         out[h] = retention
         except FileNotFoundError:
             pass

@@ -222,3 +222,17 @@ def test_a_newcomer_never_displaces_a_higher_class(make: TierMaker) -> None:
     assert held(m, range(4)) == [0, 3]
     assert not m.demote(block(4), keep(SHORT, 300))
     assert held(m, range(5)) == [0, 3]
+
+
+def test_nvme_restart_keeps_retentions_until_the_quotas_come(tmp_path: Path) -> None:
+    clock = Clock()
+    nvme = NvmeTier(tmp_path, capacity_mb=4 * BLOB / 2**20, clock=clock)
+    nvme.set_quotas({"a": TenantQuota(retention_share=1.0)})
+    nvme.put([TierItem(h(i), None, bytes(BLOB), keep(SHORT, 60 + i)) for i in range(4)])
+    nvme.flush()
+    nvme.close()
+    again = NvmeTier(tmp_path, capacity_mb=4 * BLOB / 2**20, clock=clock)
+    assert again.tenant_blocks() == {"a": TenantBlocks(4, 4)}  # not trimmed to the default
+    again.set_quotas({"a": TenantQuota(retention_share=0.5)})
+    assert [i for i in range(4) if again.retention_of(h(i))] == [2, 3]
+    again.close()
