@@ -13,7 +13,9 @@ A retention ends lazily when a question is asked after its expiry (wall clock, t
 `clock`): its block returns to class 0. Past a tenant's retention budget
 (`TenantQuota.retention_share` x capacity) its own oldest retention is demoted to class 0,
 never another tenant's. The book never evicts anything itself: the store does, and says so
-(`remove`). Not thread-safe: the store calls it under its own lock.
+(`remove`). A store whose keys are also in use (the device pool's blocks) `pull`s a key while it
+is used and `push`es it back when it is evictable again: it counts all the while, but is no
+victim. Not thread-safe: the store calls it under its own lock.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class RetentionBook(Generic[K]):
         self._retained: dict[str, OrderedDict[K, None]] = {}  # per retention tenant, oldest first
         self._retained_units: dict[str, int] = {}
         self._expiries: list[tuple[float, int, K]] = []  # a heap; stale entries skipped
+        self._in_use: set[K] = set()  # held keys pulled out of the order
         self._seq = 0
 
     # ---- what the store tells ---------------------------------------------------------------
@@ -78,7 +81,7 @@ class RetentionBook(Generic[K]):
         tenant: str | None = None,
     ) -> None:
         """A new key, as just used. `tenant`: its owner (default: its retention's, else "")."""
-        assert key not in self._entries, "added twice"
+        assert key not in self._entries and size > 0, "added twice, or empty"
         owner = tenant if tenant is not None else (retention.tenant if retention else "")
         self._entries[key] = _Entry(size, owner, None)
         self._used[owner] = self._used.get(owner, 0) + size
@@ -91,11 +94,24 @@ class RetentionBook(Generic[K]):
             self.retain(key, retention)
 
     def use(self, key: K, parent: K | None = None) -> None:
-        """A hit on a held key: one more use, for the policy."""
+        """A hit on a held key: one more use, for the policy (a key in use stays so)."""
         entry = self._entries[key]
         for order in (self._order, self._by_tenant[entry.tenant]):
             order.pull(key)
-            order.push(key, parent)
+            if key not in self._in_use:
+                order.push(key, parent)
+
+    def pull(self, key: K) -> None:
+        """A held key is in use: no victim until `push`; the use counts for the policy."""
+        self._in_use.add(key)
+        self._order.pull(key)
+        self._by_tenant[self._entries[key].tenant].pull(key)
+
+    def push(self, key: K, parent: K | None = None) -> None:
+        """A held key in use is evictable again, as just used."""
+        self._in_use.discard(key)
+        self._order.push(key, parent)
+        self._by_tenant[self._entries[key].tenant].push(key, parent)
 
     def retain(self, key: K, retention: Retention) -> None:
         """Retain a held key (merged with a retention it has); an expired one is ignored.
@@ -118,14 +134,15 @@ class RetentionBook(Generic[K]):
         if entry.retention is not None:
             self._unretain(key, entry, notify=True)
         del self._entries[key]
+        self._in_use.discard(key)
         self._used[entry.tenant] -= entry.size
         if not self._used[entry.tenant]:
             del self._used[entry.tenant]
         self._order.discard(key)
-        mine = self._by_tenant[entry.tenant]
-        mine.discard(key)
-        if not len(mine):
+        if entry.tenant not in self._used:  # its owner's last key
             del self._by_tenant[entry.tenant]
+        else:
+            self._by_tenant[entry.tenant].discard(key)
 
     def set_quotas(self, quotas: Mapping[str, TenantQuota]) -> None:
         """Tenants' quotas from now on (a tenant not named has `TenantQuota()`'s); trims
@@ -218,8 +235,10 @@ class RetentionBook(Generic[K]):
         return key in self._entries
 
     def __iter__(self) -> Iterator[K]:
-        """Held keys in retention order (quotas aside), the next victim first."""
-        return iter(self._order)
+        """Held keys: the evictable ones in retention order (quotas aside), the next victim
+        first, then those in use."""
+        yield from self._order
+        yield from self._in_use
 
     # ---- inside -----------------------------------------------------------------------------
 
@@ -284,12 +303,14 @@ class RetentionBook(Generic[K]):
     def check_integrity(self) -> None:
         """Raise AssertionError if the counts or orders disagree with the entries."""
         self._order.check_integrity()
-        assert set(self._order) == set(self._entries), "order and entries disagree"
+        assert set(self._order) == set(self._entries) - self._in_use, "order and entries disagree"
+        assert self._in_use <= set(self._entries)
         used: dict[str, int] = {}
         retained: dict[str, int] = {}
         for k, e in self._entries.items():
             used[e.tenant] = used.get(e.tenant, 0) + e.size
-            assert k in self._by_tenant[e.tenant], "a key missing from its owner's order"
+            evictable = k in self._by_tenant[e.tenant]
+            assert evictable != (k in self._in_use), "a key missing from its owner's order"
             cls = e.retention.cls if e.retention else NO_RETENTION
             assert self._order.class_of(k) == cls, "a key in the wrong class"
             if e.retention is not None:
@@ -297,4 +318,5 @@ class RetentionBook(Generic[K]):
                 retained[t] = retained.get(t, 0) + e.size
                 assert k in self._retained[t], "a retained key missing from its tenant's"
         assert used == self._used and retained == self._retained_units
-        assert sum(len(o) for o in self._by_tenant.values()) == len(self._entries)
+        num_evictable = len(self._entries) - len(self._in_use)
+        assert sum(len(o) for o in self._by_tenant.values()) == num_evictable

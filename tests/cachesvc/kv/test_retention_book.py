@@ -96,6 +96,23 @@ def test_end_session_ends_only_that_tenants_session() -> None:
     assert [k for k in (1, 2, 3) if book.retention_of(k)] == [2, 3]
 
 
+def test_a_key_in_use_counts_but_is_no_victim() -> None:
+    book: RetentionBook[int] = RetentionBook("lru", 4, Clock())
+    book.set_quotas({"a": TenantQuota(share=0.25, retention_share=0.5)})
+    book.add(1, 1, tenant="a")
+    book.add(2, 1, tenant="a")
+    book.add(3, 1, retention=Retention(SHORT, T0 + 9, "b"))
+    book.pull(1)
+    book.use(1)  # a hit while in use: still in use
+    assert book.victims(4) == [2, 3]
+    assert set(book) == {1, 2, 3} and book.tenant_blocks()["a"] == TenantBlocks(2, 0)
+    book.push(1)
+    assert book.victims(4) == [2, 1, 3]
+    book.pull(3)
+    book.remove(3)
+    book.check_integrity()
+
+
 class BookMachine(RuleBasedStateMachine):
     """Random adds, uses, retentions, removals, quotas and time against a model of the keys."""
 
@@ -104,6 +121,7 @@ class BookMachine(RuleBasedStateMachine):
         self.clock = Clock()
         self.book: RetentionBook[int] = RetentionBook("lru", 12, self.clock)
         self.sizes: dict[int, int] = {}
+        self.in_use: set[int] = set()
 
     keys = st.integers(0, 15)
     tenants = st.sampled_from(["a", "b", "c"])
@@ -126,7 +144,19 @@ class BookMachine(RuleBasedStateMachine):
         self.sizes[key] = size
 
     @rule(key=keys)
+    def pull_or_push(self, key: int) -> None:
+        if key not in self.sizes:
+            return
+        if key in self.in_use:
+            self.book.push(key)
+            self.in_use.discard(key)
+        else:
+            self.book.pull(key)
+            self.in_use.add(key)
+
+    @rule(key=keys)
     def remove(self, key: int) -> None:
+        self.in_use.discard(key)
         self.book.remove(key)
         self.sizes.pop(key, None)
 
@@ -155,7 +185,7 @@ class BookMachine(RuleBasedStateMachine):
             quota = book.quotas.get(tenant, TenantQuota())
             assert units <= quota.retention_share * book.capacity
         victims = book.victims(len(self.sizes))
-        assert sorted(victims) == sorted(self.sizes)
+        assert sorted(victims) == sorted(set(self.sizes) - self.in_use)
         if not any(
             sum(s for k, s in self.sizes.items() if book.tenant_of(k) == t)
             > book.quotas.get(t, TenantQuota()).share * book.capacity
