@@ -194,6 +194,9 @@ class Tier(ABC):
         """Each tenant's held and retained blocks ({} for a shared tier)."""
         return {}
 
+    def check_integrity(self) -> None:  # noqa: B027  # most tiers keep no order of their own
+        """Raise AssertionError if the tier's own structures disagree."""
+
 
 TierFactory = Callable[..., Tier]
 _REGISTRY: dict[str, TierFactory] = {}

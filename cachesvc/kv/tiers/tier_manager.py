@@ -417,6 +417,7 @@ class TierManager:
     def check_integrity(self) -> None:
         """Raise AssertionError if the maps disagree with the tiers or a suffix is orphaned."""
         for tier in self.local:
+            tier.check_integrity()
             held = set(tier.entries())
             mine = {h for h, names in self._where.items() if tier.name in names}
             assert held == mine, f"{tier.name}: tier and manager disagree"
