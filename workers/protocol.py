@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from cachesvc.kv.events import Event
+from cachesvc.kv.quotas import TenantBlocks as TenantBlocks
+from cachesvc.kv.quotas import TenantQuota as TenantQuota
 
 
 @dataclass(frozen=True)
@@ -171,23 +173,6 @@ class CacheHints:
     session_id: str | None = None
     skip_read: bool = False
     skip_write: bool = False
-
-
-@dataclass(frozen=True)
-class TenantQuota:
-    """A tenant's soft share of each tier (a tenant under it borrows freely; one over it is
-    evicted first), and of each tier for its retained blocks. 1.0 and 1.0: no quota."""
-
-    share: float = 1.0
-    retention_share: float = 0.5
-
-
-@dataclass(frozen=True)
-class TenantBlocks:
-    """One tenant's blocks in one tier: registered (cached) and, of those, retained."""
-
-    cached: int
-    retained: int
 
 
 @dataclass(frozen=True)

@@ -15,19 +15,26 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from cachesvc.kv.quotas import TenantBlocks, TenantQuota
+from cachesvc.kv.retention import Retention
 from cachesvc.kv.types import BlockHash
 
 
 @dataclass(frozen=True)
 class TierItem:
-    """A blob to store; `parent` is the hash of the block before it (None for a first block)."""
+    """A blob to store; `parent` is the hash of the block before it (None for a first block).
+    `retention`: what its request asked to keep (kept after unretained blocks, until it
+    expires); `tenant`: whose block it is, for that tenant's soft share (None: its retention's
+    tenant, else no one's, "")."""
 
     block_hash: BlockHash
     parent: BlockHash | None
     data: bytes
+    retention: Retention | None = None
+    tenant: str | None = None
 
 
 @dataclass
@@ -156,6 +163,39 @@ class Tier(ABC):
     def drain_lost(self) -> list[BlockHash]:
         """Hashes accepted by `put` but lost since (a background write failed); forgets them."""
         return []
+
+    # ---- retention and quotas, for local tiers (`retaining.RetainingTier`) ------------------
+
+    def retention_of(self, block_hash: BlockHash) -> Retention | None:
+        """A held block's unexpired retention (None: none, expired, not held, or a shared
+        tier, which keeps none)."""
+        return None
+
+    def outranks(self, block_hash: BlockHash, retention: Retention | None) -> bool:
+        """Whether a held block should stay rather than make room for a block of `retention`
+        (a higher retention class, its owner within its share)."""
+        return False
+
+    def tenant_of(self, block_hash: BlockHash) -> str | None:
+        """Whose a held block is (None: not held, or a shared tier)."""
+        return None
+
+    def retain(self, block_hash: BlockHash, retention: Retention) -> None:  # noqa: B027
+        """Retain a held block (merged with its retention); a block not held is ignored."""
+
+    def set_quotas(self, quotas: Mapping[str, TenantQuota]) -> None:  # noqa: B027
+        """Tenants' quotas of this tier from now on (a tenant not named: `TenantQuota()`)."""
+
+    def end_session(self, tenant: str, session: str) -> int:
+        """End the retentions of a tenant's session (back to unretained); returns how many."""
+        return 0
+
+    def tenant_blocks(self) -> dict[str, TenantBlocks]:
+        """Each tenant's held and retained blocks ({} for a shared tier)."""
+        return {}
+
+    def check_integrity(self) -> None:  # noqa: B027  # most tiers keep no order of their own
+        """Raise AssertionError if the tier's own structures disagree."""
 
 
 TierFactory = Callable[..., Tier]

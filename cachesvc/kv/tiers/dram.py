@@ -1,5 +1,6 @@
-"""DRAM tier: a preallocated host buffer cut into fixed slots, given up in an eviction policy's
-order (`cachesvc.kv.eviction`: least recently used first by default).
+"""DRAM tier: a preallocated host buffer cut into fixed slots, given up in retention and quota
+order, an eviction policy's within a retention class (`cachesvc.kv.eviction`: least recently
+used first by default; see `retaining.RetainingTier`). A tenant's budget and share count slots.
 
 One slot per block: every block of a model has the same size, so fixed slots never fragment
 (LMCache#1285 is a fragmentation bug of a variable-size allocator). On CUDA the buffer is pinned,
@@ -13,16 +14,18 @@ a copy of every byte (and the page faults of fresh buffers) on the request's pat
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
 
-from cachesvc.kv.eviction.base import EvictionPolicy, make_policy
 from cachesvc.kv.host_memory import host_buffer
-from cachesvc.kv.tiers.base import Tier, TierItem, register_tier
+from cachesvc.kv.retention_book import RetentionBook
+from cachesvc.kv.tiers.base import TierItem, register_tier
+from cachesvc.kv.tiers.retaining import RetainingTier
 from cachesvc.kv.types import BlockHash
 
 
@@ -45,9 +48,10 @@ def _host_buffer(num_bytes: int, pin: bool) -> np.ndarray:
 
 
 @register_tier("dram")
-class DramTier(Tier):
+class DramTier(RetainingTier):
     """`capacity_mb` of host memory in slots of `slot_bytes` (the largest blob it accepts),
-    victims offered in the order of eviction policy `policy`."""
+    victims offered in retention order over eviction policy `policy`; `clock` tells when a
+    retention expires (wall clock)."""
 
     name = "dram"
 
@@ -58,6 +62,7 @@ class DramTier(Tier):
         pin_memory: bool = False,
         cap_mb_per_s: float | None = None,
         policy: str = "lru",
+        clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__(cap_mb_per_s)
         if slot_bytes < 1:
@@ -67,8 +72,7 @@ class DramTier(Tier):
         self._buf = _host_buffer(self.num_slots * slot_bytes, pin_memory)
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._slots: dict[BlockHash, _Slot] = {}
-        self._policy_name = policy
-        self._order: EvictionPolicy[BlockHash] = make_policy(policy)  # every held hash
+        self._book: RetentionBook[BlockHash] = RetentionBook(policy, self.num_slots, clock)
         self._num_borrows = 0  # > 0: the thread holding the lock reads views, not copies
 
     @contextmanager
@@ -104,7 +108,7 @@ class DramTier(Tier):
                     self.stats.misses += 1
                     out.append(None)
                     continue
-                self._use(h, slot.parent)
+                self._book.use(h, slot.parent)
                 data = self._buf[slot.index * self.slot_bytes :][: slot.length]
                 # A view when borrowed, else a bytearray: either is writable, so the codec decodes
                 # a raw blob in place, without one more copy.
@@ -125,7 +129,7 @@ class DramTier(Tier):
                 if slot is None:
                     out.append(None)
                     continue
-                self._order.discard(h)
+                self._book.remove(h)
                 start = slot.index * self.slot_bytes
                 out.append(self._buf[start : start + slot.length].tobytes())
                 self._free.append(slot.index)
@@ -137,7 +141,7 @@ class DramTier(Tier):
         with self._lock:
             for item in items:
                 if item.block_hash in self._slots:
-                    self._use(item.block_hash, item.parent)
+                    self._touch(item)
                     stored.append(item.block_hash)
                     continue
                 if len(item.data) > self.slot_bytes or not self._free:
@@ -147,7 +151,7 @@ class DramTier(Tier):
                 start = index * self.slot_bytes
                 self._buf[start : start + len(item.data)] = np.frombuffer(item.data, np.uint8)
                 self._slots[item.block_hash] = _Slot(index, len(item.data), item.parent)
-                self._order.push(item.block_hash, item.parent)
+                self._add(item, 1)
                 self.stats.stored += 1
                 self.stats.bytes_written += len(item.data)
                 stored.append(item.block_hash)
@@ -158,7 +162,7 @@ class DramTier(Tier):
             for h in hashes:
                 slot = self._slots.pop(h, None)
                 if slot is not None:
-                    self._order.discard(h)
+                    self._book.remove(h)
                     self._free.append(slot.index)
                     self.stats.removed += 1
 
@@ -169,21 +173,14 @@ class DramTier(Tier):
     def fits_at_all(self, num_bytes: int) -> bool:
         return num_bytes <= self.slot_bytes and self.num_slots > 0
 
-    def oldest(self, limit: int) -> list[BlockHash]:
-        with self._lock:
-            return self._order.peek(limit)
-
     def entries(self) -> dict[BlockHash, BlockHash | None]:
         with self._lock:
-            return {h: self._slots[h].parent for h in self._order}
-
-    def _use(self, block_hash: BlockHash, parent: BlockHash | None) -> None:
-        """A hit (or a put of a held block): one more use, for the policy."""
-        self._order.pull(block_hash)
-        self._order.push(block_hash, parent)
+            return {h: self._slots[h].parent for h in self._book}
 
     def close(self) -> None:
         with self._lock:
             self._slots.clear()
-            self._order = make_policy(self._policy_name)
+            book = self._book
+            self._book = RetentionBook(book.policy, book.capacity, book.clock)
+            self._book.set_quotas(book.quotas)
             self._free = list(range(self.num_slots - 1, -1, -1))

@@ -1,5 +1,6 @@
-"""NVMe tier: one folder of block files under a size budget, given up in an eviction policy's
-order (`cachesvc.kv.eviction`: least recently used first by default).
+"""NVMe tier: one folder of block files under a size budget, given up in retention and quota
+order, an eviction policy's within a retention class (`cachesvc.kv.eviction`: least recently
+used first by default; see `retaining.RetainingTier`). A tenant's budget and share count bytes.
 
 A file is named `<hash>-<parent>.kv`, so the index (and the chain structure the manager needs)
 is rebuilt from a directory listing on start: a restarted worker keeps its disk cache. Writes go
@@ -8,7 +9,8 @@ half-written block; files are mode 0600 in a 0700 folder. Until a write lands, `
 blob from memory. A fetch that lands at once (`borrow`) reads into reused memory (`ReadArena`),
 5x faster from the page cache than into fresh buffers. A failed write (disk full, read-only
 folder) stops admission for a while and reports the block as lost; the worker never fails
-because of this tier.
+because of this tier. Retentions are journaled beside the files (`retention_journal`), so a
+restarted worker keeps them too, expiry and all.
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from cachesvc.kv.eviction.base import EvictionPolicy, make_policy
-from cachesvc.kv.tiers.base import Tier, TierItem, register_tier
+from cachesvc.kv.quotas import TenantQuota
+from cachesvc.kv.retention import Retention
+from cachesvc.kv.retention_book import NO_QUOTA, RetentionBook
+from cachesvc.kv.tiers.base import TierItem, register_tier
 from cachesvc.kv.tiers.read_arena import ReadArena
+from cachesvc.kv.tiers.retaining import RetainingTier
+from cachesvc.kv.tiers.retention_journal import RetentionJournal
 from cachesvc.kv.types import BlockHash
 
 SUFFIX = ".kv"
@@ -61,9 +67,10 @@ def _parse(name: str) -> tuple[BlockHash, BlockHash | None] | None:
 
 
 @register_tier("nvme")
-class NvmeTier(Tier):
+class NvmeTier(RetainingTier):
     """Files under `path`, at most `capacity_mb` of them in total, victims offered in the order
-    of eviction policy `policy` (restored least recently used first after a restart)."""
+    of eviction policy `policy` within retention classes (restored least recently used first
+    after a restart); `clock` tells when a retention expires (wall clock)."""
 
     name = "nvme"
     outside_process = True
@@ -74,12 +81,14 @@ class NvmeTier(Tier):
         capacity_mb: float,
         cap_mb_per_s: float | None = None,
         policy: str = "lru",
+        clock: Callable[[], float] = time.time,
     ):
         super().__init__(cap_mb_per_s)
         self.path = Path(path)
         self.capacity_bytes = int(capacity_mb * 2**20)
         self._files: dict[BlockHash, _File] = {}
-        self._order: EvictionPolicy[BlockHash] = make_policy(policy)  # every held hash
+        self._book: RetentionBook[BlockHash] = RetentionBook(policy, self.capacity_bytes, clock)
+        self._journal = RetentionJournal(self.path)
         self._used = 0
         self._lost: list[BlockHash] = []
         self._admit_after = 0.0  # monotonic time before which puts are refused
@@ -92,6 +101,7 @@ class NvmeTier(Tier):
         except OSError:
             self.stats.errors += 1
             self._admit_after = float("inf")  # unusable folder: a tier that only misses
+        self._book.on_change = self._journal_change  # after the rebuild: it replayed the file
         self._writer = threading.Thread(target=self._write_loop, name="nvme-writer", daemon=True)
         self._writer.start()
 
@@ -114,10 +124,26 @@ class NvmeTier(Tier):
                 continue
             st = entry.stat()
             found.append((st.st_mtime, parsed[0], _File(st.st_size, parsed[1])))
+        kept = self._journal.load()
+        # No budget yet: the quotas come later (`set_quotas`), and trim what they must then.
+        self._book.default_quota = NO_QUOTA
         for _, h, f in sorted(found, key=lambda t: t[0]):
             self._files[h] = f
-            self._order.push(h, f.parent)
+            owner = kept[h].tenant if h in kept else None  # an unretained block's is not kept
+            self._book.add(h, f.size, f.parent, tenant=owner)
             self._used += f.size
+        for h, retention in kept.items():  # in the order they were retained: oldest first
+            if h in self._files:
+                self._book.retain(h, retention)  # an expired one is ignored
+        self._book.default_quota = TenantQuota()
+        self._journal.rewrite(self._book.retained())
+
+    def _journal_change(self, block_hash: BlockHash, retention: Retention | None) -> None:
+        """The book changed a retention (under the lock): journal it, best effort."""
+        try:
+            self._journal.record(block_hash, retention)
+        except OSError:
+            self.stats.errors += 1  # the block keeps its retention until a restart
 
     # ---- the interface ----------------------------------------------------------------------
 
@@ -141,7 +167,7 @@ class NvmeTier(Tier):
             if f is None:
                 self.stats.misses += 1
                 return None
-            self._use(block_hash, f.parent)
+            self._book.use(block_hash, f.parent)
             data = f.pending
         path = self.path / file_name(block_hash, f.parent)
         if data is None:
@@ -181,7 +207,7 @@ class NvmeTier(Tier):
         with self._lock:
             for item in items:
                 if item.block_hash in self._files:
-                    self._use(item.block_hash, item.parent)
+                    self._touch(item)
                     stored.append(item.block_hash)
                     continue
                 if not self.admitting or not self._has_room(len(item.data)):
@@ -189,11 +215,20 @@ class NvmeTier(Tier):
                     continue
                 f = _File(len(item.data), item.parent, pending=item.data)
                 self._files[item.block_hash] = f
-                self._order.push(item.block_hash, item.parent)
+                self._add(item, f.size)
                 self._used += f.size
                 self._queue.put((item.block_hash, f))
                 stored.append(item.block_hash)
+            self._compact_journal()
         return stored
+
+    def _compact_journal(self) -> None:
+        """Under the lock: rewrite the journal once it is mostly superseded lines."""
+        if self._journal.worth_compacting(self._book.num_retained):
+            try:
+                self._journal.rewrite(self._book.retained())
+            except OSError:
+                self.stats.errors += 1
 
     def remove(self, hashes: Sequence[BlockHash]) -> None:
         for h in hashes:
@@ -204,7 +239,7 @@ class NvmeTier(Tier):
             f = self._files.pop(block_hash, None)
             if f is None:
                 return
-            self._order.discard(block_hash)
+            self._book.remove(block_hash)
             self._used -= f.size
             self.stats.removed += 1
             if lost:
@@ -228,18 +263,9 @@ class NvmeTier(Tier):
     def fits_at_all(self, num_bytes: int) -> bool:
         return self.admitting and num_bytes <= self.capacity_bytes
 
-    def oldest(self, limit: int) -> list[BlockHash]:
-        with self._lock:
-            return self._order.peek(limit)
-
     def entries(self) -> dict[BlockHash, BlockHash | None]:
         with self._lock:
-            return {h: self._files[h].parent for h in self._order}
-
-    def _use(self, block_hash: BlockHash, parent: BlockHash | None) -> None:
-        """A hit (or a put of a held block): one more use, for the policy."""
-        self._order.pull(block_hash)
-        self._order.push(block_hash, parent)
+            return {h: self._files[h].parent for h in self._book}
 
     def flush(self) -> None:
         """Block until every queued write has landed (or failed)."""
@@ -249,6 +275,8 @@ class NvmeTier(Tier):
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
+        with self._lock:
+            self._journal.close()
 
     # ---- the writer thread ------------------------------------------------------------------
 
@@ -297,7 +325,7 @@ class NvmeTier(Tier):
         with self._lock:
             if self._files.get(block_hash) is f:
                 del self._files[block_hash]
-                self._order.discard(block_hash)
+                self._book.remove(block_hash)
                 self._used -= f.size
                 self._lost.append(block_hash)
 

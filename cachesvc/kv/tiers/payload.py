@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from cachesvc.kv.codec import Codec, KVBlock, is_lossy
+from cachesvc.kv.retention import Retention
+from cachesvc.kv.tiers.base import TierItem
 from cachesvc.kv.types import BlockHash
 
 
 class Payload:
     """A block to store: its KV, or a blob with the codec of the tier it comes from (which
-    verifies it), encoded lazily per codec."""
+    verifies it), encoded lazily per codec; with its retention and owner, which it keeps from
+    tier to tier."""
 
     def __init__(
         self,
@@ -18,12 +21,16 @@ class Payload:
         block: KVBlock | None = None,
         blob: bytes | None = None,
         source: Codec | None = None,
+        retention: Retention | None = None,
+        tenant: str | None = None,
     ) -> None:
         self.block_hash = block_hash
         self.parent = parent
         self._block = block
         self._blob = blob
         self._source = source
+        self.retention = retention
+        self.tenant = tenant
 
     @property
     def lossy(self) -> bool:
@@ -42,3 +49,7 @@ class Payload:
             return codec.encode(b.block_hash, b.parent, b.dtype, b.array, lossy=b.lossy)
         assert self._blob is not None
         return codec.transcode(self._blob, self.block_hash, self._source)
+
+    def item(self, data: bytes) -> TierItem:
+        """The tier item of the block encoded as `data`."""
+        return TierItem(self.block_hash, self.parent, data, self.retention, self.tenant)

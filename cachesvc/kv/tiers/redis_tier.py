@@ -18,13 +18,20 @@ admits a request, so a Redis that stops answering must not stall its thread:
   is used again after the next probe.
 * After a failed call the next one that succeeds asks the server's `run_id`: a new one means it
   restarted and kept nothing (`stats.restarts`), which a timed-out read alone does not tell.
+
+A retained block is written to live at least until its retention expires: its TTL is the
+longer of the tier's `ttl_s` and the retention's time left (with no `ttl_s` keys never expire,
+retained or not). That is all the shared tier does with retention: Redis evicts by itself, and
+this tier is only ever asked, never managed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -49,10 +56,12 @@ def _chunks(seq: Sequence[T], size: int) -> Iterator[Sequence[T]]:
 
 @dataclass(frozen=True)
 class _Job:
-    """A queued write of `data`, or a delete (`data` None)."""
+    """A queued write of `data` (expiring after `ttl_s`, None: never), or a delete (`data`
+    None)."""
 
     block_hash: BlockHash
     data: bytes | None
+    ttl_s: int | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -90,7 +99,9 @@ class RedisTier(Tier):
         queue_mb: float = 64.0,
         tls_ca_file: str | None = None,
         cap_mb_per_s: float | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock`: the wall clock a retention's expiry is read against."""
         super().__init__(cap_mb_per_s)
         import redis
 
@@ -99,6 +110,7 @@ class RedisTier(Tier):
         self._writer = _client(url, timeout_s, password, tls_ca_file)
         self._prefix = f"{KEY_PREFIX}:{namespace}:".encode()
         self.ttl_s = ttl_s
+        self.clock = clock
         self.breaker = CircuitBreaker(max_failures, retry_s)
         self.queue_bytes = int(queue_mb * 2**20)
         self._jobs: deque[_Job] = deque()
@@ -219,9 +231,16 @@ class RedisTier(Tier):
                 if self._queued + len(item.data) > self.queue_bytes:
                     self.stats.writes_dropped += 1
                     continue
-                self._enqueue(_Job(item.block_hash, item.data))
+                self._enqueue(_Job(item.block_hash, item.data, self._ttl(item)))
                 stored.append(item.block_hash)
         return stored
+
+    def _ttl(self, item: TierItem) -> int | None:
+        """The key's TTL: the tier's, or longer for a retained block (whole seconds, up)."""
+        if item.retention is None or self.ttl_s is None:
+            return self.ttl_s
+        left = math.ceil(item.retention.expires_at - self.clock())
+        return max(self.ttl_s, left)
 
     def remove(self, hashes: Sequence[BlockHash]) -> None:
         """Forget queued writes of `hashes` and queue deletes (skipped while Redis is down)."""
@@ -310,7 +329,7 @@ class RedisTier(Tier):
             if job.data is None:
                 pipe.delete(self.key(job.block_hash))
             else:
-                pipe.set(self.key(job.block_hash), job.data, ex=self.ttl_s)
+                pipe.set(self.key(job.block_hash), job.data, ex=job.ttl_s)
         pipe.execute()
         return True
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from cachesvc.kv.codec import Codec
 from cachesvc.kv.events import EventLog
-from cachesvc.kv.tiers.base import Tier, TierItem
+from cachesvc.kv.tiers.base import Tier
 from cachesvc.kv.tiers.payload import Payload
 from cachesvc.kv.tiers.results import ManagerStats
 from cachesvc.kv.types import BlockHash
@@ -78,7 +78,7 @@ class Sharing:
             self.stats.lossy_refused += 1
             return False
         data = payload.encoded(self.codec)
-        if data is None or not self.shared.put([TierItem(h, payload.parent, data)]):
+        if data is None or not self.shared.put([payload.item(data)]):
             return False
         self._sent[h] = None
         while len(self._sent) > _MAX_TRACKED:

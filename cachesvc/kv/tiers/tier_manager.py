@@ -10,6 +10,11 @@ no such rule). The device pool counts as holding a parent, through `device_has`.
 A hit is promoted by copying it into the device pool; the tiers keep their copy (inclusive), so
 when the device evicts the block again it costs no new write.
 
+A block's retention (`cachesvc.kv.retention`) comes with it from the device and moves down with
+it from tier to tier; each local tier offers its victims in retention and quota order
+(`retaining.RetainingTier`), unretained blocks and tenants over their share first, and the
+manager still takes leaves first among them. Quotas apply per tier (`set_quotas`).
+
 The shared tier (Redis) is written only for blocks reused at least `min_reuse` times, by the
 manager's `Sharing` (`cachesvc/kv/tiers/sharing.py`); it is only ever asked, never managed.
 
@@ -28,7 +33,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 from cachesvc.kv.codec import AuthError, Codec, KVBlock
 from cachesvc.kv.events import EventLog
-from cachesvc.kv.tiers.base import Tier, TierItem
+from cachesvc.kv.quotas import TenantBlocks, TenantQuota
+from cachesvc.kv.retention import Retention
+from cachesvc.kv.tiers.base import Tier
 from cachesvc.kv.tiers.payload import Payload
 from cachesvc.kv.tiers.results import FetchResult, ManagerStats, TierHit, Transfer
 from cachesvc.kv.tiers.sharing import Sharing
@@ -98,12 +105,22 @@ class TierManager:
 
     # ---- demotion ---------------------------------------------------------------------------
 
-    def demote(self, block: KVBlock) -> bool:
-        """Take a block leaving the device (its KV copied out); False when no tier took it, in
-        which case its held descendants are dropped too."""
+    def demote(
+        self, block: KVBlock, retention: Retention | None = None, tenant: str | None = None
+    ) -> bool:
+        """Take a block leaving the device (its KV copied out) with its retention (None:
+        unretained) and owner (None: its retention's tenant, else ""); False when no tier took
+        it, in which case its held descendants are dropped too. A block held already keeps its
+        copies, their retention merged with `retention`."""
         self.poll()
-        payload = Payload(block.block_hash, block.parent, block=block)
-        landed = self._admit(0, payload) if block.block_hash not in self._where else "held"
+        payload = Payload(
+            block.block_hash, block.parent, block=block, retention=retention, tenant=tenant
+        )
+        held = self._where.get(block.block_hash)
+        landed = "held" if held else self._admit(0, payload)
+        if held and retention is not None:
+            for name in held:
+                self.tier(name).retain(block.block_hash, retention)
         if self._sharing is not None:
             self._sharing.offer(payload)
         if landed is None:
@@ -126,19 +143,23 @@ class TierManager:
             data = payload.encoded(codec)
             if data is None:
                 return None  # a corrupt blob is not demoted, it is dropped
-            if not tier.fits_at_all(len(data)) or not self._make_room(tier, len(data)):
+            if not tier.fits_at_all(len(data)):
+                continue
+            if not self._make_room(tier, len(data), payload.retention):
                 continue
             if payload.parent is not None and not self._is_held(payload.parent):
                 return None  # making room dropped its prefix: it would be an orphan
-            if tier.put([TierItem(payload.block_hash, payload.parent, data)]):
+            if tier.put([payload.item(data)]):
                 self._record(payload.block_hash, payload.parent, tier.name)
                 return tier.name
         return None
 
-    def _make_room(self, tier: Tier, num_bytes: int) -> bool:
+    def _make_room(self, tier: Tier, num_bytes: int, retention: Retention | None) -> bool:
+        """Evict from `tier` until `num_bytes` fit; False when it cannot, or only by evicting
+        a block that outranks the newcomer's `retention` (it then tries the tier below)."""
         while not tier.room_for(num_bytes):
             victim = self._victim(tier)
-            if victim is None:
+            if victim is None or tier.outranks(victim, retention):
                 return False
             self._evict(tier, victim)
         return True
@@ -152,8 +173,9 @@ class TierManager:
         return candidates[0] if candidates else None
 
     def _evict(self, tier: Tier, block_hash: BlockHash) -> None:
-        """Push a block one tier down (or drop it from the last)."""
+        """Push a block one tier down (or drop it from the last), with its retention."""
         level = self.local.index(tier)
+        retention, tenant = tier.retention_of(block_hash), tier.tenant_of(block_hash)
         [blob] = tier.pop([block_hash])
         parent = self._parent.get(block_hash)  # before `_unrecord` may forget it
         self._unrecord(block_hash, tier.name)
@@ -162,7 +184,9 @@ class TierManager:
             landed = None  # already held below (or unreadable): nothing to copy
         else:
             source = self.codecs[tier.name]
-            payload = Payload(block_hash, parent, blob=blob, source=source)
+            payload = Payload(
+                block_hash, parent, blob=blob, source=source, retention=retention, tenant=tenant
+            )
             landed = self._admit(level + 1, payload)
             if self._sharing is not None:
                 self._sharing.offer(payload)
@@ -321,9 +345,10 @@ class TierManager:
         without a shared tier)."""
         return [] if self._sharing is None else self._sharing.note_reuse(hashes)
 
-    def share(self, block: KVBlock) -> bool:
-        """Write a block to the shared tier (once); False when there is none or it failed."""
-        payload = Payload(block.block_hash, block.parent, block=block)
+    def share(self, block: KVBlock, retention: Retention | None = None) -> bool:
+        """Write a block to the shared tier (once; a retained one to live until its retention
+        ends); False when there is none or it failed."""
+        payload = Payload(block.block_hash, block.parent, block=block, retention=retention)
         return self._sharing is not None and self._sharing.share(payload)
 
     def share_held(self, block_hash: BlockHash) -> bool:
@@ -331,10 +356,35 @@ class TierManager:
         for name in [t.name for t in self.local if t.name in self._where.get(block_hash, ())]:
             [blob] = self.tier(name).get([block_hash])
             if blob is not None:
+                tier = self.tier(name)
                 parent, source = self._parent.get(block_hash), self.codecs[name]
-                payload = Payload(block_hash, parent, blob=blob, source=source)
+                payload = Payload(
+                    block_hash,
+                    parent,
+                    blob=blob,
+                    source=source,
+                    retention=tier.retention_of(block_hash),
+                    tenant=tier.tenant_of(block_hash),
+                )
                 return self._sharing is not None and self._sharing.share(payload)
         return False
+
+    # ---- retention and quotas ---------------------------------------------------------------
+
+    def set_quotas(self, quotas: Mapping[str, TenantQuota]) -> None:
+        """Tenants' quotas of each local tier from now on (a tenant not named: `TenantQuota()`);
+        retentions past a budget that shrank are demoted at once."""
+        for tier in self.local:
+            tier.set_quotas(quotas)
+
+    def close_session(self, tenant: str, session: str) -> int:
+        """End the retentions of a tenant's session in the local tiers (their blocks stay, as
+        unretained ones); returns how many blocks it demoted, over all tiers."""
+        return sum(tier.end_session(tenant, session) for tier in self.local)
+
+    def tenant_blocks(self) -> dict[str, dict[str, TenantBlocks]]:
+        """Each local tier's blocks per tenant (cached and retained), by tier name."""
+        return {tier.name: tier.tenant_blocks() for tier in self.local}
 
     # ---- purge and spill --------------------------------------------------------------------
 
@@ -367,6 +417,7 @@ class TierManager:
     def check_integrity(self) -> None:
         """Raise AssertionError if the maps disagree with the tiers or a suffix is orphaned."""
         for tier in self.local:
+            tier.check_integrity()
             held = set(tier.entries())
             mine = {h for h, names in self._where.items() if tier.name in names}
             assert held == mine, f"{tier.name}: tier and manager disagree"

@@ -8,6 +8,8 @@ them, shared once they are popular.
   holds is shared from there at once; one only on the device is queued and copied out after the
   step's compute (`share_queued`), since a block matched in the step it is computed in has no KV
   yet.
+* A block leaves with its retention (`BlockPool.retention_of`, readable during the hook), which
+  the tiers keep it by; one shared to Redis lives there at least until its retention ends.
 * A block the pool marks lossy (`BlockPool.is_lossy`) leaves as lossy KV: the manager stores it
   only under a quantized codec (and is not even copied out for a lossless shared tier).
 
@@ -22,6 +24,7 @@ import torch
 
 from cachesvc.kv.block_pool import BlockPool
 from cachesvc.kv.codec import KVBlock
+from cachesvc.kv.retention import Retention
 from cachesvc.kv.tiers.tier_manager import TierManager
 from cachesvc.kv.types import BlockHash, BlockId
 from workers.engine.kv_copy import layered, read_block
@@ -49,7 +52,12 @@ class TierWriter:
         parent: BlockHash | None,
     ) -> None:
         """The pool is about to reuse a cached block: copy its KV down a tier first."""
-        self.manager.demote(self._kv_block(block_id, block_hash, parent))
+        self.manager.demote(self._kv_block(block_id, block_hash, parent), self._retention(block_id))
+
+    def _retention(self, block_id: BlockId) -> Retention | None:
+        """The block's retention in the pool, None where the pool keeps none."""
+        retention_of = getattr(self.pool, "retention_of", None)
+        return None if retention_of is None else retention_of(block_id)
 
     def note_reuse(
         self, hashes: list[BlockHash], block_ids: Sequence[BlockId], parent: BlockHash | None
@@ -75,7 +83,8 @@ class TierWriter:
         queue, self._queue = self._queue, []
         for block_hash, block_id, parent in queue:
             if self.pool.block_hash(block_id) == block_hash:  # not evicted since
-                self.manager.share(self._kv_block(block_id, block_hash, parent))
+                block = self._kv_block(block_id, block_hash, parent)
+                self.manager.share(block, self._retention(block_id))
 
     def _kv_block(
         self, block_id: BlockId, block_hash: BlockHash, parent: BlockHash | None
