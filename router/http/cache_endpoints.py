@@ -52,7 +52,8 @@ def parse_prewarm(body: Any) -> tuple[str | None, PrewarmInput]:
     body = json_object(body)
     check_fields(body, _PREWARM_FIELDS)
     has_messages, has_prompt = body.get("messages") is not None, body.get("prompt") is not None
-    check(has_messages != has_prompt, "messages or prompt is required (one of them, not both)")
+    check(has_messages or has_prompt, "messages is required, or prompt: the prompt to warm")
+    check(not (has_messages and has_prompt), "messages must not be given with prompt: one of them")
     if has_messages:
         prompt = PromptInput(messages=chat_messages(body["messages"]))
     else:
@@ -66,7 +67,7 @@ def parse_prewarm(body: Any) -> tuple[str | None, PrewarmInput]:
     )
     check(
         body.get("prompt_cache_retention") is None or body.get("retention_s") is None,
-        "retention_s and prompt_cache_retention ask the same: give one of them",
+        "retention_s must not be given with prompt_cache_retention: they ask the same",
     )
     seconds = integer(body, "retention_s")
     retention = parse_retention(body) if seconds is None else check_retention_s(seconds)
