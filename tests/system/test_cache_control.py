@@ -31,8 +31,9 @@ def _as(token: str) -> list[tuple[str, str]]:
 
 
 def _ids(first: int, num_blocks: int) -> list[int]:
-    """A prompt of `num_blocks` full blocks and two tokens more, of ids no other test sends."""
-    return [first + i for i in range(num_blocks * BLOCK + 2)]
+    """A prompt of `num_blocks` full blocks and two tokens more, starting with `first` (each
+    test its own: no block of one prompt is another's)."""
+    return [first] + [10 + (first + 13 * i) % 300 for i in range(1, num_blocks * BLOCK + 2)]
 
 
 def _prompt(ids: list[int]) -> pb.Prompt:
@@ -66,7 +67,7 @@ def _refused(call_: Any, field: str, code: Any = grpc.StatusCode.INVALID_ARGUMEN
 def test_a_prewarmed_prompt_is_a_hit_on_the_worker_that_warmed_it(make_server: Any) -> None:
     server = make_server(policy="prefix_aware")
     cache, stub = pb_grpc.CacheStub(server.channel()), pb_grpc.InferenceStub(server.channel())
-    ids = _ids(100, 12)
+    ids = _ids(101, 12)
     warm = cache.Prewarm(pb.PrewarmRequest(prompt=_prompt(ids)), timeout=120)
     assert warm.prompt_tokens == len(ids)
     assert warm.cached_tokens == 12 * BLOCK  # every full block, computed now and written
@@ -112,7 +113,7 @@ def test_bad_values_are_refused_naming_the_field(make_server: Any) -> None:
     server = make_server()
     stub, cache = pb_grpc.InferenceStub(server.channel()), pb_grpc.CacheStub(server.channel())
     admin = pb_grpc.AdminStub(server.channel())
-    ids = _ids(400, 2)
+    ids = _ids(102, 2)
     _refused(lambda: _generate(stub, ids, session_id="s" * 257), "session_id")
     _refused(lambda: _generate(stub, ids, session_id="a\x00b"), "session_id")
     _refused(lambda: _generate(stub, ids, retention_tokens=0), "retention_tokens")
@@ -171,7 +172,7 @@ def tenants_server(make_server: Any) -> Any:
 
 def test_a_retained_session_is_released_by_its_tenant_only(tenants_server: Any) -> None:
     cache = pb_grpc.CacheStub(tenants_server.channel())
-    ids = _ids(600, 10)
+    ids = _ids(103, 10)
     warm = cache.Prewarm(
         pb.PrewarmRequest(prompt=_prompt(ids), retention_s=300, session_id="conv-1"),
         metadata=_as("acme-tok"),
@@ -192,7 +193,7 @@ def test_a_retained_session_is_released_by_its_tenant_only(tenants_server: Any) 
 def test_a_retention_past_the_tenants_limit_is_refused(tenants_server: Any) -> None:
     stub = pb_grpc.InferenceStub(tenants_server.channel())
     cache = pb_grpc.CacheStub(tenants_server.channel())
-    ids = _ids(800, 2)
+    ids = _ids(104, 2)
     usage = _generate(stub, ids, _as("acme-tok"), retention_s=600)
     assert usage.retained_tokens == 2 * BLOCK
     _refused(lambda: _generate(stub, ids, _as("acme-tok"), retention_s=601), "retention_s")
@@ -214,7 +215,7 @@ def test_a_quota_set_by_the_operator_shows_in_the_usage(tenants_server: Any) -> 
     )
     reply = admin.SetTenantQuota(request, metadata=_as(OPERATOR), timeout=60)
     assert reply.quota == quota
-    ids = _ids(1000, 6)
+    ids = _ids(105, 6)
     assert _generate(stub, ids, _as("umbrella-tok"), retention_s=300).retained_tokens == 24
     _refused(lambda: _generate(stub, ids, _as("umbrella-tok"), retention_s=301), "retention_s")
     usage = admin.TenantUsage(pb.TenantUsageRequest(), metadata=_as(OPERATOR), timeout=60)
@@ -228,14 +229,14 @@ def test_a_quota_set_by_the_operator_shows_in_the_usage(tenants_server: Any) -> 
 def test_skipping_the_cache_skips_the_response_cache(make_server: Any) -> None:
     server = make_server(policy="prefix_aware", response_cache_mb=8)
     stub = pb_grpc.InferenceStub(server.channel())
-    ids = _ids(1200, 4)
+    ids = _ids(106, 4)
     first = _generate(stub, ids)
     assert not first.from_response_cache
     assert _generate(stub, ids).from_response_cache
     unread = _generate(stub, ids, skip_cache_read=True)
     assert not unread.from_response_cache
     assert sum(unread.cached_tokens.values()) == 0  # nor any cached KV
-    fresh = _ids(1300, 4)
+    fresh = _ids(107, 4)
     _generate(stub, fresh, skip_cache_write=True)
     after = _generate(stub, fresh)
     assert not after.from_response_cache  # the answer was not stored
