@@ -15,6 +15,7 @@ from http_support import MODEL_NAME, call, error_of, start_http, stop_http
 
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+from router.domain import ChatMessage, PromptInput
 from router.tenants import TenantLimits, TenantToken
 
 pytestmark = pytest.mark.system
@@ -264,3 +265,37 @@ def test_cli_close_session_quota_and_usage(
     assert tenants["acme"]["quota"]["share"] == 0.25
     (line,) = cli_lines(capsys, ["cache", "close-session", *base, "nobody's"])
     assert json.loads(line) == {"session_id": "nobody's", "num_blocks_released": 0}
+
+
+def test_an_anthropic_breakpoint_retains_the_prompt_up_to_it(make_server: Any) -> None:
+    server = make_server(policy="prefix_aware")
+    http = start_http(server)
+    system = "The quick brown fox jumps over the lazy dog. " * 3
+    control = {"type": "ephemeral", "ttl": "1h"}
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": 2,
+        "temperature": 0,
+        "system": [{"type": "text", "text": system, "cache_control": control}],
+        "messages": [{"role": "user", "content": "hello world, hello router " * 4}],
+    }
+    registry = server.router.metrics.registry
+
+    def retained() -> float:
+        sample = {"outcome": "retained"}
+        return registry.get_sample_value("cachesvc_retained_tokens_total", sample) or 0.0
+
+    try:
+        before = retained()
+        status, _, reply = call(http, "POST", "/v1/messages", body)
+        assert status == 200, reply
+        prefix = PromptInput(messages=(ChatMessage("system", system),), add_generation_prompt=False)
+        num_prefix = len(server.run(server.router.prompts.encode(prefix)))
+        usage = json.loads(reply)["usage"]  # read + written + the rest: the prompt
+        parts = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+        prompt_tokens = sum(usage[part] for part in parts)
+        # Only the system part (its full blocks) is retained, not the question after it.
+        assert num_prefix // BLOCK * BLOCK < prompt_tokens // BLOCK * BLOCK
+        assert retained() - before == num_prefix // BLOCK * BLOCK
+    finally:
+        stop_http(server, http)
