@@ -1,4 +1,5 @@
-"""The operator's calls over every worker: what each holds, flush and purge (`Admin`).
+"""The calls over every worker: what each holds, flush and purge, the tenants' quotas and
+usage (`Admin`), and closing a cache session (`Cache.CloseSession`).
 
 The router (`core.Router`) delegates here; the gRPC servicer reaches them through it.
 """
@@ -6,11 +7,15 @@ The router (`core.Router`) delegates here; the gRPC servicer reaches them throug
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
-from router.domain import Unavailable, WorkerStatus
+from cachesvc.kv.types import WorkerId
+from router.domain import TenantUsage, Unavailable, WorkerStatus
 from router.pool.worker_pool import WorkerDied, WorkerPool
 from router.pool.worker_state import Health
 from router.response_cache.cache import ResponseCache
+from workers.protocol import TenantBlocks, TenantQuota
 
 
 def worker_statuses(pool: WorkerPool) -> list[WorkerStatus]:
@@ -71,3 +76,39 @@ async def purge(pool: WorkerPool, responses: ResponseCache | None) -> dict[str, 
     if responses is not None:
         purged["response"] = await responses.clear()
     return purged
+
+
+async def _each_live(
+    pool: WorkerPool, method: str, *args: Any
+) -> AsyncIterator[tuple[WorkerId, Any]]:
+    """`method(*args)` on every live worker, one after another; a worker that dies meanwhile
+    is skipped (it holds nothing any more)."""
+    for state in pool.states():
+        if state.health is Health.DEAD:
+            continue
+        with contextlib.suppress(WorkerDied):
+            yield state.worker_id, await pool.call(state.worker_id, method, *args)
+
+
+async def close_session(pool: WorkerPool, tenant: str, session_id: str) -> int:
+    """Demote every block `tenant`'s session retained, on every live worker; how many."""
+    return sum([int(n) async for _, n in _each_live(pool, "close_session", tenant, session_id)])
+
+
+async def push_quotas(pool: WorkerPool, quotas: dict[str, TenantQuota]) -> int:
+    """Make `quotas` the pool's (given to every worker that joins) and give them to every live
+    worker now; how many took them."""
+    pool.quotas = dict(quotas)
+    return len([w async for w, _ in _each_live(pool, "set_quotas", dict(quotas))])
+
+
+async def tenant_usage(pool: WorkerPool) -> list[TenantUsage]:
+    """Each tenant's blocks per tier, summed over the live workers, by tenant name."""
+    sums: dict[str, dict[str, tuple[int, int]]] = {}
+    async for _, by_tier in _each_live(pool, "tenant_usage"):
+        tiers: dict[str, dict[str, TenantBlocks]] = by_tier
+        for tier, by_tenant in tiers.items():
+            for tenant, blocks in by_tenant.items():
+                cached, retained = sums.setdefault(tenant, {}).get(tier, (0, 0))
+                sums[tenant][tier] = (cached + blocks.cached, retained + blocks.retained)
+    return [TenantUsage(tenant, tiers) for tenant, tiers in sorted(sums.items())]

@@ -18,16 +18,26 @@ from collections.abc import AsyncGenerator
 from dataclasses import asdict, fields
 
 from cachesvc.kv.types import WorkerId
-from router.admin import flush_workers, purge, worker_statuses
+from router.admin import (
+    close_session,
+    flush_workers,
+    purge,
+    push_quotas,
+    tenant_usage,
+    worker_statuses,
+)
 from router.config import RouterConfig
 from router.domain import (
     Exhausted,
     GenerateInput,
+    PrewarmInput,
+    PrewarmResult,
     PromptInput,
     RouterError,
     RouterStats,
     ScoreInput,
     ScoreResult,
+    TenantUsage,
     Unavailable,
     WorkerStatus,
 )
@@ -37,10 +47,12 @@ from router.policy.routing import Policy, RouteDecision
 from router.pool.supervisor import Replace, Supervisor
 from router.pool.worker_pool import WorkerDied, WorkerPool
 from router.request.affinity import scoped_key
+from router.request.cache_hints import cache_hints, check_retention
 from router.request.disagg import Disaggregation
 from router.request.gate import Gate
 from router.request.handoff import Handoff
 from router.request.placement import Placement
+from router.request.prewarm import prewarm_request, prewarm_result
 from router.request.prompts import Prompts
 from router.request.resume import Part, RequestProgress
 from router.request.scoring import score as run_score
@@ -53,6 +65,7 @@ from router.response_cache.cache import (
     num_samples,
     response_key,
 )
+from router.tenants import QuotaTable, TenantLimits
 from workers.protocol import HolderHint, StreamDelta, Usage
 from workers.text.tokenizer import Tokenizer
 
@@ -87,6 +100,8 @@ class Router:
         self.placement = Placement(pool, policy, config)
         self.pd = Disaggregation(pool, self.placement, config, self.metrics)
         self.admission = Gate(pool, admission_of(config), self.metrics.refused, self.pd.mean_answer)
+        self.quotas = QuotaTable.of_tokens(config.tenant_tokens)
+        pool.quotas = self.quotas.for_workers()  # given to each worker as it joins
 
     async def start(self) -> None:
         """Wait for the workers, index what they hold and start supervising them."""
@@ -117,6 +132,7 @@ class Router:
         another (see `router.request.resume`), so the client sees one stream."""
         if self._stats.num_inflight >= self.config.max_inflight:
             raise Exhausted(f"router is at its limit of {self.config.max_inflight} requests")
+        check_retention(self.quotas, req.tenant, req.retention_s)
         # The salt takes the purge epoch now, once: the request keeps its hashes to its end.
         req = dataclasses.replace(req, cache_salt=self.prompts.salt(req.cache_salt))
         ids = await self.prompts.encode(req.prompt)
@@ -157,7 +173,8 @@ class Router:
         if self.responses is not None and cacheable:
             fingerprint = self.pool.model.model_fingerprint
             key = response_key(fingerprint, req.cache_salt, ids, req.params)
-        if key is not None:
+        # Skipping the cache's reads (writes) skips the stored answers' too.
+        if key is not None and not req.skip_cache_read:
             assert self.responses is not None
             shape = EntryShape(num_samples(req.params), self.pool.model.vocab_size)
             hit = await self.responses.get(key, shape)
@@ -173,7 +190,7 @@ class Router:
                 collector.add(delta)
                 yield delta
         answer = collector.result()
-        if key is not None and answer is not None:
+        if key is not None and answer is not None and not req.skip_cache_write:
             assert self.responses is not None
             # Queued, not awaited: the stream ends now, whatever the store is doing.
             self.responses.offer(key, answer)
@@ -301,8 +318,16 @@ class Router:
         num_finished = 0
         tick = self.admission.clock(decision.worker)  # times the stream's gaps
         try:
+            hints = cache_hints(req)
             stream = self.pool.stream(
-                decision.worker, ids, part.params, request_id, req.cache_salt, holder, hold_kv
+                decision.worker,
+                ids,
+                part.params,
+                request_id,
+                req.cache_salt,
+                holder,
+                hold_kv,
+                hints,
             )
             async with contextlib.aclosing(stream) as deltas:
                 async for delta in deltas:
@@ -345,6 +370,34 @@ class Router:
         return await run_score(
             req, self.prompts, self.placement, self.pool, self.config.max_retries
         )
+
+    # ---- cache control --------------------------------------------------------------------
+
+    async def prewarm(self, inp: PrewarmInput) -> PrewarmResult:
+        """Compute and keep a prompt's KV on the worker routing chooses, answering nothing
+        (`router.request.prewarm`); raises as `generate` does."""
+        usage = None
+        async with contextlib.aclosing(self.generate(prewarm_request(inp))) as deltas:
+            async for delta in deltas:
+                usage = delta.usage or usage
+        if usage is None:
+            raise Unavailable("the prewarm ended without its worker's answer; retry")
+        return prewarm_result(usage)
+
+    async def close_session(self, tenant: str, session_id: str) -> int:
+        """Demote the blocks `tenant`'s session retained, on every live worker; how many."""
+        return await close_session(self.pool, tenant, session_id)
+
+    async def set_quota(self, tenant: str, limits: TenantLimits) -> None:
+        """Replace `tenant`'s limits, here and on every live worker (and those that join)."""
+        self.quotas.set(tenant, limits)
+        await push_quotas(self.pool, self.quotas.for_workers())
+
+    async def tenant_usage(self) -> list[TenantUsage]:
+        """Each tenant's blocks per tier, summed over the live workers."""
+        usage = await tenant_usage(self.pool)
+        self.metrics.record_tenant_usage(usage)
+        return usage
 
     # ---- admin ------------------------------------------------------------------------------
 

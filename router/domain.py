@@ -54,7 +54,7 @@ class PromptInput:
 
 
 MAX_AFFINITY_KEY_LEN = 1024  # characters of an affinity key (OpenAI's prompt_cache_key's limit)
-MAX_RETENTION_S = 24 * 3600  # the longest retention a client may ask (OpenAI's `24h`)
+MAX_SESSION_ID_LEN = 256  # characters of a cache session id
 
 
 @dataclass(frozen=True)
@@ -67,12 +67,56 @@ class GenerateInput:
     # The client set params.max_tokens: past the context it is refused, not lowered to fit.
     max_tokens_set: bool = False
     # How long the client asked the prompt's cache entry to be kept, in seconds (Anthropic's
-    # `cache_control.ttl`, OpenAI's `prompt_cache_retention`); None: the default. A hint,
-    # carried but not yet honoured: every block is evicted by the pool's own policy.
+    # `cache_control.ttl`, OpenAI's `prompt_cache_retention`); None: the default (none). Soft
+    # (`cachesvc.kv.retention`), at most the tenant's `max_retention_s`.
     retention_s: int | None = None
     # Requests with the same key belong together (OpenAI's `prompt_cache_key`): routed to the
     # same worker while it is within bounds (`router.request.affinity`); None: none.
     affinity_key: str | None = None
+    # The retention covers the leading this-many prompt tokens (a breakpoint); None: all.
+    retention_tokens: int | None = None
+    # Tags the retained blocks with a conversation that `close_session` may end early.
+    session_id: str | None = None
+    # Reuse no cached KV (and no stored answer); cache nothing computed (and store no answer).
+    skip_cache_read: bool = False
+    skip_cache_write: bool = False
+    explain_cache: bool = False  # answer where each part of the prompt came from
+    # The tenant the request's token authenticated; "" without one (the operator's, or no
+    # authentication). Whose retention budget and quota the request counts against.
+    tenant: str = ""
+
+
+@dataclass(frozen=True)
+class PrewarmInput:
+    """A prompt to compute and keep, not answer (Cache.Prewarm); the fields as GenerateInput's."""
+
+    request_id: str
+    prompt: PromptInput
+    cache_salt: str | None = None
+    retention_s: int | None = None
+    session_id: str | None = None
+    affinity_key: str | None = None
+    tenant: str = ""
+
+
+@dataclass(frozen=True)
+class PrewarmResult:
+    """What a prewarm left on its worker: `cached_tokens` are the prompt's leading full-block
+    tokens that worker's cache holds now (those it found cached plus those it wrote)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    worker_id: str
+    retained_tokens: int
+    retention_trimmed_tokens: int
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    """One tenant's blocks per tier, summed over the live workers: tier -> (cached, retained)."""
+
+    tenant: str
+    tiers: Mapping[str, tuple[int, int]]
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
+    from router.domain import TenantUsage
     from router.pool.worker_pool import WorkerPool
     from router.response_cache.store import StoreStats
     from workers.protocol import Usage
@@ -110,6 +111,20 @@ class RouterMetrics:
             buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.1, 1.25, 1.5, 2, 4),
             registry=r,
         )
+        self.retained_tokens = Counter(
+            "cachesvc_retained_tokens",
+            "Prompt tokens retained at their request's ask (retained), and those its tenant's "
+            "retention budget trimmed (trimmed)",
+            ["outcome"],
+            registry=r,
+        )
+        self.tenant_blocks = Gauge(
+            "cachesvc_tenant_blocks",
+            "KV blocks per tenant and tier, summed over the workers: cached and, of those, "
+            "retained; as of the last Admin.TenantUsage call",
+            ["tenant", "tier", "state"],
+            registry=r,
+        )
         self._hits: dict[str, float] = {}
         self._prompt_total = 0.0
         self._lock = threading.Lock()  # scrapes run on the HTTP server's thread
@@ -122,10 +137,22 @@ class RouterMetrics:
         """Export the pool's per-worker state at scrape time (call once)."""
         self.registry.register(_PoolCollector(pool, self))
 
+    def record_tenant_usage(self, usage: list[TenantUsage]) -> None:
+        """Set the tenant gauges to a fresh sum over the workers (tenants gone are dropped)."""
+        self.tenant_blocks.clear()
+        for entry in usage:
+            for tier, (cached, retained) in entry.tiers.items():
+                self.tenant_blocks.labels(entry.tenant, tier, "cached").set(cached)
+                self.tenant_blocks.labels(entry.tenant, tier, "retained").set(retained)
+
     def record_usage(self, usage: Usage) -> None:
         """Token counters of one finished sample."""
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.computed_tokens.inc(usage.computed_tokens)
+        if usage.retained_tokens:
+            self.retained_tokens.labels("retained").inc(usage.retained_tokens)
+        if usage.retention_trimmed_tokens:
+            self.retained_tokens.labels("trimmed").inc(usage.retention_trimmed_tokens)
         self.completion_tokens.inc(usage.completion_tokens)
         with self._lock:
             self._prompt_total += usage.prompt_tokens

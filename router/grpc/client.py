@@ -1,6 +1,8 @@
-"""A small blocking client of the router, used by `cachesvc generate|chat|score --server`.
+"""A small blocking client of the router, used by `cachesvc generate|chat|score --server` and
+`cachesvc cache`.
 
-Prints the same objects as offline `generate --json`, plus the worker that served each.
+Prints the same objects as offline `generate --json`, plus the worker that served each; the
+cache calls answer JSON-ready dicts of their replies.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ class RouterClient:
             self._channel = grpc.secure_channel(address, credentials)
         self._metadata = [("authorization", f"Bearer {auth_token}")] if auth_token else []
         self.inference = pb_grpc.InferenceStub(self._channel)
+        self.cache = pb_grpc.CacheStub(self._channel)
+        self.admin = pb_grpc.AdminStub(self._channel)
 
     def __enter__(self) -> RouterClient:
         return self
@@ -150,6 +154,59 @@ class RouterClient:
         except grpc.RpcError as exc:
             raise _remote_error(exc) from exc
 
+    def prewarm(
+        self,
+        prompt: pb.Prompt,
+        *,
+        retention_s: int | None = None,
+        session_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[str, Any]:
+        """Cache.Prewarm: compute and keep `prompt`'s KV; what is cached, where."""
+        request = pb.PrewarmRequest(prompt=prompt)
+        if retention_s is not None:
+            request.retention_s = retention_s
+        if session_id is not None:
+            request.session_id = session_id
+        if cache_salt is not None:
+            request.cache_salt = cache_salt
+        return _as_dict(self._call(self.cache.Prewarm, request))
+
+    def close_session(self, session_id: str) -> int:
+        """Cache.CloseSession: blocks released, summed over the workers."""
+        reply = self._call(self.cache.CloseSession, pb.CloseSessionRequest(session_id=session_id))
+        return int(reply.num_blocks_released)
+
+    def set_tenant_quota(
+        self, tenant: str, share: float, max_retention_s: int, retention_share: float
+    ) -> dict[str, Any]:
+        """Admin.SetTenantQuota (the operator's token): the quota as it now applies."""
+        quota = pb.TenantQuota(
+            tenant=tenant,
+            share=share,
+            max_retention_s=max_retention_s,
+            retention_share=retention_share,
+        )
+        reply = self._call(self.admin.SetTenantQuota, pb.SetTenantQuotaRequest(quota=quota))
+        return _as_dict(reply.quota)
+
+    def tenant_usage(self) -> list[dict[str, Any]]:
+        """Admin.TenantUsage (the operator's token): per tenant, its quota and tiers' blocks."""
+        reply = self._call(self.admin.TenantUsage, pb.TenantUsageRequest())
+        return [
+            {
+                "quota": _as_dict(entry.quota),
+                "tiers": {tier: _as_dict(u) for tier, u in sorted(entry.tiers.items())},
+            }
+            for entry in reply.tenants
+        ]
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise _remote_error(exc) from exc
+
     def _generate(
         self,
         prompt: pb.Prompt,
@@ -170,6 +227,11 @@ class RouterClient:
             return _collect(ids.text or text, list(ids.token_ids), stream, sampling.n, on_text)
         except grpc.RpcError as exc:
             raise _remote_error(exc) from exc
+
+
+def _as_dict(message: Any) -> dict[str, Any]:
+    """A reply's fields by name, every field present (zeros and empty strings included)."""
+    return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
 
 
 def _remote_error(exc: grpc.RpcError) -> RemoteError:

@@ -1,8 +1,8 @@
 """The gRPC edge: proto <-> router types, status codes, health and reflection.
 
-Servicers translate and delegate to `router.core.Router`; they decide nothing. Request bodies
-are parsed here rather than by grpc, so a body that is not the expected message is an
-INVALID_ARGUMENT like any other bad input (grpc itself would answer INTERNAL).
+Servicers translate and delegate to `router.core.Router`; they decide nothing. Inference is
+here, Cache and Admin in `cache_service.py` and `admin_service.py`; what they share (lenient
+parsing, status codes, the caller's tenant) in `calls.py`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any, NoReturn
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -25,66 +24,17 @@ from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from router.auth import BearerTokenInterceptor, TokenTable, tenant_cache_salt
 from router.config import RouterConfig, ServerTls
 from router.core import Router
-from router.domain import (
-    Exhausted,
-    InvalidInput,
-    RequestFailed,
-    RouterError,
-    Unavailable,
-    Unimplemented,
-)
 from router.grpc import wire
+from router.grpc.admin_service import AdminService
+from router.grpc.cache_service import CacheService
+from router.grpc.calls import caller_tenant, decoded, fail, lenient, status_of, unary
 from router.metrics import MetricsHttpServer
 
 _log = logging.getLogger(__name__)
 
 INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 ADMIN = pb.DESCRIPTOR.services_by_name["Admin"].full_name
-_CODES: dict[type[RouterError], grpc.StatusCode] = {
-    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
-    Exhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-    Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
-    RequestFailed: grpc.StatusCode.INTERNAL,
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Undecodable:
-    """Stands for a request body that did not parse; `reason` says why, naming the message
-    type and, where it can be told, the field."""
-
-    reason: str
-
-
-def _lenient(cls: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
-    def parse(data: bytes) -> Message | _Undecodable:
-        try:
-            return cls.FromString(data)
-        except (DecodeError, RuntimeWarning):
-            return _Undecodable(wire.undecodable_reason(cls.DESCRIPTOR, data))
-
-    return parse
-
-
-def _status_of(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, RouterError):
-        return _CODES.get(type(exc), grpc.StatusCode.UNKNOWN)
-    return grpc.StatusCode.INTERNAL
-
-
-async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
-    if isinstance(exc, RouterError):
-        await context.abort(_status_of(exc), str(exc))
-    _log.exception("internal error", exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
-    raise AssertionError("unreachable")  # context.abort always raises
-
-
-async def _decoded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-    if isinstance(request, _Undecodable):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-    return request
+CACHE = pb.DESCRIPTOR.services_by_name["Cache"].full_name
 
 
 class InferenceService:
@@ -97,21 +47,18 @@ class InferenceService:
         self._tokens = tokens
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> str | None:
-        if self._tokens is None:
-            return None
-        caller = self._tokens.caller(context.invocation_metadata())
-        assert caller is not None, "the BearerTokenInterceptor lets only known tokens through"
-        return caller.tenant
+        return caller_tenant(self._tokens, context)
 
     async def generate(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        msg: pb.GenerateRequest = await _decoded(request, context)
+        msg: pb.GenerateRequest = await decoded(request, context)
         code: grpc.StatusCode | None = grpc.StatusCode.OK  # None: counted already
         try:
             req = wire.generate_from_proto(msg, self._config)
-            salt = tenant_cache_salt(self._tenant(context), req.cache_salt)
-            req = dataclasses.replace(req, cache_salt=salt)
+            tenant = self._tenant(context)
+            salt = tenant_cache_salt(tenant, req.cache_salt)
+            req = dataclasses.replace(req, cache_salt=salt, tenant=tenant or "")
             if not req.request_id:
                 req = dataclasses.replace(req, request_id=f"req-{uuid.uuid4().hex[:16]}")
             async with contextlib.aclosing(self._router.generate(req)) as deltas:
@@ -123,9 +70,9 @@ class InferenceService:
         except Exception as exc:
             # Counted before the abort, as Score and Tokenize do: the client has the status as
             # soon as the call is aborted, and may read the metrics next.
-            self._count("Generate", _status_of(exc))
+            self._count("Generate", status_of(exc))
             code = None
-            await _fail(context, exc)
+            await fail(context, exc)
         finally:
             if code is not None:
                 self._count("Generate", code)
@@ -134,70 +81,29 @@ class InferenceService:
         self._router.metrics.requests.labels("grpc", method, code.name).inc()
 
     async def score(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
-        msg: pb.ScoreRequest = await _decoded(request, context)
+        msg: pb.ScoreRequest = await decoded(request, context)
         try:
             req = wire.score_from_proto(msg)
             salt = tenant_cache_salt(self._tenant(context), req.cache_salt)
             result = await self._router.score(dataclasses.replace(req, cache_salt=salt))
         except Exception as exc:
-            self._count("Score", _status_of(exc))
-            await _fail(context, exc)
+            self._count("Score", status_of(exc))
+            await fail(context, exc)
         self._count("Score", grpc.StatusCode.OK)
         return wire.score_to_proto(result)
 
     async def tokenize(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        msg: pb.TokenizeRequest = await _decoded(request, context)
+        msg: pb.TokenizeRequest = await decoded(request, context)
         try:
             prompt = wire.prompt_from_proto(msg.prompt)
             ids, num_blocks, text = await self._router.tokenize(prompt, msg.continuation)
         except Exception as exc:
-            self._count("Tokenize", _status_of(exc))
-            await _fail(context, exc)
+            self._count("Tokenize", status_of(exc))
+            await fail(context, exc)
         self._count("Tokenize", grpc.StatusCode.OK)
         return pb.TokenizeResponse(token_ids=ids, num_blocks=num_blocks, text=text)
-
-
-class AdminService:
-    """cachesvc.v1.Admin."""
-
-    def __init__(self, router: Router) -> None:
-        self._router = router
-
-    async def list_workers(
-        self, request: Any, context: grpc.aio.ServicerContext
-    ) -> pb.ListWorkersResponse:
-        await _decoded(request, context)
-        return pb.ListWorkersResponse(
-            workers=[wire.worker_to_proto(w) for w in self._router.workers()]
-        )
-
-    async def stats(self, request: Any, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        await _decoded(request, context)
-        return wire.stats_to_proto(self._router.stats())
-
-    async def flush(self, request: Any, context: grpc.aio.ServicerContext) -> pb.FlushResponse:
-        await _decoded(request, context)
-        try:
-            dropped = await self._router.flush()
-        except Exception as exc:
-            await _fail(context, exc)
-        return pb.FlushResponse(num_blocks_dropped=dropped)
-
-    async def purge(self, request: Any, context: grpc.aio.ServicerContext) -> pb.PurgeResponse:
-        await _decoded(request, context)
-        try:
-            purged = await self._router.purge()
-        except Exception as exc:
-            await _fail(context, exc)
-        return pb.PurgeResponse(num_blocks_purged=purged)
-
-
-def _unary(fn: Any, req: type[Message], resp: type[Message]) -> grpc.RpcMethodHandler:
-    return grpc.unary_unary_rpc_method_handler(
-        fn, request_deserializer=_lenient(req), response_serializer=resp.SerializeToString
-    )
 
 
 def _handlers(
@@ -205,28 +111,44 @@ def _handlers(
 ) -> list[grpc.GenericRpcHandler]:
     inference = InferenceService(router, config, tokens)
     admin = AdminService(router)
+    cache = CacheService(router, tokens)
     return [
         grpc.method_handlers_generic_handler(
             INFERENCE,
             {
                 "Generate": grpc.unary_stream_rpc_method_handler(
                     inference.generate,
-                    request_deserializer=_lenient(pb.GenerateRequest),
+                    request_deserializer=lenient(pb.GenerateRequest),
                     response_serializer=pb.GenerateResponse.SerializeToString,
                 ),
-                "Score": _unary(inference.score, pb.ScoreRequest, pb.ScoreResponse),
-                "Tokenize": _unary(inference.tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
+                "Score": unary(inference.score, pb.ScoreRequest, pb.ScoreResponse),
+                "Tokenize": unary(inference.tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
             },
         ),
         grpc.method_handlers_generic_handler(
             ADMIN,
             {
-                "ListWorkers": _unary(
+                "ListWorkers": unary(
                     admin.list_workers, pb.ListWorkersRequest, pb.ListWorkersResponse
                 ),
-                "Stats": _unary(admin.stats, pb.StatsRequest, pb.StatsResponse),
-                "Flush": _unary(admin.flush, pb.FlushRequest, pb.FlushResponse),
-                "Purge": _unary(admin.purge, pb.PurgeRequest, pb.PurgeResponse),
+                "Stats": unary(admin.stats, pb.StatsRequest, pb.StatsResponse),
+                "Flush": unary(admin.flush, pb.FlushRequest, pb.FlushResponse),
+                "Purge": unary(admin.purge, pb.PurgeRequest, pb.PurgeResponse),
+                "SetTenantQuota": unary(
+                    admin.set_tenant_quota, pb.SetTenantQuotaRequest, pb.SetTenantQuotaResponse
+                ),
+                "TenantUsage": unary(
+                    admin.tenant_usage, pb.TenantUsageRequest, pb.TenantUsageResponse
+                ),
+            },
+        ),
+        grpc.method_handlers_generic_handler(
+            CACHE,
+            {
+                "Prewarm": unary(cache.prewarm, pb.PrewarmRequest, pb.PrewarmResponse),
+                "CloseSession": unary(
+                    cache.close_session, pb.CloseSessionRequest, pb.CloseSessionResponse
+                ),
             },
         ),
     ]
@@ -243,7 +165,7 @@ class RouterServer:
         self.server.add_generic_rpc_handlers(_handlers(router, config, tokens))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (INFERENCE, ADMIN, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        names = (INFERENCE, ADMIN, CACHE, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
         self.port = listen(self.server, f"{config.host}:{config.port}", config.read_tls())
         # The health service alone, plaintext and loopback only: probes in the pod use it when
@@ -289,7 +211,7 @@ class RouterServer:
             if serving
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        for name in ("", INFERENCE):
+        for name in ("", INFERENCE, CACHE):
             await self.health.set(name, status)
         await self.health.set(ADMIN, health_pb2.HealthCheckResponse.SERVING)
 

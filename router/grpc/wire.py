@@ -16,16 +16,18 @@ from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from router.config import RouterConfig
 from router.domain import (
     MAX_AFFINITY_KEY_LEN,
-    MAX_RETENTION_S,
     ChatMessage,
     GenerateInput,
     InvalidInput,
+    PrewarmInput,
+    PrewarmResult,
     PromptInput,
     RouterStats,
     ScoreInput,
     ScoreResult,
     WorkerStatus,
 )
+from router.request.cache_hints import check_retention_s, check_session_id
 from router.request.ids import MAX_ID_LEN, check_request_id
 from workers.protocol import StreamDelta
 from workers.sampling_params import SamplingParams
@@ -115,21 +117,48 @@ def generate_from_proto(msg: pb.GenerateRequest, config: RouterConfig) -> Genera
         use_response_cache=not msg.no_response_cache,
         # Set, it is the client's: past the context it is refused (unset, lowered to fit).
         max_tokens_set=msg.sampling.HasField("max_tokens"),
-        retention_s=_retention(msg),
+        retention_s=check_retention_s(msg.retention_s),
+        affinity_key=_affinity_key(msg),
+        retention_tokens=_retention_tokens(msg),
+        session_id=check_session_id(msg.session_id),
+        skip_cache_read=msg.skip_cache_read,
+        skip_cache_write=msg.skip_cache_write,
+        explain_cache=msg.explain_cache,
+    )
+
+
+def prewarm_from_proto(msg: pb.PrewarmRequest) -> PrewarmInput:
+    salt = msg.cache_salt if msg.HasField("cache_salt") else None
+    _check_salt(salt)
+    return PrewarmInput(
+        request_id="",
+        prompt=prompt_from_proto(msg.prompt),
+        cache_salt=salt,
+        retention_s=check_retention_s(msg.retention_s),
+        session_id=check_session_id(msg.session_id),
         affinity_key=_affinity_key(msg),
     )
 
 
-def _retention(msg: pb.GenerateRequest) -> int | None:
-    seconds = msg.retention_s
-    _check(
-        0 <= seconds <= MAX_RETENTION_S,
-        f"retention_s must be in [0, {MAX_RETENTION_S}] seconds, got {seconds}",
+def prewarm_to_proto(result: PrewarmResult) -> pb.PrewarmResponse:
+    return pb.PrewarmResponse(
+        prompt_tokens=result.prompt_tokens,
+        cached_tokens=result.cached_tokens,
+        worker_id=result.worker_id,
+        retained_tokens=result.retained_tokens,
+        retention_trimmed_tokens=result.retention_trimmed_tokens,
     )
-    return seconds or None
 
 
-def _affinity_key(msg: pb.GenerateRequest) -> str | None:
+def _retention_tokens(msg: pb.GenerateRequest) -> int | None:
+    if not msg.HasField("retention_tokens"):
+        return None
+    tokens = msg.retention_tokens
+    _check(tokens >= 1, f"retention_tokens must be >= 1 (unset: the whole prompt), got {tokens}")
+    return tokens
+
+
+def _affinity_key(msg: pb.GenerateRequest | pb.PrewarmRequest) -> str | None:
     key = msg.affinity_key
     _check(
         len(key) <= MAX_AFFINITY_KEY_LEN,
@@ -187,6 +216,8 @@ def delta_to_proto(request_id: str, delta: StreamDelta) -> pb.GenerateResponse:
                 prefill_worker_id=u.prefill_worker_id or "",
                 kv_transfer_tokens=u.kv_transfer_tokens,
                 cache_write_tokens=u.cache_write_tokens,
+                retained_tokens=u.retained_tokens,
+                retention_trimmed_tokens=u.retention_trimmed_tokens,
             )
         )
     return out

@@ -1,5 +1,6 @@
 """The OpenAI-compatible endpoints (a Starlette app) over a started `router.core.Router`, and
-Anthropic's Messages endpoint beside them (`router.http.messages`).
+Anthropic's Messages endpoint beside them (`router.http.messages`), and the cache control
+endpoints (`router.http.cache_endpoints`).
 
 Translate and delegate, as `router/grpc/server.py` does for gRPC: the bearer token names the
 caller and its tenant (the same `TokenTable`), the body (`router.http.body`) becomes
@@ -33,6 +34,7 @@ from router.auth import Caller, TokenTable, tenant_cache_salt
 from router.core import Router
 from router.domain import GenerateInput, PromptInput
 from router.http.body import read_json
+from router.http.cache_endpoints import CacheEndpoints
 from router.http.errors import STATUS_NAMES, HttpError, error_body
 from router.http.flow import http_error, until_disconnect
 from router.http.messages import MessagesEndpoint
@@ -57,6 +59,7 @@ class OpenAIDoor:
         self.closing = False
         self._created = int(time.time())
         messages = MessagesEndpoint(router, model_name, tokens, self._count)
+        cache = CacheEndpoints(router, model_name, self._caller, self._count)
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -64,6 +67,10 @@ class OpenAIDoor:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/messages", messages.handle, methods=["POST"]),
+                Route("/v1/cache/prewarm", cache.prewarm, methods=["POST"]),
+                Route(
+                    "/v1/cache/sessions/{session_id:path}", cache.close_session, methods=["DELETE"]
+                ),
             ],
             exception_handlers={404: _unrouted, 405: _unrouted},
         )
@@ -140,6 +147,7 @@ class OpenAIDoor:
                 inp,
                 prompt=await self._prompt(parsed, i),
                 cache_salt=tenant_cache_salt(caller.tenant, inp.cache_salt),
+                tenant=caller.tenant or "",
             )
             for i, inp in enumerate(parsed.inputs)
         ]

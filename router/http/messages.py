@@ -1,7 +1,8 @@
 """The Anthropic Messages endpoint, `POST /v1/messages`, beside the OpenAI ones on the same
 door: the body becomes one `GenerateInput` (`router.http.messages_parse`), the core's deltas an
 Anthropic message or its event stream (`router.http.messages_render`), every refusal Anthropic's
-error shape with the status its SDK expects.
+error shape with the status its SDK expects. With cache breakpoints, the part of the prompt up
+to the last one is counted in tokens here (one more tokenization) for its retention.
 
 The caller's key comes as Anthropic's SDK sends it (`x-api-key`) or as a bearer token; it is
 the same token table as the other endpoints'. As there, the first delta of a stream is awaited
@@ -22,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from router.auth import Caller, TokenTable, tenant_cache_salt
 from router.core import Router
+from router.domain import InvalidInput
 from router.http.body import read_json
 from router.http.errors import HttpError
 from router.http.flow import http_error, until_disconnect
@@ -91,7 +93,24 @@ class MessagesEndpoint:
                 f"`{self.model_name}`",
             )
         salt = tenant_cache_salt(caller.tenant, None)
-        return dataclasses.replace(parsed, input=dataclasses.replace(parsed.input, cache_salt=salt))
+        inp = dataclasses.replace(
+            parsed.input,
+            cache_salt=salt,
+            tenant=caller.tenant or "",
+            retention_tokens=await self._retention_tokens(parsed),
+        )
+        return dataclasses.replace(parsed, input=inp)
+
+    async def _retention_tokens(self, parsed: MessagesRequest) -> int | None:
+        """The tokens up to the last cache breakpoint; None (the whole prompt) when it ends the
+        prompt, or when its part of the chat cannot be rendered alone (a template that wants
+        the conversation to end otherwise): retaining more is the safe side."""
+        if parsed.retention_prefix is None:
+            return None
+        try:
+            return len(await self._router.prompts.encode(parsed.retention_prefix, "messages"))
+        except InvalidInput:
+            return None
 
     async def _stream(self, request: Request, message_id: str, deltas: Deltas) -> Response:
         # The first delta before the status: a refusal is then an error status, not an event.

@@ -12,13 +12,16 @@ Prompt caching: `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}` on a 
 a message's content block, or at the top level (Anthropic's automatic caching: a breakpoint at
 the last block), at most `MAX_BREAKPOINTS` in a request, a longer ttl never after a shorter one.
 This server caches every full block of every prompt whatever the breakpoints say, and reports
-what it read and wrote (`router.http.messages_render`); the longest ttl asked is carried as the
-request's retention hint (`GenerateInput.retention_s`; 5m is the default), not yet honoured by
-eviction.
+what it read and wrote (`router.http.messages_render`). With breakpoints, the prompt up to the
+last one is retained (soft: `cachesvc.kv.retention`) for the longest ttl asked
+(`GenerateInput.retention_s`); `MessagesRequest.retention_prefix` is that part of the chat, which
+the door counts in tokens (`GenerateInput.retention_tokens`). `metadata.user_id` is no cache
+session.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,10 +72,14 @@ _BLOCK_FIELDS = frozenset(("type", "text", "cache_control"))
 
 @dataclass(frozen=True)
 class Breakpoint:
-    """A `cache_control` of the request: where it sits (its field) and its ttl in seconds."""
+    """A `cache_control` of the request: where it sits (its field) and its ttl in seconds; and,
+    for one on a content block, that block: `source` -1 for `system`, i for `messages[i]`
+    (None: the top level's, the end of the prompt), `block` its index there."""
 
     field: str
     ttl_s: int
+    source: int | None = None
+    block: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,9 @@ class MessagesRequest:
     input: GenerateInput
     stream: bool
     breakpoints: tuple[Breakpoint, ...]
+    # The chat up to the last breakpoint, when it ends before the prompt does; None: the
+    # whole prompt is retained (or nothing, without breakpoints).
+    retention_prefix: PromptInput | None = None
 
 
 def parse_messages(body: Any, request_id: str) -> MessagesRequest:
@@ -95,22 +105,44 @@ def parse_messages(body: Any, request_id: str) -> MessagesRequest:
     check(isinstance(model, str) and bool(model), "model is required: a non-empty string")
     breakpoints: list[Breakpoint] = []
     chat = _system(body.get("system"), breakpoints)
+    has_system = bool(chat)
     chat += _messages(body.get("messages"), breakpoints)
     if body.get("cache_control") is not None:
         breakpoints.append(_cache_control(body["cache_control"], "cache_control"))
     _check_breakpoints(breakpoints)
     _metadata(body.get("metadata"))
     check_header_id(request_id)
-    longest = max((b.ttl_s for b in breakpoints), default=TTL_S[DEFAULT_TTL])
     generate = GenerateInput(
         request_id=request_id,
         prompt=PromptInput(messages=tuple(chat)),
         params=_sampling(body),
         max_tokens_set=True,
-        retention_s=longest if longest > TTL_S[DEFAULT_TTL] else None,
+        retention_s=max((b.ttl_s for b in breakpoints), default=None),
     )
     stream = typed(body, "stream", bool, False)
-    return MessagesRequest(model, generate, stream, tuple(breakpoints))
+    prefix = _retention_prefix(body, chat, has_system, breakpoints[-1]) if breakpoints else None
+    return MessagesRequest(model, generate, stream, tuple(breakpoints), prefix)
+
+
+def _retention_prefix(
+    body: dict[str, Any], chat: list[ChatMessage], has_system: bool, last: Breakpoint
+) -> PromptInput | None:
+    """The chat up to and including the block of the `last` breakpoint: the messages before
+    it and its message's blocks up to it (joined as `_text` joins them), with no generation
+    prompt; None when that is the whole prompt, or the breakpoint is on an empty system."""
+    if last.source is None:
+        return None
+    if last.source < 0:
+        if not has_system:
+            return None
+        at, blocks = 0, body["system"]
+    else:
+        at, blocks = last.source + has_system, body["messages"][last.source]["content"]
+    if at == len(chat) - 1 and last.block == len(blocks) - 1:
+        return None
+    content = "\n".join(b["text"] for b in blocks[: last.block + 1])
+    messages = (*chat[:at], ChatMessage(chat[at].role, content))
+    return PromptInput(messages=messages, add_generation_prompt=False)
 
 
 def _sampling(body: dict[str, Any]) -> SamplingParams:
@@ -139,7 +171,7 @@ def _system(value: Any, breakpoints: list[Breakpoint]) -> list[ChatMessage]:
     """`system`: a string or text blocks; none when absent or empty."""
     if value is None:
         return []
-    text = _text(value, "system", breakpoints)
+    text = _text(value, "system", breakpoints, -1)
     return [ChatMessage("system", text)] if text else []
 
 
@@ -156,7 +188,8 @@ def _messages(value: Any, breakpoints: list[Breakpoint]) -> list[ChatMessage]:
             f"{where}.role must be 'user' or 'assistant', got {shown(m.get('role'))} (a system "
             "prompt is the top-level system field)",
         )
-        out.append(ChatMessage(role, _text(m.get("content"), f"{where}.content", breakpoints)))
+        content = _text(m.get("content"), f"{where}.content", breakpoints, i)
+        out.append(ChatMessage(role, content))
     last = len(value) - 1
     check(
         value[last]["role"] == "user",
@@ -166,8 +199,9 @@ def _messages(value: Any, breakpoints: list[Breakpoint]) -> list[ChatMessage]:
     return out
 
 
-def _text(value: Any, where: str, breakpoints: list[Breakpoint]) -> str:
-    """A string, or text blocks (joined by newlines), collecting their breakpoints."""
+def _text(value: Any, where: str, breakpoints: list[Breakpoint], source: int) -> str:
+    """A string, or text blocks (joined by newlines), collecting their breakpoints (of
+    `source`, as `Breakpoint.source` counts)."""
     if isinstance(value, str):
         return value
     check(isinstance(value, list), f"{where} must be a string or an array of text blocks")
@@ -184,7 +218,8 @@ def _text(value: Any, where: str, breakpoints: list[Breakpoint]) -> str:
         text = typed(block, "text", str, None, f"{at}.")
         check(text is not None, f"{at}.text is required: a string")
         if block.get("cache_control") is not None:
-            breakpoints.append(_cache_control(block["cache_control"], f"{at}.cache_control"))
+            mark = _cache_control(block["cache_control"], f"{at}.cache_control")
+            breakpoints.append(dataclasses.replace(mark, source=source, block=j))
         texts.append(text)
     return "\n".join(texts)
 

@@ -7,7 +7,8 @@ default: up to the model's context), `max_completion_tokens` (wins over `max_tok
 body, where vLLM puts its own: `top_k` (-1 or 0: off), `cache_salt`, `ignore_eos`,
 `beam_width`, `length_penalty`, `stop_token_ids`, `no_response_cache`, `request_id`,
 `return_token_ids` (each choice, or chunk, also carries its `token_ids`, as in vLLM).
-OpenAI's prompt cache controls, `prompt_cache_key` and `prompt_cache_retention`, are read by
+OpenAI's prompt cache controls, `prompt_cache_key` and `prompt_cache_retention`, and our own
+(`cache_session_id`, `skip_cache_read`, `skip_cache_write`, `cache_explain`) are read by
 `router.http.cache_controls`.
 vLLM's `add_special_tokens` is honoured (completions: true or false; chat: false, as the
 template writes them); `skip_special_tokens` and `spaces_between_special_tokens` only as true
@@ -117,7 +118,7 @@ def parse_completion(body: Any, config: RouterConfig, request_id: str) -> OpenAI
     """A `/v1/completions` body; raises InvalidInput naming the field."""
     body = json_object(body)
     check_fields(body, _COMPLETION_FIELDS, _NEUTRAL)
-    prompts = _prompts(body.get("prompt"))
+    prompts = prompt_list(body.get("prompt"))
     params = _sampling(body, config, COMPLETIONS_DEFAULT_MAX_TOKENS)
     add_special_tokens = typed(body, "add_special_tokens", bool, True)
     parsed = _request(body, False, prompts, params, request_id)
@@ -131,7 +132,7 @@ def parse_chat(
     limit a chat answer may run to the end of the model's context (`max_model_len`)."""
     body = json_object(body)
     check_fields(body, _CHAT_FIELDS, _NEUTRAL)
-    messages = _messages(body.get("messages"))
+    messages = chat_messages(body.get("messages"))
     add_generation_prompt = typed(body, "add_generation_prompt", bool, True)
     check(
         not typed(body, "add_special_tokens", bool, False),
@@ -180,6 +181,10 @@ def _request(
             max_tokens_set=body.get(_max_tokens_field(body)) is not None,
             retention_s=controls.retention_s,
             affinity_key=controls.affinity_key,
+            session_id=controls.session_id,
+            skip_cache_read=controls.skip_read,
+            skip_cache_write=controls.skip_write,
+            explain_cache=controls.explain,
         )
         for i, prompt in enumerate(prompts)
     )
@@ -244,7 +249,7 @@ def _max_tokens_field(body: dict[str, Any]) -> str:
     )
 
 
-def _prompts(value: Any) -> list[PromptInput]:
+def prompt_list(value: Any) -> list[PromptInput]:
     """`prompt`: a string, token ids, or a batch (a list of either)."""
     if isinstance(value, str):
         return [PromptInput(text=value)]
@@ -264,7 +269,7 @@ def _prompts(value: Any) -> list[PromptInput]:
     return prompts
 
 
-def _messages(value: Any) -> tuple[ChatMessage, ...]:
+def chat_messages(value: Any) -> tuple[ChatMessage, ...]:
     if not isinstance(value, list) or not value:
         raise InvalidInput("messages must be a non-empty array")
     messages = []

@@ -7,7 +7,9 @@ with several samples, that of the sample that found least cached (later samples 
 one's blocks; those were not cached when the request came). Beside it, from that same sample:
 `cache_write_tokens` (OpenAI's field: `Usage.cache_write_tokens`) and our extension
 `cached_tokens_by_tier` (the tier each cached token came from: "hbm" the device, "dram", "nvme",
-"redis", "peer"), so that cached + written + uncached = `prompt_tokens`.
+"redis", "peer"), so that cached + written + uncached = `prompt_tokens`, and `retained_tokens` /
+`retention_trimmed_tokens` (the prompt tokens kept under the retention asked, and those the
+tenant's retention budget trimmed: `Usage.retained_tokens`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class Answer:
             "cached_tokens": sum(u.cache_read_tokens for u in usages),
             "cached_tokens_by_tier": {tier: n for tier, n in by_tier.items() if n},
             "cache_write_tokens": sum(u.cache_write_tokens for u in usages),
+            "retained_tokens": sum(u.retained_tokens for u in usages),
+            "retention_trimmed_tokens": sum(u.retention_trimmed_tokens for u in usages),
         }
         return {
             "prompt_tokens": prompt,

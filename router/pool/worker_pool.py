@@ -30,11 +30,13 @@ from router.pool.index_sync import IndexSync
 from router.pool.ray_failures import Failure, actor_state, classify, off_loop, ray_error_types
 from router.pool.worker_state import Health, WorkerState
 from workers.protocol import (
+    CacheHints,
     Heartbeat,
     HolderHint,
     PollResult,
     StreamDelta,
     StreamError,
+    TenantQuota,
     WorkerInfo,
     WorkerLoad,
 )
@@ -94,6 +96,9 @@ class WorkerPool:
             index, self.events, self._workers, config.call_timeout_s, self._poll_failed
         )
         self._model: ModelInfo | None = None
+        # The tenants' quotas every worker is given when it joins (`set_quotas`); the router's
+        # `QuotaTable` replaces it. Empty: none to give (a worker of an older build still joins).
+        self.quotas: dict[str, TenantQuota] = {}
 
     @property
     def num_resyncs(self) -> int:
@@ -119,6 +124,7 @@ class WorkerPool:
             state.info, state.incarnation = info, info.incarnation
             state.streamed = self.events.follows(state.worker_id, info.event_stream)
         self._model = _agree(infos)
+        await asyncio.gather(*(self._give_quotas(s.worker_id, s.actor) for s in states))
         await asyncio.gather(*(self._catch_up(s) for s in states))
         await self._sync.start(states)
         await asyncio.gather(*(self.poll(s) for s in states))  # every load known at start
@@ -137,6 +143,7 @@ class WorkerPool:
         info: WorkerInfo = await asyncio.wait_for(actor.info.remote(), timeout_s)
         if _agree([info]) != self.model:
             raise RuntimeError(f"the replacement of {worker} serves another model: {info}")
+        await self._give_quotas(worker, actor)
         async with state.lock:
             state.actor, state.info, state.incarnation = actor, info, info.incarnation
             state.streamed = self.events.follows(worker, info.event_stream)
@@ -145,6 +152,14 @@ class WorkerPool:
         await self._sync.follow(state)
         state.num_replacements += 1
         self._healthy(state)
+
+    async def _give_quotas(self, worker: WorkerId, actor: Any) -> None:
+        """Give a joining worker the tenants' quotas (nothing when there are none)."""
+        if self.quotas:
+            await asyncio.wait_for(
+                actor.set_quotas.remote(dict(self.quotas)), self.config.call_timeout_s
+            )
+            _log.info("worker %s has the quotas of %d tenants", worker, len(self.quotas))
 
     # ---- views ------------------------------------------------------------------------------
 
@@ -175,21 +190,25 @@ class WorkerPool:
         cache_salt: str | None,
         holder: HolderHint | None = None,
         hold_kv: bool = False,
+        cache: CacheHints | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
         """Forward a request and stream its deltas; raises WorkerDied (the worker failed, or
         stopped answering pings while the stream waited), or the router's typed error for a
         refusal. Closing the iterator early cancels the request on the worker. `holder` names
         a worker with a longer prefix of the prompt to pull from; `hold_kv` tells the worker
-        another will pull this prompt's KV (a hand-off's prefill)."""
+        another will pull this prompt's KV (a hand-off's prefill); `cache`, the request's
+        explicit cache controls (`router.request.cache_hints`)."""
         import ray
 
         state = self._workers[worker]
         actor = state.actor
         # The hint goes only when there is one, so a worker of an older build still answers.
         extra = () if holder is None else (holder,)
-        hold = {"hold_kv": True} if hold_kv else {}
+        kwargs: dict[str, Any] = {"hold_kv": True} if hold_kv else {}
+        if cache is not None and cache != CacheHints():
+            kwargs["cache"] = cache  # likewise: only when the request has controls
         gen = actor.generate.options(num_returns="streaming").remote(
-            prompt_ids, params, request_id, cache_salt, *extra, **hold
+            prompt_ids, params, request_id, cache_salt, *extra, **kwargs
         )
         started = done = False
         try:

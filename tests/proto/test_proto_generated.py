@@ -39,5 +39,5 @@ def test_generated_modules_import_as_documented() -> None:
     from proto.cachesvc.v1 import cachesvc_pb2, cachesvc_pb2_grpc
 
     assert cachesvc_pb2.DESCRIPTOR.package == "cachesvc.v1"
-    assert set(cachesvc_pb2.DESCRIPTOR.services_by_name) == {"Inference", "Admin"}
+    assert set(cachesvc_pb2.DESCRIPTOR.services_by_name) == {"Inference", "Admin", "Cache"}
     assert hasattr(cachesvc_pb2_grpc, "InferenceStub")

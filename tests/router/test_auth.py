@@ -128,8 +128,8 @@ def test_parse_tenant_tokens_skips_comments_and_blank_lines() -> None:
 @pytest.mark.parametrize(
     ("text", "error"),
     [
-        ("acme\n", r"f line 1: expected 'TENANT TOKEN' \(two fields\), got 1 fields"),
-        ("# x\nacme tok extra\n", "f line 2: expected 'TENANT TOKEN'"),
+        ("acme\n", r"f line 1: expected 'TENANT TOKEN' \(two fields, then optional"),
+        ("# x\nacme tok extra\n", "f line 2: field 3 is not key=value"),
         ("\nac/me tok\n", r"f line 2: tenant name 'ac/me' must be 1-64 characters"),
         ("a" * 65 + " tok\n", "f line 1: tenant name 'a{65}' must be 1-64"),
         ("acme tök\n", "f line 1: the token of tenant 'acme' must be printable ASCII"),

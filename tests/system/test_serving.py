@@ -252,7 +252,8 @@ def test_admin_health_and_reflection(server: Any, admin: Any) -> None:
         iter([reflection_pb2.ServerReflectionRequest(list_services="")])
     )
     names = {s.name for s in answer.list_services_response.service}
-    assert {"cachesvc.v1.Inference", "cachesvc.v1.Admin", "grpc.health.v1.Health"} <= names
+    assert {"cachesvc.v1.Inference", "cachesvc.v1.Admin", "cachesvc.v1.Cache"} <= names
+    assert "grpc.health.v1.Health" in names
 
 
 def test_score(stub: Any, engine_config: EngineConfig) -> None:

@@ -1,4 +1,4 @@
-"""`cachesvc` command line: generate, chat, score, demo, bench, serve.
+"""`cachesvc` command line: generate, chat, score, demo, bench, serve, cache.
 
 Each command group is its own module; this one assembles the parser and runs the command.
 Heavy imports (torch, the model) happen inside the commands, so `cachesvc --help` is instant.
@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from cachesvc.app.cli.bench import add_bench_parser, run_bench_command
+from cachesvc.app.cli.cache import add_cache_parser, run_cache_command
 from cachesvc.app.cli.chat import add_chat_parser, run_chat_command
 from cachesvc.app.cli.common import CliError
 from cachesvc.app.cli.demo import (
@@ -34,6 +35,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "score": run_score_command,
     "chat": run_chat_command,
     "simulate": run_simulate_command,
+    "cache": run_cache_command,
 }
 
 
@@ -49,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_parser(sub)
     add_demo_serve_parser(sub)
     add_simulate_parser(sub)
+    add_cache_parser(sub)
     return parser
 
 

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from router.domain import RequestFailed
-from router.grpc.server import _status_of
+from router.grpc.calls import status_of as _status_of
 from router.http.errors import from_router_error
 from router.pool.worker_pool import raise_stream_error
 from workers.protocol import StreamError

@@ -1,6 +1,6 @@
 """The prompt cache controls on both doors: OpenAI's `prompt_cache_key` and
 `prompt_cache_retention` (chat and completions), gRPC's `affinity_key` and `retention_s`, carried
-on the request as its affinity key and retention hint; bad values refused naming the field."""
+on the request as its affinity key and retention; bad values refused naming the field."""
 
 from __future__ import annotations
 

@@ -46,6 +46,8 @@ def test_choices_numbered_by_prompt_then_sample_and_usage_counts_prompts_once() 
             "cached_tokens": 4,
             "cached_tokens_by_tier": {"hbm": 4},
             "cache_write_tokens": 0,
+            "retained_tokens": 0,
+            "retention_trimmed_tokens": 0,
         },
     }
 

@@ -1,6 +1,6 @@
 """Anthropic Messages bodies -> GenerateInput: system and messages as chat turns, sampling,
-cache_control breakpoints (at most 4, known ttls, longer before shorter) carried as a retention
-hint, and every refusal naming its field."""
+cache_control breakpoints (at most 4, known ttls, longer before shorter) asking the prompt up to
+the last one to be retained for the longest ttl, and every refusal naming its field."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from router.domain import ChatMessage, InvalidInput
+from router.domain import ChatMessage, InvalidInput, PromptInput
 from router.http.errors import param_of
 from router.http.messages_parse import parse_messages
 
@@ -54,25 +54,60 @@ def test_system_blocks_and_messages_become_chat_turns() -> None:
         "system[0].cache_control",
         "messages[0].content[1].cache_control",
     ]
-    assert req.input.retention_s is None  # 5 minutes is the default
+    assert req.input.retention_s == 300  # 5 minutes is the default ttl
+    # Retained: the chat up to the last breakpoint (the first user turn), no generation prompt.
+    assert req.retention_prefix == PromptInput(
+        messages=(ChatMessage("system", "be brief\nbe kind"), ChatMessage("user", "a\nb")),
+        add_generation_prompt=False,
+    )
     assert not req.stream and req.model == "m"
 
 
 @pytest.mark.parametrize(
     ("ttls", "retention_s"),
-    [((), None), (("5m",), None), (("1h",), 3600), (("1h", "1h", "5m", None), 3600)],
+    [((), None), (("5m",), 300), (("1h",), 3600), (("1h", "1h", "5m", None), 3600)],
 )
-def test_the_longest_ttl_is_the_retention_hint(ttls: tuple[Any, ...], retention_s: Any) -> None:
+def test_the_longest_ttl_is_the_retention(ttls: tuple[Any, ...], retention_s: Any) -> None:
     blocks = [_block(str(i), type="ephemeral", ttl=t) for i, t in enumerate(ttls)]
     req = _parse(messages=[{"role": "user", "content": blocks or "hi"}])
     assert req.input.retention_s == retention_s
     assert [b.ttl_s for b in req.breakpoints] == [3600 if t == "1h" else 300 for t in ttls]
+    assert req.retention_prefix is None  # the last breakpoint ends the prompt: all of it
+
+
+def test_the_retained_part_ends_at_the_last_breakpoint() -> None:
+    req = _parse(
+        system=[_block("s0"), _block("s1", **EPHEMERAL), _block("s2")],
+        messages=[{"role": "user", "content": "q"}],
+    )
+    assert req.retention_prefix == PromptInput(
+        messages=(ChatMessage("system", "s0\ns1"),), add_generation_prompt=False
+    )
+    later = _parse(
+        system=[_block("s", ttl="1h", type="ephemeral")],
+        messages=[
+            {"role": "user", "content": [_block("u0", **EPHEMERAL), _block("u1")]},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "q"},
+        ],
+    )
+    assert later.input.retention_s == 3600
+    assert later.retention_prefix == PromptInput(
+        messages=(ChatMessage("system", "s"), ChatMessage("user", "u0")),
+        add_generation_prompt=False,
+    )
+
+
+def test_metadata_user_id_is_no_session() -> None:
+    req = _parse(metadata={"user_id": "u1"}, system=[_block("s", **EPHEMERAL)])
+    assert req.input.session_id is None
 
 
 def test_top_level_cache_control_is_a_breakpoint() -> None:
     req = _parse(system="s", cache_control={"type": "ephemeral", "ttl": "1h"})
     assert [b.field for b in req.breakpoints] == ["cache_control"]
     assert req.input.retention_s == 3600
+    assert req.retention_prefix is None
 
 
 def _four_then(extra: dict[str, Any]) -> dict[str, Any]:
