@@ -34,11 +34,14 @@ from cachesvc.kv.index import IndexSnapshot
 from workers.config import EngineConfig
 from workers.deltas import ray_node, stream_delta
 from workers.protocol import (
+    CacheHints,
     Heartbeat,
     HolderHint,
     PollResult,
     StreamDelta,
     StreamError,
+    TenantBlocks,
+    TenantQuota,
     WorkerInfo,
     WorkerLoad,
 )
@@ -153,6 +156,7 @@ class WorkerActor:
         cache_salt: str | None,
         holder: HolderHint | None = None,
         hold_kv: bool = False,
+        cache: CacheHints | None = None,
     ) -> AsyncIterator[StreamDelta | StreamError]:
         """Stream deltas of every sample (call with num_returns="streaming").
 
@@ -163,6 +167,7 @@ class WorkerActor:
         prompt it holds beyond what this worker holds.
         `hold_kv`: another worker will pull this prompt's blocks (a prefill handed off): they
         stay pinned from the step that computes them, so the pull waits for no step here.
+        `cache`: the request's explicit cache controls (retention, session, skip flags).
         """
         from workers.engine.outputs import RequestFailed
         from workers.engine.prompt import PromptError
@@ -198,7 +203,9 @@ class WorkerActor:
         pulled = False  # a sample ended for its max_tokens: the hand-off's pull follows
         try:
             args = (prompt_ids, sampling, request_id, cache_salt, peer)
-            async for out in self._engine.generate(*args, coalesce=True):  # a Ray item: ~0.3 ms
+            async for out in self._engine.generate(
+                *args, coalesce=True, cache=cache
+            ):  # a Ray item: ~0.3 ms
                 worker = self._info.worker_id
                 delta = stream_delta(out, request_id, sampling.n, sent, worker, prefetched)
                 pulled = pulled or delta.finish_reason == "length"
@@ -308,6 +315,18 @@ class WorkerActor:
         """Drop everything this worker holds in every tier, this model's Redis blocks included
         (`Engine.purge`); returns how many blocks each tier dropped, by tier name."""
         return await self._engine.run_exclusive(lambda e: e.purge())
+
+    async def set_quotas(self, quotas: dict[str, TenantQuota]) -> None:
+        """Tenants' soft shares and retention budgets, in every tier (`CacheAdmin`)."""
+        await self._engine.call(lambda e: e.cache_admin.set_quotas(quotas))
+
+    async def close_session(self, tenant: str, session_id: str) -> int:
+        """End the retentions of a tenant's session in every tier; returns how many blocks."""
+        return await self._engine.call(lambda e: e.cache_admin.close_session(tenant, session_id))
+
+    async def tenant_usage(self) -> dict[str, dict[str, TenantBlocks]]:
+        """Per tier name, each tenant's cached and retained blocks."""
+        return await self._engine.call(lambda e: e.cache_admin.tenant_blocks())
 
     async def stats(self) -> WorkerLoad:
         return self._load()

@@ -42,6 +42,8 @@ def stream_delta(
             cached_tokens=cached,
             computed_tokens=out.num_computed_tokens,
             cache_write_tokens=out.num_cache_write_tokens,
+            retained_tokens=out.num_retained_tokens,
+            retention_trimmed_tokens=out.num_retention_trimmed_tokens,
             ttft_ms=out.ttft_ms or 0.0,
             decode_tokens_per_s=out.decode_tokens_per_s,
             worker_id=worker_id,

@@ -14,17 +14,27 @@ A block may carry a lossy mark (`mark_lossy`): its KV is not what the model comp
 from a quantized tier, or was computed over such KV). The mark belongs to the block id, not the
 hash: it holds while the block does, through its eviction hook, and is cleared when the block is
 handed out again for new KV (or its hash dropped by `reset_cache`).
+
+Retention and tenant quotas (`cachesvc.kv.retention_book`): every registered block has an owner
+(the tenant of the request that registered it) and may carry a retention (`retain`). The free
+queue orders retention classes (`ClassedPolicy`): unretained blocks go first, the policy orders
+within a class. While the pool must evict, a tenant over its soft share (`set_quotas`) gives up
+its own blocks first. A block's retention, like its lossy mark, is readable in its eviction hook
+(`retention_of`), so the tiers below keep it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from cachesvc.kv.events import TIER_HBM, EventLog
-from cachesvc.kv.eviction.base import EvictionPolicy, make_policy
+from cachesvc.kv.eviction.classes import ClassedPolicy
+from cachesvc.kv.quotas import TenantBlocks, TenantQuota
+from cachesvc.kv.retention import NUM_CLASSES, Retention
+from cachesvc.kv.retention_book import RetentionBook
 from cachesvc.kv.types import BlockHash, BlockId
 
 _log = logging.getLogger(__name__)
@@ -52,6 +62,8 @@ class _Evicted:
     block_hash: BlockHash
     token_ids: tuple[int, ...]
     parent: BlockHash | None
+    retention: Retention | None
+    tenant: str
 
 
 # Called with (block id, hash, token ids, parent hash) after a cached block lost its hash (the
@@ -65,16 +77,26 @@ class BlockPool:
     policy `policy` (a name of `cachesvc.kv.eviction.base.POLICY_NAMES`) and hash registration."""
 
     def __init__(
-        self, num_blocks: int, events: EventLog | None = None, policy: str = "lru"
+        self,
+        num_blocks: int,
+        events: EventLog | None = None,
+        policy: str = "lru",
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._blocks = [_Block() for _ in range(num_blocks)]
-        # The free blocks, the next one handed out first.
-        self._free: EvictionPolicy[BlockId] = make_policy(policy)
+        # The free blocks, the next one handed out first: unretained, then by retention class.
+        self._free: ClassedPolicy[BlockId] = ClassedPolicy(policy, NUM_CLASSES)
         for i in range(num_blocks):
             self._free.push(BlockId(i))
+        # Registered blocks' owners and retentions; it moves blocks between the free queue's
+        # classes as their retentions start and end (`_retention_changed`).
+        self._book: RetentionBook[BlockId] = RetentionBook(
+            policy, num_blocks, clock, on_change=self._retention_changed
+        )
+        self._leaving: dict[BlockId, _Evicted] = {}  # evicted, hook not run yet
         self._by_hash: dict[BlockHash, BlockId] = {}
         self.events = events if events is not None else EventLog()
         self.on_evict: EvictHook | None = None
@@ -106,8 +128,9 @@ class BlockPool:
             raise NoFreeBlocksError(f"asked for {num} blocks, {len(self._free)} free")
         out: list[BlockId] = []
         evicted: list[_Evicted] = []
+        self._book.expire()
         for _ in range(num):
-            block_id = self._free.pop()
+            block_id = self._victim()
             self._blocks[block_id].ref_cnt = 1
             out.append(block_id)
             dropped = self._drop_hash(block_id)
@@ -118,6 +141,19 @@ class BlockPool:
         self._run_evict_hook(evicted)  # the hook still sees the evicted blocks' marks
         self._lossy.difference_update(out)  # handed out for new KV
         return out
+
+    def _victim(self) -> BlockId:
+        """The next block to hand out: the queue's next, unless that evicts a cached block
+        while a tenant is over its soft share: then that tenant's next (a tenant under its
+        share borrows free room freely)."""
+        if self._book.quotas:
+            nxt = self._free.peek(1)
+            if nxt and self._blocks[nxt[0]].block_hash is not None:
+                over = self._book.quota_victim()
+                if over is not None:
+                    self._free.discard(over)
+                    return over
+        return self._free.pop()
 
     def free(self, block_ids: Sequence[BlockId], evict_first: bool = False) -> None:
         """Drop one reference from each block; a block reaching zero joins the free queue.
@@ -132,7 +168,10 @@ class BlockPool:
             assert block.ref_cnt > 0, f"double free of block {block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free.push(block_id, self._parent_id(block), block.block_hash)
+                parent = self._parent_id(block)
+                self._free.push(block_id, parent, block.block_hash)
+                if block.block_hash is not None:
+                    self._book.push(block_id, parent)
                 front.append(block_id)
         if evict_first:
             for block_id in reversed(front):  # the first freed ends at the very front
@@ -142,8 +181,11 @@ class BlockPool:
         """Add a reference to each block, taking free ones out of the free queue (a reuse, for
         the eviction policy)."""
         for block_id in block_ids:
+            block = self._blocks[block_id]
             self._free.pull(block_id)
-            self._blocks[block_id].ref_cnt += 1
+            if block.ref_cnt == 0 and block.block_hash is not None:
+                self._book.pull(block_id)
+            block.ref_cnt += 1
 
     def _parent_id(self, block: _Block) -> BlockId | None:
         """The block holding `block`'s parent, for a policy that orders by prefix chains."""
@@ -155,8 +197,10 @@ class BlockPool:
         block_hash: BlockHash,
         token_ids: Sequence[int],
         parent: BlockHash | None = None,
+        tenant: str = "",
     ) -> bool:
-        """Record that `block_id` holds (or is about to hold) the KV of a full block.
+        """Record that `block_id` holds (or is about to hold) the KV of a full block, owned by
+        `tenant` (whose soft share it counts against).
 
         A hash that is already registered keeps its first block: the duplicate stays private.
         Emits BlockStored with `parent`, the hash of the block before it (None for the first).
@@ -170,6 +214,8 @@ class BlockPool:
         block.token_ids = tuple(token_ids)
         block.parent = parent
         self._by_hash[block_hash] = block_id
+        self._book.add(block_id, 1, self._parent_id(block), tenant=tenant)
+        self._book.pull(block_id)  # in use: no victim until freed
         self.events.stored(TIER_HBM, (block_hash,), parent)
         return True
 
@@ -183,12 +229,60 @@ class BlockPool:
             if block.block_hash is not None:
                 dropped.append(block.block_hash)
                 del self._by_hash[block.block_hash]
+                self._book.remove(block_id)
                 block.block_hash, block.token_ids, block.parent = None, (), None
                 if block.ref_cnt > 0:  # its history goes (new KV next); a free one stays free
                     self._free.discard(block_id)
         if dropped:
             self.events.removed(TIER_HBM, tuple(dropped))
         return len(dropped)
+
+    # ---- retention and quotas -------------------------------------------------------------
+
+    def retain(self, block_ids: Sequence[BlockId], retention: Retention) -> int:
+        """Retain registered blocks (a block retained already keeps the stronger claim), the
+        last first: past the tenant's budget its oldest retentions are demoted, so a prompt
+        longer than the budget keeps its head. Blocks without a hash are skipped. Returns how
+        many of `block_ids` are not retained afterwards (trimmed by the budget, or no hash)."""
+        held = [b for b in reversed(block_ids) if self._blocks[b].block_hash is not None]
+        for block_id in held:
+            self._book.retain(block_id, retention)
+        return sum(self._book.retention_of(b) is None for b in block_ids if b in self._book) + (
+            len(block_ids) - len(held)
+        )
+
+    def retention_of(self, block_id: BlockId) -> Retention | None:
+        """The block's unexpired retention; readable in the eviction hook (the block's last)."""
+        leaving = self._leaving.get(block_id)
+        if leaving is not None:
+            return leaving.retention
+        return self._book.retention_of(block_id) if block_id in self._book else None
+
+    def tenant_of(self, block_id: BlockId) -> str | None:
+        """The registered block's owner (also in the eviction hook); None without a hash."""
+        leaving = self._leaving.get(block_id)
+        if leaving is not None:
+            return leaving.tenant
+        return self._book.tenant_of(block_id) if block_id in self._book else None
+
+    def set_quotas(self, quotas: Mapping[str, TenantQuota]) -> None:
+        """Tenants' soft shares and retention budgets from now on (not named: no quota)."""
+        self._book.set_quotas(quotas)
+
+    def close_session(self, tenant: str, session: str) -> int:
+        """End the retentions of `tenant`'s `session`; returns how many blocks."""
+        return len(self._book.end_session(tenant, session))
+
+    def expire(self) -> int:
+        """End the retentions past their expiry (also done lazily); returns how many."""
+        return self._book.expire()
+
+    def tenant_blocks(self) -> dict[str, TenantBlocks]:
+        """Each tenant's registered blocks and, of them, retained ones."""
+        return self._book.tenant_blocks()
+
+    def _retention_changed(self, block_id: BlockId, retention: Retention | None) -> None:
+        self._free.set_class(block_id, 0 if retention is None else retention.cls)
 
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> BlockId | None:
         """The block registered under `block_hash` whose tokens equal `token_ids`, or None."""
@@ -238,7 +332,9 @@ class BlockPool:
         block = self._blocks[block_id]
         if block.block_hash is None:
             return None
-        out = _Evicted(block_id, block.block_hash, block.token_ids, block.parent)
+        retention, tenant = self._book.retention_of(block_id), self._book.tenant_of(block_id)
+        out = _Evicted(block_id, block.block_hash, block.token_ids, block.parent, retention, tenant)
+        self._book.remove(block_id)  # its class goes back to 0 before the queue forgets it
         del self._by_hash[block.block_hash]
         self.events.removed(TIER_HBM, (block.block_hash,))
         block.block_hash, block.token_ids, block.parent = None, (), None
@@ -254,13 +350,16 @@ class BlockPool:
         self._demoting.update(e.block_hash for e in evicted)
         try:
             for e in evicted:
+                self._leaving[e.block_id] = e
                 try:
                     hook(e.block_id, e.block_hash, e.token_ids, e.parent)
                 except Exception:
                     self._hook_failed()
                 self._demoting.discard(e.block_hash)
+                del self._leaving[e.block_id]
         finally:
             self._demoting.clear()  # an interrupt leaves none marked either
+            self._leaving.clear()
 
     def _hook_failed(self) -> None:
         self.num_evict_hook_failures += 1
@@ -276,6 +375,7 @@ class BlockPool:
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the pool (or its policy) is broken."""
         self._free.check_integrity()
+        self._book.check_integrity()
         free = set(self._free)
         assert len(free) == len(self._free)
         for i, block in enumerate(self._blocks):
@@ -283,6 +383,12 @@ class BlockPool:
             assert (block.ref_cnt == 0) == (BlockId(i) in free), f"block {i} free-queue mismatch"
             if block.block_hash is not None:
                 assert self._by_hash.get(block.block_hash) == i, f"block {i} hash not mapped"
+                assert BlockId(i) in self._book, f"block {i} has no owner"
+                retention = self._book.retention_of(BlockId(i))
+                cls = 0 if retention is None else retention.cls
+                assert self._free.class_of(BlockId(i)) == cls, f"block {i} in the wrong class"
+            else:
+                assert BlockId(i) not in self._book, f"block {i} owned without a hash"
         for block_hash, block_id in self._by_hash.items():
             assert self._blocks[block_id].block_hash == block_hash
         for block_hash in self._demoting:

@@ -175,6 +175,16 @@ class RetentionBook(Generic[K]):
             out[k] = None
         return list(out)
 
+    def quota_victim(self) -> K | None:
+        """The next victim of the tenant most over its soft share that has an evictable key;
+        None when no tenant over its share has one (a store that orders its own victims, as
+        the device pool, asks only this)."""
+        for tenant in self._over_share():
+            keys = self._by_tenant[tenant].peek(1)
+            if keys:
+                return keys[0]
+        return None
+
     def retention_of(self, key: K) -> Retention | None:
         """The key's retention, None when it has none or it expired (then it ends)."""
         entry = self._entries.get(key)

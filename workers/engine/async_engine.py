@@ -27,6 +27,7 @@ from cachesvc.kv.types import RequestId
 from workers.engine.engine import Engine
 from workers.engine.outputs import RequestFailed, RequestOutput
 from workers.engine.request import PeerSource
+from workers.protocol import CacheHints
 from workers.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -165,6 +166,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         peer: PeerSource | None = None,
         coalesce: bool = False,
+        cache: CacheHints | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream snapshots of a request (of each of its `params.n` samples, interleaved).
 
@@ -185,7 +187,7 @@ class AsyncEngine:
         base = request_id or f"req-{uuid.uuid4().hex[:12]}"
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         rids = await self.call(
-            lambda e: self._add(e, prompt, params, base, cache_salt, peer, queue)
+            lambda e: self._add(e, prompt, params, base, cache_salt, peer, queue, cache)
         )
         remaining = set(rids)
         last: dict[RequestId, RequestOutput] = {}
@@ -259,8 +261,9 @@ class AsyncEngine:
         cache_salt: str | None,
         peer: PeerSource | None,
         queue: asyncio.Queue[_Item],
+        cache: CacheHints | None = None,
     ) -> list[RequestId]:
-        rids = engine.add_request(prompt, params, base, cache_salt, peer)
+        rids = engine.add_request(prompt, params, base, cache_salt, peer, cache)
         for rid in rids:
             self._streams[rid] = queue
         self._groups[base] = rids

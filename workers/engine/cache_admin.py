@@ -9,12 +9,14 @@ device pool, the tiers (None when off) and the deployment's tier key (read once,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
 from cachesvc.kv.block_pool import BlockPool
 from cachesvc.kv.events import TIER_HBM
+from cachesvc.kv.quotas import TenantBlocks, TenantQuota
 from workers.config import EngineConfig
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.runner import ModelRunner
@@ -115,6 +117,28 @@ class CacheAdmin:
         if self.tiering is not None:
             counts.update(self.tiering.manager.clear())
         return counts
+
+    def set_quotas(self, quotas: Mapping[str, TenantQuota]) -> None:
+        """Tenants' soft shares and retention budgets, in the device pool and every local
+        tier (a tenant not named has no quota)."""
+        self.pool.set_quotas(quotas)
+        if self.tiering is not None:
+            self.tiering.manager.set_quotas(quotas)
+
+    def close_session(self, tenant: str, session: str) -> int:
+        """End the retentions of `tenant`'s `session` in the device pool and every local tier
+        (they become ordinary cache); returns how many blocks, all tiers."""
+        ended = self.pool.close_session(tenant, session)
+        if self.tiering is not None:
+            ended += self.tiering.manager.close_session(tenant, session)
+        return ended
+
+    def tenant_blocks(self) -> dict[str, dict[str, TenantBlocks]]:
+        """Per tier name ("hbm" for the device), each tenant's cached and retained blocks."""
+        out = {TIER_HBM: self.pool.tenant_blocks()}
+        if self.tiering is not None:
+            out.update(self.tiering.manager.tenant_blocks())
+        return out
 
     def after_evictions(self) -> None:
         """When a demotion failed (a counted miss in the pool), its block left the device

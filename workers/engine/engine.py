@@ -38,6 +38,7 @@ from workers.engine.scoring import score as run_score
 from workers.engine.suspects import Verdict
 from workers.engine.tracking import Tracked, beam_snapshot, snapshot
 from workers.model.loader import LoadedModel, load_model
+from workers.protocol import CacheHints
 from workers.sampling_params import SamplingParams
 from workers.text.tokenizer import Tokenizer
 
@@ -161,6 +162,7 @@ class Engine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         peer: PeerSource | None = None,
+        cache: CacheHints | None = None,
     ) -> list[RequestId]:
         """Queue a prompt; returns one request id per output (`params.n` of them). `peer`: a
         worker holding more of the prompt, that the load planner may pull it from.
@@ -180,6 +182,7 @@ class Engine:
             eos_token_ids=self._eos_ids(),
             cache_salt=cache_salt,
             peer=peer,
+            cache=cache or CacheHints(),
         )
         self._requests[first.request_id] = first
         if params.beam_width > 1:

@@ -10,6 +10,7 @@ anything can match them, since their KV was never written.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Protocol
 
 from cachesvc.kv.block_pool import BlockPool
 from cachesvc.kv.hashing import hash_blocks, root_hash
+from cachesvc.kv.retention import Retention
 from cachesvc.kv.types import BlockHash, BlockId
 from workers.engine.request import Request
 
@@ -136,7 +138,7 @@ class KVCacheManager:
     def num_cached_prefix_tokens(self, request: Request) -> int:
         """How many leading tokens of a request not yet scheduled the device pool holds now.
         Read-only (no reference taken, nothing touched): an estimate for the load report."""
-        if not self.enable_prefix_caching or request.block_ids:
+        if not self.enable_prefix_caching or request.block_ids or request.cache.skip_read:
             return 0
         num_hits = 0
         for block_hash in self.block_hashes(request):
@@ -152,7 +154,7 @@ class KVCacheManager:
         if request.block_ids:
             return 0 if self.tiering is None else self.tiering.num_planned_tokens(request)
         cached = self.num_cached_prefix_tokens(request)
-        if self.tiering is None or request.peer is None:
+        if self.tiering is None or request.peer is None or request.cache.skip_read:
             return cached
         hashes = self.block_hashes(request)
         joined = self.tiering.num_joined_blocks(request, hashes, cached // self.block_size)
@@ -165,7 +167,7 @@ class KVCacheManager:
         token is always left to compute, since its logits are needed to sample.
         """
         assert not request.block_ids and request.num_computed_tokens == 0
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.cache.skip_read:
             return PrefixMatch(0, False)
         tokens = request.all_token_ids
         hits: list[BlockId] = []
@@ -228,8 +230,8 @@ class KVCacheManager:
                 return False
             request.block_ids.extend(self.pool.allocate(need))
         first, end = request.num_computed_tokens // self.block_size, total // self.block_size
-        if self.enable_prefix_caching and first < end:  # a block fills up: register it
-            self._register(request, first, end)
+        if self.enable_prefix_caching and first < end and not request.cache.skip_write:
+            self._register(request, first, end)  # a block fills up: register it
         return True
 
     def fork(self, parent: Request, child: Request) -> list[tuple[BlockId, BlockId]] | None:
@@ -259,6 +261,8 @@ class KVCacheManager:
         hand-off's (its prompt computed and kept by the prefill worker), before any other."""
         if self.tiering is not None:
             self.tiering.release(request)
+        if request.cache.retention_s > 0:
+            self._retain(request)
         copy = request.peer is not None and request.peer.handoff
         self.pool.free(list(reversed(request.block_ids)), evict_first=copy)
         request.block_ids = []
@@ -271,9 +275,30 @@ class KVCacheManager:
         for i in range(first, end):
             chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
             parent = hashes[i - 1] if i > 0 else None
-            if self.pool.register(request.block_ids[i], hashes[i], chunk, parent):
-                self._in_flight.add(request.block_ids[i])
+            block_id = request.block_ids[i]
+            if self.pool.register(block_id, hashes[i], chunk, parent, request.cache.tenant):
+                self._in_flight.add(block_id)
                 self._count_write(request, i)
+
+    def _retain(self, request: Request) -> None:
+        """Retain the request's full prompt blocks within its retention span (hit, computed or
+        landed alike), as it gives them back: blocks in use are never victims, so retaining them
+        now keeps them exactly as long. Counts what was retained and what the tenant's budget
+        trimmed (the latest giving back counts: a preempted request retains again at its end)."""
+        cache = request.cache
+        span = request.num_prompt_tokens
+        if cache.retention_tokens is not None:
+            span = min(span, cache.retention_tokens)
+        num_blocks = min(span // self.block_size, request.num_computed_tokens // self.block_size)
+        ids = request.block_ids[:num_blocks]
+        retention = Retention.for_seconds(
+            cache.retention_s, time.time(), cache.tenant, cache.session_id
+        )
+        if not ids or retention is None:
+            return
+        trimmed = self.pool.retain(ids, retention)
+        request.num_retained_tokens = (len(ids) - trimmed) * self.block_size
+        request.num_retention_trimmed_tokens = trimmed * self.block_size
 
     def _count_write(self, request: Request, index: int) -> None:
         """Count block `index`, just registered by `request` under a hash the pool did not

@@ -36,6 +36,8 @@ class RequestOutput:
     # Prompt tokens it wrote to the cache: full prompt blocks it computed and registered
     # first in the device pool (`Usage.cache_write_tokens`).
     num_cache_write_tokens: int = 0
+    num_retained_tokens: int = 0  # `Usage.retained_tokens`
+    num_retention_trimmed_tokens: int = 0
     stop_sequence: str | None = None  # the stop string that ended it, if one did
     # Some of the KV it was computed over came from a lossy (quantized) tier.
     lossy_kv: bool = False

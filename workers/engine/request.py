@@ -10,6 +10,7 @@ import torch
 
 from cachesvc.kv.types import BlockHash, BlockId, RequestId
 from workers.engine.sampler import token_seed
+from workers.protocol import CacheHints
 from workers.sampling_params import SamplingParams
 
 
@@ -53,6 +54,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None  # isolates this tenant's prefix cache from others'
     peer: PeerSource | None = None  # a worker holding more of the prompt, to pull it from
+    cache: CacheHints = field(default_factory=CacheHints)  # retention, session, skip flags
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -69,6 +71,10 @@ class Request:
     num_prompt_tokens_computed: int = 0
     # Prompt tokens this request wrote to the cache (`KVCacheManager` counts them).
     num_cache_write_tokens: int = 0
+    # Prompt tokens under its retention when it last gave its blocks back, and those the
+    # tenant's retention budget trimmed (`KVCacheManager.free`).
+    num_retained_tokens: int = 0
+    num_retention_trimmed_tokens: int = 0
     _generator: torch.Generator | None = field(default=None, repr=False)
 
     def next_generator(self) -> torch.Generator | None:

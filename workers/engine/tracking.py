@@ -94,6 +94,8 @@ def snapshot(
         num_preemptions=r.num_preemptions,
         cached_tokens_by_tier=_by_tier(r.num_cached_tokens, tier_usage),
         num_cache_write_tokens=r.num_cache_write_tokens,
+        num_retained_tokens=r.num_retained_tokens,
+        num_retention_trimmed_tokens=r.num_retention_trimmed_tokens,
         stop_sequence=r.stop_reason if isinstance(r.stop_reason, str) else None,
         lossy_kv=lossy_kv,
     )

@@ -52,12 +52,12 @@ class TierWriter:
         parent: BlockHash | None,
     ) -> None:
         """The pool is about to reuse a cached block: copy its KV down a tier first."""
-        self.manager.demote(self._kv_block(block_id, block_hash, parent), self._retention(block_id))
+        block = self._kv_block(block_id, block_hash, parent)
+        self.manager.demote(block, self._retention(block_id), self.pool.tenant_of(block_id))
 
     def _retention(self, block_id: BlockId) -> Retention | None:
-        """The block's retention in the pool, None where the pool keeps none."""
-        retention_of = getattr(self.pool, "retention_of", None)
-        return None if retention_of is None else retention_of(block_id)
+        """The block's retention in the pool (readable in the eviction hook), or None."""
+        return self.pool.retention_of(block_id)
 
     def note_reuse(
         self, hashes: list[BlockHash], block_ids: Sequence[BlockId], parent: BlockHash | None
