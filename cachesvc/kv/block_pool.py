@@ -144,15 +144,15 @@ class BlockPool:
 
     def _victim(self) -> BlockId:
         """The next block to hand out: the queue's next, unless that evicts a cached block
-        while a tenant is over its soft share: then that tenant's next (a tenant under its
-        share borrows free room freely)."""
+        while quotas are set: then the next of the tenant holding the most for its soft share
+        (a tenant borrows free room freely; it is reclaimed from whoever holds most)."""
         if self._book.quotas:
             nxt = self._free.peek(1)
             if nxt and self._blocks[nxt[0]].block_hash is not None:
-                over = self._book.quota_victim()
-                if over is not None:
-                    self._free.discard(over)
-                    return over
+                fair = self._book.fair_victim()
+                if fair is not None:
+                    self._free.discard(fair)
+                    return fair
         return self._free.pop()
 
     def free(self, block_ids: Sequence[BlockId], evict_first: bool = False) -> None:

@@ -175,15 +175,23 @@ class RetentionBook(Generic[K]):
             out[k] = None
         return list(out)
 
-    def quota_victim(self) -> K | None:
-        """The next victim of the tenant most over its soft share that has an evictable key;
-        None when no tenant over its share has one (a store that orders its own victims, as
-        the device pool, asks only this)."""
-        for tenant in self._over_share():
-            keys = self._by_tenant[tenant].peek(1)
-            if keys:
-                return keys[0]
-        return None
+    def fair_victim(self) -> K | None:
+        """The next victim in the lowest retention class any tenant has evictable, of the
+        tenant furthest above its soft share (or least below it) among those with a key in
+        that class; None when nothing is evictable. For a store that must evict and orders its
+        own victims (the device pool): retention is honoured first, then the room goes back to
+        the tenant holding the most for its share, so a flood by one tenant evicts its own
+        blocks before another's, whatever their recency."""
+        lowest = {t: self._by_tenant[t].lowest_class() for t in self._used}
+        classes = [c for c in lowest.values() if c is not None]
+        if not classes:
+            return None
+        cls = min(classes)
+        tenant = max(
+            (t for t, c in lowest.items() if c == cls),
+            key=lambda t: self._used[t] - self._quota(t).share * self.capacity,
+        )
+        return self._by_tenant[tenant].peek(1)[0]
 
     def retention_of(self, key: K) -> Retention | None:
         """The key's retention, None when it has none or it expired (then it ends)."""

@@ -380,16 +380,18 @@ class Engine:
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams],
         cache_salt: str | None = None,
+        cache: CacheHints | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; the final output of each, in order (n samples in a row).
-        Raises RequestFailed, once every prompt has finished, when the engine failed one."""
+        `cache`: every prompt's explicit cache controls. Raises RequestFailed, once every
+        prompt has finished, when the engine failed one."""
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         ids = [self.encode_prompt(p) for p in prompts]  # validate all before queueing any
         order: list[RequestId] = []
         for prompt_ids, p in zip(ids, per_prompt, strict=True):
-            order.extend(self.add_request(prompt_ids, p, cache_salt=cache_salt))
+            order.extend(self.add_request(prompt_ids, p, cache_salt=cache_salt, cache=cache))
         final: dict[RequestId, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

@@ -40,6 +40,10 @@ class ClassedPolicy(EvictionPolicy[K]):
         if evictable:
             self._classes[cls].push(key)
 
+    def lowest_class(self) -> int | None:
+        """The lowest class holding an evictable key (the next victim's); None when empty."""
+        return next((c for c, policy in enumerate(self._classes) if len(policy)), None)
+
     def class_of(self, key: K) -> int:
         return self._class_of.get(key, 0)
 
