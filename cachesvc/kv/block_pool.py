@@ -118,8 +118,10 @@ class BlockPool:
     def ref_count(self, block_id: BlockId) -> int:
         return self._blocks[block_id].ref_cnt
 
-    def allocate(self, num: int) -> list[BlockId]:
-        """Take `num` blocks (ref count 1), evicting cached free blocks in the policy's order.
+    def allocate(self, num: int, tenant: str | None = None) -> list[BlockId]:
+        """Take `num` blocks (ref count 1) for `tenant` (who will register them: under quotas,
+        a tenant at its share evicts its own blocks first), evicting cached free blocks in the
+        policy's order.
 
         Raises NoFreeBlocksError, changing nothing, when fewer than `num` are free. The eviction
         hook runs for each evicted block after all of them are taken and unregistered.
@@ -130,7 +132,7 @@ class BlockPool:
         evicted: list[_Evicted] = []
         self._book.expire()
         for _ in range(num):
-            block_id = self._victim()
+            block_id = self._victim(tenant, num)
             self._blocks[block_id].ref_cnt = 1
             out.append(block_id)
             dropped = self._drop_hash(block_id)
@@ -142,17 +144,18 @@ class BlockPool:
         self._lossy.difference_update(out)  # handed out for new KV
         return out
 
-    def _victim(self) -> BlockId:
+    def _victim(self, tenant: str | None, num: int) -> BlockId:
         """The next block to hand out: the queue's next, unless that evicts a cached block
-        while quotas are set: then the next of the tenant holding the most for its soft share
-        (a tenant borrows free room freely; it is reclaimed from whoever holds most)."""
-        if self._book.quotas:
+        while a tenant is over its soft share (`tenant`, taking `num` blocks now, counted with
+        them): then that tenant's least recent unretained block (one under its share borrows
+        free room freely; the room is reclaimed from whoever is over)."""
+        if self._book.has_quotas:
             nxt = self._free.peek(1)
             if nxt and self._blocks[nxt[0]].block_hash is not None:
-                fair = self._book.fair_victim()
-                if fair is not None:
-                    self._free.discard(fair)
-                    return fair
+                over = self._book.quota_victim(tenant, num)
+                if over is not None:
+                    self._free.discard(over)
+                    return over
         return self._free.pop()
 
     def free(self, block_ids: Sequence[BlockId], evict_first: bool = False) -> None:

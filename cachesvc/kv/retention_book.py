@@ -175,23 +175,33 @@ class RetentionBook(Generic[K]):
             out[k] = None
         return list(out)
 
-    def fair_victim(self) -> K | None:
-        """The next victim in the lowest retention class any tenant has evictable, of the
-        tenant furthest above its soft share (or least below it) among those with a key in
-        that class; None when nothing is evictable. For a store that must evict and orders its
-        own victims (the device pool): retention is honoured first, then the room goes back to
-        the tenant holding the most for its share, so a flood by one tenant evicts its own
-        blocks before another's, whatever their recency."""
-        lowest = {t: self._by_tenant[t].lowest_class() for t in self._used}
-        classes = [c for c in lowest.values() if c is not None]
-        if not classes:
-            return None
-        cls = min(classes)
-        tenant = max(
-            (t for t, c in lowest.items() if c == cls),
-            key=lambda t: self._used[t] - self._quota(t).share * self.capacity,
-        )
-        return self._by_tenant[tenant].peek(1)[0]
+    @property
+    def has_quotas(self) -> bool:
+        """Whether any tenant's soft share is below the whole store."""
+        return any(q.share < 1.0 for q in self.quotas.values())
+
+    def quota_victim(self, tenant: str | None = None, extra: int = 0) -> K | None:
+        """For a store that orders its own victims (the device pool): the next unretained key
+        of the tenant most over its soft share, `tenant` counted with `extra` more units (what
+        it is taking now: a tenant at its share makes room from its own blocks first). None
+        when no tenant over its share has an unretained evictable key: retained keys are
+        bounded by the retention budget, not by the share."""
+        over: dict[str, float] = {}
+        for t, used in self._used.items():
+            share = self._quota(t).share
+            if share < 1.0:
+                excess = used + (extra if t == tenant else 0) - share * self.capacity
+                if excess > 0:
+                    over[t] = excess
+        if tenant is not None and tenant not in self._used and extra:
+            share = self._quota(tenant).share
+            if share < 1.0 and extra > share * self.capacity:
+                over[tenant] = extra - share * self.capacity
+        for t in sorted(over, key=lambda t: -over[t]):
+            mine = self._by_tenant.get(t)
+            if mine is not None and mine.lowest_class() == NO_RETENTION:
+                return mine.peek(1)[0]
+        return None
 
     def retention_of(self, key: K) -> Retention | None:
         """The key's retention, None when it has none or it expired (then it ends)."""

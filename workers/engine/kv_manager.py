@@ -228,7 +228,7 @@ class KVCacheManager:
         if need > 0:  # most decode steps need no block: the pool is not asked
             if need > self.pool.num_free:
                 return False
-            request.block_ids.extend(self.pool.allocate(need))
+            request.block_ids.extend(self.pool.allocate(need, request.cache.tenant))
         first, end = request.num_computed_tokens // self.block_size, total // self.block_size
         if self.enable_prefix_caching and first < end and not request.cache.skip_write:
             self._register(request, first, end)  # a block fills up: register it

@@ -101,7 +101,7 @@ def test_closing_a_session_ends_its_retentions_only() -> None:
     assert pool.tenant_blocks()["t"].retained == 1
 
 
-def test_with_quotas_the_tenant_holding_most_for_its_share_is_evicted_first() -> None:
+def test_with_quotas_a_tenant_over_its_share_is_evicted_first() -> None:
     pool = BlockPool(8)
     pool.set_quotas({"a": TenantQuota(share=0.5), "b": TenantQuota(share=0.5)})
     old = _cached(pool, "a", [b"a1", b"a2"])
@@ -110,6 +110,24 @@ def test_with_quotas_the_tenant_holding_most_for_its_share_is_evicted_first() ->
     pool.free(newer)
     # LRU would take alice's two; bob holds 6 for a share of 4.
     assert pool.allocate(2) == newer[:2]
+    pool.free(pool.allocate(0))
+    # Bob at his share, taking 2 more, makes room from his own; alice taking 2 does not.
+    assert pool.allocate(2, tenant="b") == newer[2:4]
+    assert pool.allocate(2, tenant="a") == old
+    pool.check_integrity()
+
+
+def test_retained_blocks_are_bounded_by_the_budget_not_the_share() -> None:
+    clock = Clock()
+    pool = BlockPool(8, clock=clock)
+    pool.set_quotas({"a": TenantQuota(share=0.25, retention_share=0.5)})
+    kept = _cached(pool, "a", [b"1", b"2", b"3"])
+    pool.retain(kept, Retention(SHORT, clock.now + 60, "a"))
+    pool.free(kept)
+    rest = pool.allocate(5)  # the empty blocks
+    pool.free(rest)
+    # Alice is over her share, but only with retained blocks: the empty blocks go first.
+    assert sorted(pool.allocate(5, tenant="a")) == sorted(rest)
     pool.check_integrity()
 
 
