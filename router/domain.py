@@ -73,6 +73,9 @@ class GenerateInput:
     # Requests with the same key belong together (OpenAI's `prompt_cache_key`): routed to the
     # same worker while it is within bounds (`router.request.affinity`); None: none.
     affinity_key: str | None = None
+    # Reuse no cached KV for the prompt (a hint the workers do not honour yet; explained).
+    skip_cache_read: bool = False
+    explain_cache: bool = False  # answer where each part of the prompt came from
 
 
 @dataclass(frozen=True)

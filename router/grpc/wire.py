@@ -26,8 +26,9 @@ from router.domain import (
     ScoreResult,
     WorkerStatus,
 )
+from router.request.explain import explanation_of
 from router.request.ids import MAX_ID_LEN, check_request_id
-from workers.protocol import StreamDelta
+from workers.protocol import StreamDelta, Usage
 from workers.sampling_params import SamplingParams
 
 _MAX_STOP_STRINGS = 16
@@ -117,6 +118,8 @@ def generate_from_proto(msg: pb.GenerateRequest, config: RouterConfig) -> Genera
         max_tokens_set=msg.sampling.HasField("max_tokens"),
         retention_s=_retention(msg),
         affinity_key=_affinity_key(msg),
+        skip_cache_read=msg.skip_cache_read,
+        explain_cache=msg.explain_cache,
     )
 
 
@@ -187,9 +190,29 @@ def delta_to_proto(request_id: str, delta: StreamDelta) -> pb.GenerateResponse:
                 prefill_worker_id=u.prefill_worker_id or "",
                 kv_transfer_tokens=u.kv_transfer_tokens,
                 cache_write_tokens=u.cache_write_tokens,
+                explanation=explanation_to_proto(u),
             )
         )
     return out
+
+
+def explanation_to_proto(usage: Usage) -> pb.CacheExplanation | None:
+    """The usage's explanation (`router.request.explain`); None when none was asked."""
+    segments = explanation_of(usage)
+    if segments is None:
+        return None
+    return pb.CacheExplanation(
+        segments=[
+            pb.CacheSegment(
+                start_token=s.start_token,
+                end_token=s.end_token,
+                source=s.source,
+                worker_id=s.worker_id,
+                miss_reason=s.miss_reason,
+            )
+            for s in segments
+        ]
+    )
 
 
 def score_to_proto(result: ScoreResult) -> pb.ScoreResponse:

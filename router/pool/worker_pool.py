@@ -26,6 +26,7 @@ from cachesvc.kv.types import WorkerId
 from router.config import RouterConfig
 from router.domain import Exhausted, InvalidInput, RequestFailed, Unimplemented
 from router.pool.events_source import EventSource, make_event_source
+from router.pool.ghosts import GhostRecord
 from router.pool.index_sync import IndexSync
 from router.pool.ray_failures import Failure, actor_state, classify, off_loop, ray_error_types
 from router.pool.worker_state import Health, WorkerState
@@ -94,6 +95,11 @@ class WorkerPool:
             index, self.events, self._workers, config.call_timeout_s, self._poll_failed
         )
         self._model: ModelInfo | None = None
+
+    @property
+    def ghosts(self) -> GhostRecord:
+        """The blocks the workers recently removed (`router/pool/ghosts.py`)."""
+        return self._sync.ghosts
 
     @property
     def num_resyncs(self) -> int:
