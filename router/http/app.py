@@ -33,6 +33,7 @@ from router.auth import Caller, TokenTable, tenant_cache_salt
 from router.core import Router
 from router.domain import GenerateInput, PromptInput
 from router.http.body import read_json
+from router.http.cache_controls import explain_header
 from router.http.errors import STATUS_NAMES, HttpError, error_body
 from router.http.flow import http_error, until_disconnect
 from router.http.messages import MessagesEndpoint
@@ -122,6 +123,7 @@ class OpenAIDoor:
         if given is not None:
             check_header_id(given, "the x-request-id header")
         given = given or uuid.uuid4().hex
+        explain = explain_header(request.headers.get("x-cache-explain"))
         if chat:
             max_len = self._router.pool.model.max_model_len
             parsed = parse_chat(body, self._config, given, max_len)
@@ -140,6 +142,7 @@ class OpenAIDoor:
                 inp,
                 prompt=await self._prompt(parsed, i),
                 cache_salt=tenant_cache_salt(caller.tenant, inp.cache_salt),
+                explain_cache=inp.explain_cache or explain,
             )
             for i, inp in enumerate(parsed.inputs)
         ]

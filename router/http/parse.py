@@ -180,6 +180,7 @@ def _request(
             max_tokens_set=body.get(_max_tokens_field(body)) is not None,
             retention_s=controls.retention_s,
             affinity_key=controls.affinity_key,
+            explain_cache=controls.explain,
         )
         for i, prompt in enumerate(prompts)
     )
