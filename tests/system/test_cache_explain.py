@@ -1,0 +1,86 @@
+"""Explained cache hits and misses over real Ray workers and a real gRPC router: a first request
+computes every block and says it was never cached, a repeat reads its full blocks from the device,
+a flush makes them "evicted", and another tenant's salt never sees them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from proto.cachesvc.v1 import cachesvc_pb2 as pb
+from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.system
+
+BLOCK = 4  # the suite's engine_config block size
+
+
+@pytest.fixture(scope="module")
+def server(make_server: Any) -> Any:
+    return make_server(policy="prefix_aware")
+
+
+def _explain(server: Any, ids: list[int], salt: str | None = None) -> pb.Usage:
+    """The usage of an explained, greedy two-token answer to `ids` (never the response cache)."""
+    stub = pb_grpc.InferenceStub(server.channel())
+    request = pb.GenerateRequest(
+        prompt=pb.Prompt(token_ids=pb.TokenIds(ids=ids)),
+        sampling=pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+        no_response_cache=True,
+        explain_cache=True,
+    )
+    if salt is not None:
+        request.cache_salt = salt
+    usage = list(stub.Generate(request, timeout=60))[-1].usage
+    segments = usage.explanation.segments
+    assert {s.worker_id for s in segments} == {usage.worker_id}
+    assert [s.start_token for s in segments[1:]] == [s.end_token for s in segments[:-1]]
+    assert (segments[0].start_token, segments[-1].end_token) == (0, len(ids))
+    return usage
+
+
+def _rows(usage: pb.Usage) -> list[tuple[int, int, str, str]]:
+    return [
+        (s.start_token, s.end_token, s.source, s.miss_reason) for s in usage.explanation.segments
+    ]
+
+
+@pytest.mark.parametrize("prompt_len", [22, 24])  # a partial last block, an exact multiple
+def test_first_repeat_flushed_and_another_tenant(server: Any, prompt_len: int) -> None:
+    ids = [prompt_len + i for i in range(prompt_len)]  # a first block of its own
+    full = (prompt_len - 1) // BLOCK * BLOCK  # tokens before the last token's block
+
+    first = _explain(server, ids)
+    assert _rows(first) == [
+        (0, full, "computed", "never_cached"),
+        (full, prompt_len, "computed", "last_block"),
+    ]
+
+    repeat = _explain(server, ids)
+    assert repeat.worker_id == first.worker_id
+    assert _rows(repeat) == [(0, full, "hbm", ""), (full, prompt_len, "computed", "last_block")]
+    assert dict(repeat.cached_tokens) == {"hbm": full}
+
+    # The same tokens under another salt are other blocks: nothing of the first ones shows.
+    other = _explain(server, ids, salt="another-tenant")
+    assert _rows(other) == _rows(first)
+
+    # A flush drops the device's cached blocks (its events reach the index before it answers).
+    pb_grpc.AdminStub(server.channel()).Flush(pb.FlushRequest())
+    flushed = _explain(server, ids)
+    assert _rows(flushed) == [
+        (0, full, "computed", "evicted"),
+        (full, prompt_len, "computed", "last_block"),
+    ]
+
+
+def test_not_asked_no_explanation(server: Any) -> None:
+    stub = pb_grpc.InferenceStub(server.channel())
+    request = pb.GenerateRequest(
+        prompt=pb.Prompt(token_ids=pb.TokenIds(ids=list(range(200, 213)))),
+        sampling=pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+        no_response_cache=True,
+    )
+    usage = list(stub.Generate(request, timeout=60))[-1].usage
+    assert not usage.HasField("explanation")
