@@ -1,12 +1,15 @@
 """Explained cache hits and misses over real Ray workers and a real gRPC router: a first request
 computes every block and says it was never cached, a repeat reads its full blocks from the device,
-a flush makes them "evicted", and another tenant's salt never sees them."""
+a flush makes them "evicted", and another tenant's salt never sees them; the OpenAI door answers
+the same, asked by header or body field."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
+from http_support import MODEL_NAME, call, error_of, start_http, stop_http
 
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
@@ -84,3 +87,35 @@ def test_not_asked_no_explanation(server: Any) -> None:
     )
     usage = list(stub.Generate(request, timeout=60))[-1].usage
     assert not usage.HasField("explanation")
+
+
+def test_openai_door_by_header_and_by_body(server: Any) -> None:
+    http = start_http(server)
+    try:
+        ids = list(range(100, 114))  # three full blocks, two tokens past them
+        body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 2, "no_response_cache": True}
+        status, _, raw = call(http, "POST", "/v1/completions", body, {"x-cache-explain": "1"})
+        assert status == 200, raw
+        assert json.loads(raw)["usage"]["cache_explanation"] == [
+            {
+                "start_token": 0,
+                "end_token": 12,
+                "source": "computed",
+                "miss_reason": "never_cached",
+            },
+            {"start_token": 12, "end_token": 14, "source": "computed", "miss_reason": "last_block"},
+        ]
+        status, _, raw = call(http, "POST", "/v1/completions", {**body, "cache_explain": True})
+        assert status == 200, raw
+        assert json.loads(raw)["usage"]["cache_explanation"][0] == {
+            "start_token": 0,
+            "end_token": 12,
+            "source": "hbm",
+            "miss_reason": "",
+        }
+        status, _, raw = call(http, "POST", "/v1/completions", body)
+        assert status == 200 and "cache_explanation" not in json.loads(raw)["usage"]
+        status, _, raw = call(http, "POST", "/v1/completions", body, {"x-cache-explain": "yes"})
+        assert status == 400 and "x-cache-explain" in error_of(raw)["message"]
+    finally:
+        stop_http(server, http)
