@@ -38,7 +38,7 @@ from router.pool.supervisor import Replace, Supervisor
 from router.pool.worker_pool import WorkerDied, WorkerPool
 from router.request.affinity import scoped_key
 from router.request.disagg import Disaggregation
-from router.request.explain import block_misses, explained
+from router.request.explain import block_misses, explained, unexplained
 from router.request.gate import Gate
 from router.request.handoff import Handoff
 from router.request.placement import Placement
@@ -171,7 +171,7 @@ class Router:
         collector = ResponseCollector(num_samples(req.params))
         async with contextlib.aclosing(self._forward(progress, outcome, req)) as deltas:
             async for delta in deltas:
-                collector.add(delta)
+                collector.add(unexplained(delta))
                 yield delta
         answer = collector.result()
         if key is not None and answer is not None:

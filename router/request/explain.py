@@ -143,6 +143,16 @@ def explained(delta: StreamDelta, block_size: int, misses: Sequence[str]) -> Str
     return dataclasses.replace(delta, usage=ExplainedUsage(**fields, explanation=segments))
 
 
+def unexplained(delta: StreamDelta) -> StreamDelta:
+    """`delta` with its usage as the worker sent it: what the response cache stores (an
+    explanation tells of one request's cache, not of a later answer's)."""
+    usage = delta.usage
+    if not isinstance(usage, ExplainedUsage):
+        return delta
+    fields = {f.name: getattr(usage, f.name) for f in dataclasses.fields(Usage)}
+    return dataclasses.replace(delta, usage=Usage(**fields))
+
+
 def explanation_of(usage: Usage) -> tuple[CacheSegment, ...] | None:
     """The usage's explanation; None when the request did not ask one."""
     return usage.explanation if isinstance(usage, ExplainedUsage) else None

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from http_support import MODEL_NAME, call, error_of, start_http, stop_http
+from suite_support import wait_for
 
 from proto.cachesvc.v1 import cachesvc_pb2 as pb
 from proto.cachesvc.v1 import cachesvc_pb2_grpc as pb_grpc
@@ -119,3 +120,22 @@ def test_openai_door_by_header_and_by_body(server: Any) -> None:
         assert status == 400 and "x-cache-explain" in error_of(raw)["message"]
     finally:
         stop_http(server, http)
+
+
+def test_an_explained_answer_is_stored_plain_in_the_response_cache(make_server: Any) -> None:
+    """The explanation belongs to the request that asked it: the response cache stores the
+    answer without it, and answers the same request later from the store."""
+    cached = make_server(policy="prefix_aware", response_cache_mb=16)
+    stub = pb_grpc.InferenceStub(cached.channel())
+    request = pb.GenerateRequest(
+        prompt=pb.Prompt(token_ids=pb.TokenIds(ids=list(range(230, 241)))),
+        sampling=pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+        explain_cache=True,
+    )
+    first = list(stub.Generate(request, timeout=60))
+    assert first[-1].usage.explanation.segments and not first[-1].usage.from_response_cache
+    stats = cached.router.responses.stats
+    wait_for(lambda: stats.stores >= 1, 60, "the answer to be stored")
+    again = list(stub.Generate(request, timeout=60))
+    assert again[-1].usage.from_response_cache and stats.rejected == 0
+    assert [t for m in again for t in m.token_ids] == [t for m in first for t in m.token_ids]

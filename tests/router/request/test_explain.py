@@ -23,6 +23,7 @@ from router.request.explain import (
     explain,
     explained,
     explanation_of,
+    unexplained,
 )
 from workers.protocol import StreamDelta, Usage
 
@@ -212,3 +213,12 @@ def test_explained_keeps_the_usage_and_adds_segments() -> None:
     assert explanation_of(usage) is None
     no_usage = StreamDelta(0, (1,), "x")
     assert explained(no_usage, BS, []) is no_usage
+
+
+def test_unexplained_is_the_workers_usage_again() -> None:
+    """What the response cache stores: a plain Usage, which its entries' checks accept."""
+    usage = _usage(cache_write_tokens=4)
+    delta = explained(StreamDelta(0, (1,), "x", "stop", usage), BS, [NEVER_CACHED] * 2)
+    plain = unexplained(delta)
+    assert type(plain.usage) is Usage and plain.usage == usage
+    assert plain.token_ids == delta.token_ids and plain.finish_reason == "stop"
