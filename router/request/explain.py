@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from cachesvc.kv.index import PrefixMatch
 from cachesvc.kv.types import BlockHash, WorkerId
@@ -139,8 +140,7 @@ def explained(delta: StreamDelta, block_size: int, misses: Sequence[str]) -> Str
     segments = explain(
         usage.prompt_tokens, block_size, usage.cached_tokens, usage.worker_id, misses
     )
-    fields = {f.name: getattr(usage, f.name) for f in dataclasses.fields(Usage)}
-    return dataclasses.replace(delta, usage=ExplainedUsage(**fields, explanation=segments))
+    return dataclasses.replace(delta, usage=ExplainedUsage(**_fields(usage), explanation=segments))
 
 
 def unexplained(delta: StreamDelta) -> StreamDelta:
@@ -149,10 +149,14 @@ def unexplained(delta: StreamDelta) -> StreamDelta:
     usage = delta.usage
     if not isinstance(usage, ExplainedUsage):
         return delta
-    fields = {f.name: getattr(usage, f.name) for f in dataclasses.fields(Usage)}
-    return dataclasses.replace(delta, usage=Usage(**fields))
+    return dataclasses.replace(delta, usage=Usage(**_fields(usage)))
 
 
 def explanation_of(usage: Usage) -> tuple[CacheSegment, ...] | None:
     """The usage's explanation; None when the request did not ask one."""
     return usage.explanation if isinstance(usage, ExplainedUsage) else None
+
+
+def _fields(usage: Usage) -> dict[str, Any]:
+    """A usage's own fields (a Usage's, whatever subclass it is)."""
+    return {f.name: getattr(usage, f.name) for f in dataclasses.fields(Usage)}
