@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import asdict, fields
 
-from cachesvc.kv.types import WorkerId
+from cachesvc.kv.types import BlockHash, WorkerId
 from router.admin import (
     close_session,
     flush_workers,
@@ -49,6 +49,7 @@ from router.pool.worker_pool import WorkerDied, WorkerPool
 from router.request.affinity import scoped_key
 from router.request.cache_hints import cache_hints, check_retention
 from router.request.disagg import Disaggregation
+from router.request.explain import block_misses, explained, unexplained
 from router.request.gate import Gate
 from router.request.handoff import Handoff
 from router.request.placement import Placement
@@ -187,7 +188,7 @@ class Router:
         collector = ResponseCollector(num_samples(req.params))
         async with contextlib.aclosing(self._forward(progress, outcome, req)) as deltas:
             async for delta in deltas:
-                collector.add(delta)
+                collector.add(unexplained(delta))
                 yield delta
         answer = collector.result()
         if key is not None and answer is not None and not req.skip_cache_write:
@@ -227,6 +228,7 @@ class Router:
                 len(prompt), hashes, excluded, self.pd.serving_roles(), affinity
             )
             decision, holder = placed.decision, placed.holder
+            misses = self._misses(req, hashes, decision.worker)
             if attempt == 0 and handoff is None:
                 self.admission.check_placed(decision, len(prompt), outcome)
             self.metrics.decisions.labels(decision.policy, decision.worker).inc()
@@ -245,6 +247,8 @@ class Router:
                         if handoff is not None:
                             handoff.observe(delta, self.metrics, outcome)
                             delta = handoff.merged(delta)
+                        if misses is not None:
+                            delta = explained(delta, self.pool.model.block_size, misses)
                         if delta.usage is not None:
                             self._record(delta.usage, outcome)
                         yield delta
@@ -274,6 +278,19 @@ class Router:
                 kind = "mid_stream" if progress.started else "before_start"
                 self.metrics.retries.labels(kind).inc()
         raise last_error
+
+    def _misses(
+        self, req: GenerateInput, hashes: list[BlockHash], worker: WorkerId
+    ) -> tuple[str, ...] | None:
+        """Note the retention the request asks; when it asks its cache use explained, why each
+        of its blocks would be computed, as the index knows it now (before the request stores
+        its own blocks)."""
+        if req.retention_s:
+            self.pool.ghosts.retained(hashes, req.retention_s)
+        if not req.explain_cache:
+            return None
+        holders = self.pool.index.longest_prefix(hashes)
+        return block_misses(hashes, holders, self.pool.ghosts, worker, req.skip_cache_read)
 
     async def _attempt(
         self,

@@ -28,8 +28,9 @@ from router.domain import (
     WorkerStatus,
 )
 from router.request.cache_hints import check_retention_s, check_session_id
+from router.request.explain import explanation_of
 from router.request.ids import MAX_ID_LEN, check_request_id
-from workers.protocol import StreamDelta
+from workers.protocol import StreamDelta, Usage
 from workers.sampling_params import SamplingParams
 
 _MAX_STOP_STRINGS = 16
@@ -218,9 +219,29 @@ def delta_to_proto(request_id: str, delta: StreamDelta) -> pb.GenerateResponse:
                 cache_write_tokens=u.cache_write_tokens,
                 retained_tokens=u.retained_tokens,
                 retention_trimmed_tokens=u.retention_trimmed_tokens,
+                explanation=explanation_to_proto(u),
             )
         )
     return out
+
+
+def explanation_to_proto(usage: Usage) -> pb.CacheExplanation | None:
+    """The usage's explanation (`router.request.explain`); None when none was asked."""
+    segments = explanation_of(usage)
+    if segments is None:
+        return None
+    return pb.CacheExplanation(
+        segments=[
+            pb.CacheSegment(
+                start_token=s.start_token,
+                end_token=s.end_token,
+                source=s.source,
+                worker_id=s.worker_id,
+                miss_reason=s.miss_reason,
+            )
+            for s in segments
+        ]
+    )
 
 
 def score_to_proto(result: ScoreResult) -> pb.ScoreResponse:

@@ -34,6 +34,7 @@ from router.auth import Caller, TokenTable, tenant_cache_salt
 from router.core import Router
 from router.domain import GenerateInput, PromptInput
 from router.http.body import read_json
+from router.http.cache_controls import explain_header
 from router.http.cache_endpoints import CacheEndpoints
 from router.http.errors import STATUS_NAMES, HttpError, error_body
 from router.http.flow import http_error, until_disconnect
@@ -129,6 +130,7 @@ class OpenAIDoor:
         if given is not None:
             check_header_id(given, "the x-request-id header")
         given = given or uuid.uuid4().hex
+        explain = explain_header(request.headers.get("x-cache-explain"))
         if chat:
             max_len = self._router.pool.model.max_model_len
             parsed = parse_chat(body, self._config, given, max_len)
@@ -148,6 +150,7 @@ class OpenAIDoor:
                 prompt=await self._prompt(parsed, i),
                 cache_salt=tenant_cache_salt(caller.tenant, inp.cache_salt),
                 tenant=caller.tenant or "",
+                explain_cache=inp.explain_cache or explain,
             )
             for i, inp in enumerate(parsed.inputs)
         ]

@@ -9,7 +9,8 @@ limits: `GenerateInput.retention_s`).
 Our extensions, beside them at the top level of the body: `cache_session_id` (tags the retained
 blocks with a conversation; `DELETE /v1/cache/sessions/{id}` ends it), `skip_cache_read` and
 `skip_cache_write` (reuse no cached KV, and no stored answer; cache nothing computed, and store
-no answer) and `cache_explain` (where each part of the prompt came from).
+no answer) and `cache_explain` (a bool, or the `x-cache-explain: 1` header: where each part
+of the prompt came from, `usage.cache_explanation`).
 """
 
 from __future__ import annotations
@@ -75,3 +76,13 @@ def parse_retention(body: dict[str, Any]) -> int | None:
 
 def parse_session_id(body: dict[str, Any]) -> str | None:
     return check_session_id(typed(body, "cache_session_id", str, None), "cache_session_id")
+
+
+def explain_header(value: str | None) -> bool:
+    """The `x-cache-explain` header: "1" or "true" asks an explanation; absent, "0" or "false"
+    does not; anything else raises InvalidInput naming the header."""
+    if value is None:
+        return False
+    text = value.strip().lower()
+    check(text in ("1", "true", "0", "false"), f"x-cache-explain must be 1 or 0, got {value!r}")
+    return text in ("1", "true")

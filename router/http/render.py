@@ -9,7 +9,10 @@ one's blocks; those were not cached when the request came). Beside it, from that
 `cached_tokens_by_tier` (the tier each cached token came from: "hbm" the device, "dram", "nvme",
 "redis", "peer"), so that cached + written + uncached = `prompt_tokens`, and `retained_tokens` /
 `retention_trimmed_tokens` (the prompt tokens kept under the retention asked, and those the
-tenant's retention budget trimmed: `Usage.retained_tokens`).
+tenant's retention budget trimmed: `Usage.retained_tokens`). When the request asked it
+(`cache_explain`), `cache_explanation`: that same usage's segments (`router.request.explain`),
+each `{start_token, end_token, source, miss_reason}`; with several prompts, each segment also
+names its `prompt` (offsets are within it).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from router.http.errors import HttpError
 from router.http.parse import OpenAIRequest
+from router.request.explain import explanation_of
 from workers.protocol import StreamDelta, Usage
 
 DONE = b"data: [DONE]\n\n"
@@ -69,12 +73,36 @@ class Answer:
             "retained_tokens": sum(u.retained_tokens for u in usages),
             "retention_trimmed_tokens": sum(u.retention_trimmed_tokens for u in usages),
         }
-        return {
+        out = {
             "prompt_tokens": prompt,
             "completion_tokens": self._completion_tokens,
             "total_tokens": prompt + self._completion_tokens,
             "prompt_tokens_details": details,
         }
+        explanation = self._explanation()
+        if explanation is not None:
+            out["cache_explanation"] = explanation
+        return out
+
+    def _explanation(self) -> list[dict[str, Any]] | None:
+        """Each prompt's segments in prompt order; None when no usage carries any."""
+        found = {p: explanation_of(u) for p, u in sorted(self._prompt_usage.items())}
+        if all(segments is None for segments in found.values()):
+            return None
+        several = len(found) > 1
+        out = []
+        for prompt, segments in found.items():
+            for s in segments or ():
+                seg: dict[str, Any] = {
+                    "start_token": s.start_token,
+                    "end_token": s.end_token,
+                    "source": s.source,
+                    "miss_reason": s.miss_reason,
+                }
+                if several:
+                    seg["prompt"] = prompt
+                out.append(seg)
+        return out
 
     def text(self, choice: int) -> str:
         return "".join(self.texts.get(choice, ()))

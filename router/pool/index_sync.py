@@ -3,7 +3,8 @@
 The events come with the polls, or from an `EventSource` (`router/pool/events_source.py`) when the
 workers publish them to Redis Streams. Either way they are applied to the index in order, per
 worker (under the worker's lock), and a gap or a new incarnation (a restarted actor) resyncs the
-worker from a snapshot.
+worker from a snapshot. What the applied events removed and stored also feeds the pool's record
+of recently removed blocks (`router/pool/ghosts.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from cachesvc.kv.events import Event
 from cachesvc.kv.index import IndexSnapshot, PrefixIndex
 from cachesvc.kv.types import WorkerId
 from router.pool.events_source import EventSource, StreamPosition
+from router.pool.ghosts import GhostRecord
 from router.pool.ray_failures import ray_error_types
 from router.pool.worker_state import Health, WorkerState
 from workers.protocol import PollResult
@@ -49,6 +51,7 @@ class IndexSync:
         self.index = index
         self.events = events
         self.num_resyncs = 0
+        self.ghosts = GhostRecord()
         self._workers = workers
         self._call_timeout_s = call_timeout_s
         self._missed = missed
@@ -80,7 +83,9 @@ class IndexSync:
     async def apply_polled(self, state: WorkerState, result: PollResult) -> None:
         """Apply a poll's events, resyncing on a gap or a new life; call under `state.lock`."""
         # With no events (streamed), `apply` still checks the index follows this life.
-        if not self.index.apply(state.worker_id, result.incarnation, result.events):
+        if self.index.apply(state.worker_id, result.incarnation, result.events):
+            self.ghosts.observe(result.events)
+        else:
             await self.resync(state)
 
     async def _apply_streamed(
@@ -96,6 +101,7 @@ class IndexSync:
                 if incarnation != state.incarnation:
                     return  # entries of a past life, still in the stream
             if self.index.apply(worker, incarnation, events):
+                self.ghosts.observe(events)
                 self._advance(state, incarnation, events[-1].seq + 1)
             else:
                 await self.resync(state)

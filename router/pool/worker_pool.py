@@ -26,6 +26,7 @@ from cachesvc.kv.types import WorkerId
 from router.config import RouterConfig
 from router.domain import Exhausted, InvalidInput, RequestFailed, Unimplemented
 from router.pool.events_source import EventSource, make_event_source
+from router.pool.ghosts import GhostRecord
 from router.pool.index_sync import IndexSync
 from router.pool.ray_failures import Failure, actor_state, classify, off_loop, ray_error_types
 from router.pool.worker_state import Health, WorkerState
@@ -99,6 +100,11 @@ class WorkerPool:
         # The tenants' quotas every worker is given when it joins (`set_quotas`); the router's
         # `QuotaTable` replaces it. Empty: none to give (a worker of an older build still joins).
         self.quotas: dict[str, TenantQuota] = {}
+
+    @property
+    def ghosts(self) -> GhostRecord:
+        """The blocks the workers recently removed (`router/pool/ghosts.py`)."""
+        return self._sync.ghosts
 
     @property
     def num_resyncs(self) -> int:
