@@ -223,40 +223,20 @@ async def _run(
 
 def measure_cache_control(args: CacheControlBenchArgs) -> CacheControlResults:
     """Run both scenarios over one real worker (blocking)."""
-    import tempfile
-    from pathlib import Path
-
-    import ray
-
+    from cachesvc.bench.live import bench_model, local_ray
     from workers.cluster import WorkerGroup, spawn_workers, stop_workers
     from workers.config import EngineConfig
-    from workers.text.default_model import default_model_path
 
-    with tempfile.TemporaryDirectory(prefix="cachesvc-bench-cc-") as tmp:
-        model = args.model or str(default_model_path())
-        if args.tiny:
-            from workers.model.tiny import write_tiny_model
-
-            folder = Path(tmp) / "tiny-llama"
-            model = str(write_tiny_model(folder, vocab_size=512, max_position_embeddings=8192))
+    with bench_model(args.model, args.tiny, max_positions=8192) as model, local_ray():
         engine = EngineConfig.from_env(
-            model=model,
-            block_size=BLOCK_SIZE,
-            num_blocks=args.shape.num_blocks,
-            num_threads=1,
+            model=model, block_size=BLOCK_SIZE, num_blocks=args.shape.num_blocks, num_threads=1
         )
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        group = WorkerGroup(engine, 1, namespace=f"bench-cc-{uuid.uuid4().hex[:6]}", device="cpu")
+        actors = spawn_workers(group)
         try:
-            group = WorkerGroup(
-                engine, 1, namespace=f"bench-cc-{uuid.uuid4().hex[:6]}", device="cpu"
-            )
-            actors = spawn_workers(group)
-            try:
-                return asyncio.run(_run(model, actors, args))
-            finally:
-                stop_workers(actors)
+            return asyncio.run(_run(model, actors, args))
         finally:
-            ray.shutdown()
+            stop_workers(actors)
 
 
 def run_cache_control_bench(args: CacheControlBenchArgs) -> int:

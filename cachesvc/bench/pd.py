@@ -186,23 +186,12 @@ async def _warm_workers(actors: dict[Any, Any], request: PDRequest) -> None:
 
 def measure_pd(args: PDBenchArgs) -> list[PhaseResult]:
     """Run both setups over real workers (blocking); what the client saw in each phase."""
-    import tempfile
-    from pathlib import Path
-
-    import ray
-
+    from cachesvc.bench.live import bench_model, local_ray
     from workers.cluster import WorkerGroup, spawn_workers, stop_workers
     from workers.config import EngineConfig
-    from workers.text.default_model import default_model_path
 
     results: list[PhaseResult] = []
-    with tempfile.TemporaryDirectory(prefix="cachesvc-bench-pd-") as tmp:
-        model = args.model or str(default_model_path())
-        if args.tiny:
-            from workers.model.tiny import write_tiny_model
-
-            folder = Path(tmp) / "tiny-llama"
-            model = str(write_tiny_model(folder, vocab_size=512, max_position_embeddings=4096))
+    with bench_model(args.model, args.tiny) as model, local_ray():
         engine = EngineConfig.from_env(
             model=model,
             block_size=BLOCK_SIZE,
@@ -210,27 +199,23 @@ def measure_pd(args: PDBenchArgs) -> list[PhaseResult]:
             num_threads=1,
             peer_pull=True,
         )
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)
-        try:
-            for setup, (num_prefill, num_decode) in SETUPS.items():
-                namespace = f"bench-pd-{uuid.uuid4().hex[:6]}"
-                group = WorkerGroup(
-                    engine,
-                    NUM_WORKERS,
-                    namespace=namespace,
-                    device="cpu",
-                    num_prefill=num_prefill,
-                    num_decode=num_decode,
-                    prefill_chunk_tokens=args.prefill_chunk_tokens,
-                )
-                actors = spawn_workers(group)
-                try:
-                    print(f"{setup}: running", file=sys.stderr)
-                    results += asyncio.run(_run_setup(actors, model, args, setup))
-                finally:
-                    stop_workers(actors)
-        finally:
-            ray.shutdown()
+        for setup, (num_prefill, num_decode) in SETUPS.items():
+            namespace = f"bench-pd-{uuid.uuid4().hex[:6]}"
+            group = WorkerGroup(
+                engine,
+                NUM_WORKERS,
+                namespace=namespace,
+                device="cpu",
+                num_prefill=num_prefill,
+                num_decode=num_decode,
+                prefill_chunk_tokens=args.prefill_chunk_tokens,
+            )
+            actors = spawn_workers(group)
+            try:
+                print(f"{setup}: running", file=sys.stderr)
+                results += asyncio.run(_run_setup(actors, model, args, setup))
+            finally:
+                stop_workers(actors)
     return results
 
 
