@@ -174,11 +174,11 @@ def test_failing_demotion_is_a_counted_miss(
     demote = manager.demote
     calls = [0]
 
-    def flaky(block: Any) -> bool:
+    def flaky(block: Any, *rest: Any) -> bool:  # rest: the block's retention and owner
         calls[0] += 1
         if calls[0] % 2:
             raise OSError("tier write failed")
-        return demote(block)
+        return demote(block, *rest)
 
     monkeypatch.setattr(manager, "demote", flaky)
     prompts = [A, _tokens(40, 11), B, _tokens(40, 12), C, A]
