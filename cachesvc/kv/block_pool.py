@@ -247,12 +247,10 @@ class BlockPool:
         last first: past the tenant's budget its oldest retentions are demoted, so a prompt
         longer than the budget keeps its head. Blocks without a hash are skipped. Returns how
         many of `block_ids` are not retained afterwards (trimmed by the budget, or no hash)."""
-        held = [b for b in reversed(block_ids) if self._blocks[b].block_hash is not None]
-        for block_id in held:
-            self._book.retain(block_id, retention)
-        return sum(self._book.retention_of(b) is None for b in block_ids if b in self._book) + (
-            len(block_ids) - len(held)
-        )
+        for block_id in reversed(block_ids):
+            if self._blocks[block_id].block_hash is not None:
+                self._book.retain(block_id, retention)
+        return sum(self.retention_of(b) is None for b in block_ids)
 
     def retention_of(self, block_id: BlockId) -> Retention | None:
         """The block's unexpired retention; readable in the eviction hook (the block's last)."""
