@@ -73,6 +73,8 @@ class WorkerGroup:
     # A prefill worker's step budget (its chunked-prefill chunk), when not the engine's: a
     # smaller chunk lets a decode worker pull a prompt's KV while the rest of it computes.
     prefill_chunk_tokens: int | None = None
+    # Requests a worker holds (running or waiting) before it refuses more (RESOURCE_EXHAUSTED).
+    max_queued_requests: int = 256
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -202,6 +204,7 @@ def spawn_workers(group: WorkerGroup) -> dict[WorkerId, Any]:
             resources=asks.resources_of(group.role_of(i)),
             event_stream=group.event_stream,
             scheduling_strategy=asks.scheduling_strategy,
+            max_queued_requests=group.max_queued_requests,
         )
         for i in range(group.num_workers)
     }
@@ -235,6 +238,7 @@ def replace_worker(group: WorkerGroup, worker: WorkerId, name_wait_s: float = 10
                 resources=asks.resources_of(group.role_of(index)),
                 event_stream=group.event_stream,
                 scheduling_strategy=asks.scheduling_strategy,
+                max_queued_requests=group.max_queued_requests,
             )
         except ValueError:  # the dead actor's name is released a moment after its death
             if time.monotonic() > deadline:

@@ -30,6 +30,7 @@ from dataclasses import asdict
 from typing import Any
 
 from cachesvc.workloads.admission import (
+    MAX_BURST,
     MAX_TOKENS,
     NUM_WORKERS,
     WARMUPS,
@@ -102,7 +103,7 @@ async def _run_setup(
             start = time.perf_counter()
             sends = [
                 _send(stub, prompt(i, args.num_tokens, vocab), i / rate, args.answer_tokens)
-                for i in range(max(1, round(args.duration_s * rate)))
+                for i in range(args.burst_size(rate))
             ]
             for sent in await asyncio.gather(*sends):
                 if sent is None:
@@ -139,7 +140,13 @@ def measure_admission(args: AdmissionBenchArgs) -> list[SetupResult]:
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
         try:
             namespace = f"bench-admission-{uuid.uuid4().hex[:6]}"
-            group = WorkerGroup(engine, NUM_WORKERS, namespace=namespace, device="cpu")
+            group = WorkerGroup(
+                engine,
+                NUM_WORKERS,
+                namespace=namespace,
+                device="cpu",
+                max_queued_requests=MAX_BURST,
+            )
             actors = spawn_workers(group)
             try:
                 rate = None

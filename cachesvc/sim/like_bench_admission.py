@@ -64,7 +64,7 @@ def replay_bench_admission(profile: CostProfile, args: AdmissionBenchArgs) -> li
     alone = _ttfts(replay(warm, profile, spec, "prefix_aware", pd=PDSetup(COLOCATED)))
     rate = args.overload * NUM_WORKERS / statistics.median(alone[r.index] for r in warm)
     start_s = WARMUPS * WARMUP_GAP_S
-    count = max(1, round(args.duration_s * rate))
+    count = args.burst_size(rate)
     burst = [
         _request(WARMUPS + i, start_s + i / rate, args.num_tokens, args.answer_tokens)
         for i in range(count)

@@ -15,6 +15,10 @@ NUM_WORKERS = 2
 MAX_TOKENS = 4
 STREAM_TOKENS = 32  # an answer's tokens with an inter-token target
 WARMUPS = 3  # one at a time: the capacity, and what admission learns its scale from
+# A burst's requests at most: where the measured capacity is high (a tiny model), the burst is
+# cut short at its rate rather than sent at a lower one. Each worker can queue all of them, so
+# without admission nothing is refused, however the router spreads them.
+MAX_BURST = 768
 WITHOUT, WITH, ON_STREAMS = "without admission", "with admission", "with admission on the streams"
 SETUPS = (WITHOUT, WITH)
 
@@ -57,6 +61,11 @@ class AdmissionBenchArgs:
     @property
     def answer_tokens(self) -> int:
         return self.max_tokens or (MAX_TOKENS if self.itl_ms is None else STREAM_TOKENS)
+
+    def burst_size(self, rate: float) -> int:
+        """The burst's requests at `rate` requests/s: `duration_s` of arrivals, at most
+        MAX_BURST."""
+        return min(MAX_BURST, max(1, round(self.duration_s * rate)))
 
     @property
     def setups(self) -> tuple[str, ...]:
