@@ -1,8 +1,15 @@
-"""Linear layers at decode's row counts, on CPU: the small-M kernel (`csrc/small_linear.cpp`).
+"""Linear layers on CPU over weights packed once into panels (`csrc/packed_linear.cpp`).
 
-`linear(x, weight, bias, native=True)` is `F.linear` with the weights streamed once for all of
-x's rows when x has at most `MAX_ROWS` rows, both are float32 or bfloat16 on the CPU and the
-kernel is built (`load()`); otherwise, and for prefill's many rows, it is `F.linear` itself.
+`PackedWeights.linear(x, weight, bias)` is `F.linear` by the kernel when both are float32 or
+bfloat16 on the CPU and the kernel is built (`load()`), else `F.linear` itself. The kernel
+needs each weight in its panel layout (`pack`): a `PackedWeights` makes that copy at a weight's
+first use and keeps it while the weight (the same tensor, unmodified) is the one passed. The
+copy is the weight's size again: the row-major weight stays for `F.linear` when the kernel is
+switched off, and for the embedding a tied LM head shares.
+
+On this machine's cores (AMD EPYC, AVX-512) the kernel took one thread's pass over SmolLM2's
+matmuls from 32 to 21 ms at 1 row and from 41 to 20 at 4, and at prefill's 75-1,075 rows ran
+at 0.73-0.88x the library's sgemm on one or two threads (docs/benchmarks/step.md).
 """
 
 from __future__ import annotations
@@ -14,14 +21,13 @@ import torch.nn.functional as F
 
 from workers.kernels.build import cpu_capability, load_library
 
-_SOURCE = Path(__file__).with_name("csrc") / "small_linear.cpp"
-# Past 16 rows the kernel's L1 re-reads of a weight block cost what sgemm's packing saves.
-MAX_ROWS = 16
+_SOURCE = Path(__file__).with_name("csrc") / "packed_linear.cpp"
+PANEL = 64  # output columns a panel (the kernel's kNB)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def load() -> bool:
-    """Whether `torch.ops.cachesvc.small_linear` is available, building it on first call."""
+    """Whether `torch.ops.cachesvc.packed_linear` is available, building it on first call."""
     return load_library(_SOURCE)
 
 
@@ -32,30 +38,74 @@ def native_by_default(device: torch.device | str) -> bool:
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel takes this call: few rows of 2-D x, CPU, one dtype of the two."""
+    """Whether the kernel takes this call: 2-D x on the CPU, of the weight's dtype, one it has."""
     return (
         x.dim() == 2
-        and x.shape[0] <= MAX_ROWS
         and x.dtype == weight.dtype
         and x.dtype in _DTYPES
         and x.device.type == "cpu"
+        and weight.device.type == "cpu"
     )
 
 
-def small_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of `weight` `[N, K]`: `[ceil(N / 64), K, 64]`, panel b holding output
+    columns [64 b, 64 b + 64) as K rows (the last panel's missing columns are zeros)."""
+    n, k = weight.shape
+    padded = F.pad(weight, (0, 0, 0, (-n) % PANEL))
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, num_outputs: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` by the kernel; `fits` and `load()` must hold. x `[M, K]`,
-    weight `[N, K]`, bias `[N]`; returns a new `[M, N]` tensor of their dtype."""
-    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
-    torch.ops.cachesvc.small_linear(x.contiguous(), weight.contiguous(), bias, out)
+    """`F.linear(x, weight, bias)` by the kernel, from `packed = pack(weight)`; `load()` must
+    hold. x `[M, K]`; returns a new `[M, num_outputs]` tensor of x's dtype."""
+    out = torch.empty((x.shape[0], num_outputs), dtype=x.dtype)
+    torch.ops.cachesvc.packed_linear(x.contiguous(), packed, bias, out)
     return out
 
 
+class PackedWeights:
+    """The packed copies of one module's weights, by name, each made at the weight's first use
+    and made again when another tensor is passed under that name, or the same one modified in
+    place (a loader assigning weights after construction, a test perturbing one)."""
+
+    def __init__(self) -> None:
+        self._packs: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def of(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """`pack(weight)`, kept for the next call with the same weight."""
+        kept = self._packs.get(name)
+        if kept is not None and kept[0] is weight and kept[1] == weight._version:
+            return kept[2]
+        packed = pack(weight.detach())
+        self._packs[name] = (weight, weight._version, packed)
+        return packed
+
+    def linear(
+        self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`F.linear(x, weight, bias)`, by the kernel where it takes the call."""
+        if fits(x, weight) and load():
+            return packed_linear(x, self.of(name, weight), weight.shape[0], bias)
+        return F.linear(x, weight, bias)
+
+    def clear(self) -> None:
+        """Drop every packed copy (the memory they hold)."""
+        self._packs.clear()
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, native: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    packs: PackedWeights | None,
+    name: str,
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, by the kernel when `native` and it takes the call."""
-    if native and fits(x, weight) and load():
-        return small_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    """`F.linear(x, weight, bias)`: by the kernel over `packs`' copy of the weight when `packs`
+    is given and the kernel takes the call, else by `F.linear`."""
+    if packs is None:
+        return F.linear(x, weight, bias)
+    return packs.linear(name, x, weight, bias)

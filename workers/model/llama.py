@@ -4,8 +4,8 @@ All requests' new tokens are concatenated in layout order into one `[T]` batch; 
 the whole batch and only attention looks at request boundaries, through the attention backend.
 q/k/v and gate/up are stored fused so each is one matmul. Weights are created on the meta device,
 without memory, and the loader assigns the real ones (`load_state_dict(..., assign=True)`).
-At decode's few rows the matmuls run on the small-M CPU kernel (`workers.kernels.linear`) where
-`native_linear` is on, as it is by default on CPUs with AVX-512.
+The matmuls run on the packed-panel CPU kernel (`workers.kernels.linear`) where `native_linear`
+is on, as it is by default on CPUs with AVX-512: each weight is packed at its first use.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from torch import nn
 from cachesvc.kv.host_memory import host_buffer
 from workers.attention.base import AttentionBackend
 from workers.attention.layout import BatchLayout
-from workers.kernels.linear import linear, native_by_default
+from workers.kernels.linear import PackedWeights, linear, native_by_default
+from workers.kernels.linear import load as load_linear_kernel
 from workers.model.config import ModelConfig
 from workers.model.rope import RotaryEmbedding, apply_rope
 
@@ -69,8 +70,8 @@ class DecoderLayer(nn.Module):
         # Rows: gate, then up.
         self.gate_up_weight = weight(2 * config.intermediate_size, hidden)
         self.down_weight = weight(hidden, config.intermediate_size)
-        # Set by the model (`LlamaModel.native_linear`).
-        self.native_linear = False
+        # The weights' packed copies while the model's `native_linear` is on (it sets them).
+        self.packs: PackedWeights | None = None
 
     def forward(
         self,
@@ -98,7 +99,7 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = x.shape[0], self.num_heads, self.head_dim
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, native=self.native_linear)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, packs=self.packs, name="qkv")
         # One RoPE call rotates the q and k heads together.
         qk = apply_rope(qkv[:, : self.qk_size].view(num_tokens, -1, head_dim), cos, sin)
         q, k = qk[:, :num_heads], qk[:, num_heads:]
@@ -106,12 +107,23 @@ class DecoderLayer(nn.Module):
         backend.write_kv(kv_cache, layout, k, v)
         out = cast(torch.Tensor, backend.forward(q, kv_cache, layout, sm_scale=self.sm_scale))
         out = out.reshape(num_tokens, num_heads * head_dim)
-        return linear(out, self.o_weight, self.o_bias, native=self.native_linear)
+        return linear(out, self.o_weight, self.o_bias, packs=self.packs, name="o")
+
+    def pack_weights(self) -> None:
+        """Pack the layer's matmul weights now, where `packs` is set."""
+        if self.packs is not None:
+            for name, weight in (
+                ("qkv", self.qkv_weight),
+                ("o", self.o_weight),
+                ("gate_up", self.gate_up_weight),
+                ("down", self.down_weight),
+            ):
+                self.packs.of(name, weight)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        native = self.native_linear
-        gate, up = linear(x, self.gate_up_weight, None, native=native).chunk(2, dim=-1)
-        return linear(F.silu(gate).mul_(up), self.down_weight, None, native=native)
+        packs = self.packs
+        gate, up = linear(x, self.gate_up_weight, None, packs=packs, name="gate_up").chunk(2, -1)
+        return linear(F.silu(gate).mul_(up), self.down_weight, None, packs=packs, name="down")
 
 
 class LlamaModel(nn.Module):
@@ -145,19 +157,31 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             config, dtype=dtype, device=device, freq_factors=rope_freq_factors
         )
+        self._packs: PackedWeights | None = None
         self.native_linear = native_by_default(device)
 
     @property
     def native_linear(self) -> bool:
-        """Whether matmuls of at most 16 rows (`MAX_ROWS`) run on the small-M CPU kernel (where it
-        builds; else on `F.linear`, as all larger ones do). Settable, e.g. by a bench's A/B."""
-        return self._native_linear
+        """Whether the matmuls run on the packed-panel CPU kernel (where it builds; else on
+        `F.linear`). Settable, e.g. by a bench's A/B; off drops the packed copies."""
+        return self._packs is not None
 
     @native_linear.setter
     def native_linear(self, on: bool) -> None:
-        self._native_linear = on
+        if on == self.native_linear:
+            return
+        self._packs = PackedWeights() if on else None
         for layer in self.layers:
-            cast(DecoderLayer, layer).native_linear = on
+            cast(DecoderLayer, layer).packs = PackedWeights() if on else None
+
+    def pack_weights(self) -> None:
+        """Pack every matmul's weight for the kernel now, where `native_linear` is on and the
+        kernel builds, rather than in the first step (the loader calls it)."""
+        if self._packs is None or not load_linear_kernel():
+            return
+        for layer in self.layers:
+            cast(DecoderLayer, layer).pack_weights()
+        self._packs.of("lm_head", self.lm_head_weight)
 
     @torch.inference_mode()
     def forward(
@@ -192,7 +216,7 @@ class LlamaModel(nn.Module):
         # Norm and LM head only for the rows that need logits: at decode the head dominates.
         hidden = hidden[logits_indices]
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
-        return linear(hidden, self.lm_head_weight, None, native=self.native_linear).float()
+        return linear(hidden, self.lm_head_weight, None, packs=self._packs, name="lm_head").float()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

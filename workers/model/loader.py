@@ -59,6 +59,7 @@ def load_model(
     # assign=True adopts the tensors instead of copying them into the empty parameters.
     model.load_state_dict(state, strict=True, assign=True)
     model.eval()
+    model.pack_weights()
     return LoadedModel(
         model=model,
         config=source.config,

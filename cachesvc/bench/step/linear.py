@@ -1,4 +1,4 @@
-"""Decode steps with the small-M linear kernel against `F.linear`, alternating, on the real engine.
+"""Decode steps, the packed-panel linear kernel against `F.linear` alternating, on the real engine.
 
     python -m cachesvc.bench.step.linear [--threads 1] [--batches 1,4,16] [--contexts 128,1024]
         [--steps 6] [--rounds 4] [--dtype float32|bfloat16] [--json FILE]

@@ -161,16 +161,18 @@ def test_decode_token_by_token(pair: Any) -> None:
     assert_close_logits(torch.cat(outs), hf_logits(hf, tokens))
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["small-m-kernel", "f-linear"])
+@pytest.mark.parametrize("native", [True, False], ids=["packed-kernel", "f-linear"])
 def test_decode_matches_on_either_linear_path(
     pair: Any, native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Decode's few rows on the small-M kernel (the CPU default where it builds) or on
+    """Prefill and decode on the packed-panel kernel (the CPU default where it builds) or on
     `F.linear`: the same logits as HF's either way, and the kernel runs only where asked."""
     hf, loaded = pair
     calls: list[int] = []
-    real = linear_kernel.small_linear
-    monkeypatch.setattr(linear_kernel, "small_linear", lambda *args: calls.append(1) or real(*args))
+    real = linear_kernel.packed_linear
+    monkeypatch.setattr(
+        linear_kernel, "packed_linear", lambda *args: calls.append(1) or real(*args)
+    )
     before = loaded.model.native_linear
     loaded.model.native_linear = native
     try:
@@ -182,7 +184,7 @@ def test_decode_matches_on_either_linear_path(
     finally:
         loaded.model.native_linear = before
     assert_close_logits(torch.cat(outs), hf_logits(hf, tokens))
-    # 4 matmuls a layer and the LM head, per step; prefill's 9 rows count too (at most 16).
+    # 4 matmuls a layer and the LM head, per forward pass: the prefill's and each decode step's.
     expected = (len(tokens) - prefill_len + 1) * (4 * SHAPE["num_hidden_layers"] + 1)
     assert len(calls) == (expected if native and linear_kernel.load() else 0)
 

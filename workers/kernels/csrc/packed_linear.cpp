@@ -1,0 +1,210 @@
+// y = x · wᵀ (+ bias) on CPU, over weights packed once into panels of 64 output columns.
+//
+// The library's sgemm on this kind of machine reads a decode step's weights at about half the
+// bandwidth one core has, and at prefill's hundreds of rows runs below the core's arithmetic
+// rate as well. Here the weights are laid out once, at first use (`workers/kernels/linear.py`),
+// as panels: panel b holds output columns [64 b, 64 b + 64) as K rows of 64 contiguous values,
+// so a panel is one sequential stream the hardware prefetcher follows (a row-major weight read
+// a few rows at a time is several short streams). For each k, the panel's 64 values (4 vectors)
+// are multiplied by x[m, k] broadcast, for up to kMR input rows at once: kMR x 4 accumulators in
+// registers, no horizontal sums. More rows re-read the panel from cache, kMR rows at a time;
+// K is cut into chunks of kKC so a chunk of the panel stays in L2 across those re-reads.
+//
+// Each output is summed in order of k, in float32, whatever the rows, threads or chunks (a
+// chunk's partial sums go through float32 memory exactly), so results do not depend on the
+// batch an input row comes in. bfloat16 weights are widened as they are read; bfloat16 inputs
+// are widened once; the output is rounded once to its dtype.
+//
+// Registered as torch.ops.cachesvc.packed_linear(x [M, K], packed [NB, K, 64], bias? [N],
+// out [M, N]): contiguous, one dtype (float32 or bfloat16), 64 (NB - 1) < N <= 64 NB. Output
+// panels are split among threads.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kNB = 64;  // output columns a panel: 4 vectors of 16
+constexpr int64_t kMR = 6;   // input rows a pass: 24 accumulators + 4 weight vectors + 1 input
+// A chunk of K: 512 x 64 float32 is 128 KB of panel, held in L2 while every kMR rows re-read it.
+constexpr int64_t kKC = 512;
+// Weight elements a thread's share must reach before a call splits: waking the pool costs
+// more than streaming a few KB.
+constexpr int64_t kMinParallelElements = 1 << 16;
+
+#ifdef __AVX512F__
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  // bfloat16 is float32's upper half: widen each to 32 bits and shift it into place.
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// out[m, 0:nn] (+)= sum over k in [0, kc) of x[m, k] * panel[k, 0:nn], for MR rows; `first`
+// starts from zero, else from what out holds (the earlier chunks' sums).
+template <int MR, typename W>
+void pass(const float* x, int64_t ldx, const W* panel, int64_t kc, float* out, int64_t ldo,
+          int64_t nn, bool first) {
+  __m512 acc[MR][4];
+  __mmask16 masks[4];
+  for (int j = 0; j < 4; ++j) {
+    const int64_t left = std::clamp<int64_t>(nn - 16 * j, 0, 16);
+    masks[j] = static_cast<__mmask16>((1u << left) - 1);
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j)
+      acc[m][j] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(masks[j], out + m * ldo + 16 * j);
+  for (int64_t k = 0; k < kc; ++k) {
+    const W* row = panel + k * kNB;
+    const __m512 w0 = load16(row), w1 = load16(row + 16), w2 = load16(row + 32),
+                 w3 = load16(row + 48);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
+      acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+      acc[m][2] = _mm512_fmadd_ps(xv, w2, acc[m][2]);
+      acc[m][3] = _mm512_fmadd_ps(xv, w3, acc[m][3]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(out + m * ldo + 16 * j, masks[j], acc[m][j]);
+}
+
+#else
+
+// Portable: the same order of sums (k ascending per output), left to the compiler to vectorise.
+template <int MR, typename W>
+void pass(const float* x, int64_t ldx, const W* panel, int64_t kc, float* out, int64_t ldo,
+          int64_t nn, bool first) {
+  float acc[MR][kNB];
+  for (int m = 0; m < MR; ++m)
+    for (int64_t j = 0; j < kNB; ++j) acc[m][j] = first || j >= nn ? 0.f : out[m * ldo + j];
+  for (int64_t k = 0; k < kc; ++k) {
+    const W* row = panel + k * kNB;
+    for (int m = 0; m < MR; ++m) {
+      const float xv = x[m * ldx + k];
+      for (int64_t j = 0; j < kNB; ++j) acc[m][j] += xv * static_cast<float>(row[j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int64_t j = 0; j < nn; ++j) out[m * ldo + j] = acc[m][j];
+}
+
+#endif
+
+template <typename W>
+using PassFn = void (*)(const float*, int64_t, const W*, int64_t, float*, int64_t, int64_t, bool);
+
+template <typename W>
+PassFn<W> pass_of(int64_t mr) {
+  switch (mr) {
+    case 1: return pass<1, W>;
+    case 2: return pass<2, W>;
+    case 3: return pass<3, W>;
+    case 4: return pass<4, W>;
+    case 5: return pass<5, W>;
+    default: return pass<6, W>;
+  }
+}
+
+// Output panels [begin, end) of the float32 sums y[M, N] (row stride ldy) of x[M, K] · wᵀ.
+template <typename W>
+void run_panels(const float* x, int64_t M, int64_t K, const W* packed, int64_t N, float* y,
+                int64_t ldy, int64_t begin, int64_t end) {
+  for (int64_t b = begin; b < end; ++b) {
+    const W* panel = packed + b * K * kNB;
+    const int64_t n0 = b * kNB, nn = std::min(kNB, N - n0);
+    for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+      const int64_t kc = std::min(kKC, K - k0);
+      for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+        const int64_t mr = std::min(kMR, M - m0);
+        pass_of<W>(mr)(x + m0 * K + k0, K, panel + k0 * kNB, kc, y + m0 * ldy + n0, ldy, nn,
+                       k0 == 0);
+      }
+    }
+  }
+}
+
+template <typename T>
+void packed_linear_typed(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), num_panels = packed.size(0);
+  const T* w = packed.data_ptr<T>();
+  // float32 inputs and sums as they are; bfloat16 inputs widened (exactly) and sums kept in
+  // float32 until the one rounding at the end.
+  std::vector<float> widened, sums;
+  const float* xf;
+  float* y;
+  if constexpr (std::is_same_v<T, float>) {
+    xf = x.data_ptr<float>();
+    y = out.data_ptr<float>();
+  } else {
+    const T* xt = x.data_ptr<T>();
+    widened.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(xt[i]);
+    xf = widened.data();
+    sums.resize(M * N);
+    y = sums.data();
+  }
+  const int64_t grain = std::max<int64_t>(1, kMinParallelElements / (kNB * K));
+  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
+    run_panels<T>(xf, M, K, w, N, y, N, begin, end);
+  });
+  T* o = out.data_ptr<T>();
+  const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+  if (b == nullptr && std::is_same_v<T, float>) return;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n)
+      o[m * N + n] = static_cast<T>(y[m * N + n] + (b == nullptr ? 0.f : static_cast<float>(b[n])));
+}
+
+void packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                   const std::optional<at::Tensor>& bias, at::Tensor out) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && out.device().is_cpu(),
+              "packed_linear: CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kNB &&
+                  x.size(1) == packed.size(1),
+              "packed_linear: x [M, K] and packed [NB, K, 64]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) <= packed.size(0) * kNB &&
+                  out.size(1) > (packed.size(0) - 1) * kNB,
+              "packed_linear: out [M, N] with 64 (NB - 1) < N <= 64 NB");
+  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous() && out.is_contiguous(),
+              "packed_linear: contiguous tensors");
+  const auto dtype = packed.scalar_type();
+  TORCH_CHECK(x.scalar_type() == dtype && out.scalar_type() == dtype,
+              "packed_linear: one dtype for x, packed and out");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->dim() == 1 &&
+                    bias->size(0) == out.size(1),
+                "packed_linear: bias [N] of the weight's dtype");
+  }
+  if (x.size(0) == 0) return;
+  if (dtype == at::kFloat) {
+    packed_linear_typed<float>(x, packed, bias, out);
+  } else if (dtype == at::kBFloat16) {
+    packed_linear_typed<c10::BFloat16>(x, packed, bias, out);
+  } else {
+    TORCH_CHECK(false, "packed_linear: float32 or bfloat16, not ", dtype);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cachesvc, m) {
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(cachesvc, CPU, m) { m.impl("packed_linear", packed_linear); }
