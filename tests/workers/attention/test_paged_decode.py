@@ -67,9 +67,13 @@ def forward(backend: TorchBackend, q: torch.Tensor, cache: torch.Tensor, layout:
 
 @needs_kernel
 @pytest.mark.parametrize(
-    ("heads", "head_dim"), [((9, 3), 64), ((8, 2), 128), ((4, 4), 16), ((6, 1), 24)]
+    ("heads", "head_dim"),
+    # The vector path's head dims (64, 128) with groups of 1-4 query heads a pass, and groups
+    # past that (8 and 6: several passes); the portable path's (16, 24).
+    [((9, 3), 64), ((8, 2), 128), ((8, 1), 64), ((12, 2), 128), ((4, 4), 16), ((6, 1), 24)],
 )
-@pytest.mark.parametrize("page_size", [1, 16])
+# Pages of one token, of one 16-token chunk, and of chunks with a partial last one (40).
+@pytest.mark.parametrize("page_size", [1, 16, 40])
 def test_kernel_matches_reference_and_gather(
     heads: tuple[int, int], head_dim: int, page_size: int
 ) -> None:
