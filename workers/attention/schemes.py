@@ -357,8 +357,18 @@ def torch_prefill_estimates(shape: BatchShape) -> dict[str, float]:
 
 
 def _torch_rule(shape: BatchShape) -> str:
-    """Our CPU measurements: a saved-reads threshold for decode, a cost model for prefill."""
+    """Our CPU measurements: plain decode where the paged-decode kernel reads pages in place,
+    else a saved-reads threshold; a cost model for prefill."""
     if shape.decode:
+        from workers.attention.paged_decode import load as paged_decode_built
+
+        if paged_decode_built():
+            # In place, each request's pages are read where they lie; cascade's shared level
+            # copies the prefix's pages out, runs a second call and merges. It measured
+            # 0.24-0.72x plain decode's speed on the quick grid of `cachesvc bench
+            # decode-cascade` (docs/benchmarks/decode.md), and slower decode steps of the
+            # engine for 2, 4 and 16 requests over a 1,000-token shared prefix.
+            return "ragged"
         saved = (shape.num_requests - 1) * shape.prefix_len
         return "cascade" if saved >= _CASCADE_DECODE_MIN_SAVED_TOKENS else "ragged"
     estimates = torch_prefill_estimates(shape)

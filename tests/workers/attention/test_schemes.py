@@ -332,7 +332,7 @@ def test_cpu_rules_within_ten_percent_of_our_best(cell: tuple[int, int, int]) ->
 @pytest.mark.parametrize(
     ("prefix_len", "num_requests", "want"),
     [
-        (256, 8, "cascade"),  # the decode bench's grid: cascade 2.3-16x faster
+        (256, 8, "cascade"),  # the decode bench's grid, on the gather path: cascade 2.3-16x
         (4096, 64, "cascade"),
         (1024, 2, "cascade"),
         (512, 2, "ragged"),  # under ~1K saved prefix reads the two are within noise
@@ -340,5 +340,22 @@ def test_cpu_rules_within_ten_percent_of_our_best(cell: tuple[int, int, int]) ->
         (64, 8, "ragged"),
     ],
 )
-def test_cpu_decode_rule(prefix_len: int, num_requests: int, want: str) -> None:
+def test_cpu_decode_rule_on_the_gather_path(
+    prefix_len: int, num_requests: int, want: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers.attention import paged_decode
+
+    monkeypatch.setattr(paged_decode, "load", lambda: False)
     assert choose_scheme(BatchShape(prefix_len, 128, num_requests, decode=True)) == want
+
+
+@pytest.mark.parametrize(("prefix_len", "num_requests"), [(256, 8), (4096, 64), (1024, 2)])
+def test_cpu_decode_rule_with_the_in_place_kernel_is_plain_decode(
+    prefix_len: int, num_requests: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Reading each request's pages in place beat cascade's copied shared level at every cell
+    # measured (docs/benchmarks/decode.md).
+    from workers.attention import paged_decode
+
+    monkeypatch.setattr(paged_decode, "load", lambda: True)
+    assert choose_scheme(BatchShape(prefix_len, 128, num_requests, decode=True)) == "ragged"
