@@ -38,6 +38,7 @@ from workers.config import SCHEME_CALIBRATIONS
 logger = logging.getLogger(__name__)
 
 # Part of the cache key: change it whenever the grid or the timing below changes meaning.
+# (The attention kernels' sources are part of it too: `_kernel_sources`.)
 _VERSION = 2
 
 Grid = tuple[Sequence[int], Sequence[int], Sequence[int]]
@@ -85,7 +86,17 @@ class CalibrationTarget:
             "threads": torch.get_num_threads(),
             "grid": [list(levels) for levels in self.levels],
             "version": _VERSION,
+            "kernels": _kernel_sources(),
         }
+
+
+def _kernel_sources() -> str:
+    """A digest of the CPU attention kernels' sources: costs measured with other kernels are
+    stale."""
+    digest = hashlib.sha256()
+    for source in sorted((Path(__file__).parent / "csrc").glob("*.cpp")):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _machine(device: str) -> str:

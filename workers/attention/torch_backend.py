@@ -98,6 +98,7 @@ class _Plan:
     layout: BatchLayout
     decode_batch: list[int]  # batch indexes of the one-token requests
     prefills: list[_Prefill]
+    prefill_batch: list[int]  # batch indexes of the others, in the order of `prefills`
     _table: torch.Tensor | None = field(default=None, init=False)
     _groups: list[_Decodes] | None = field(default=None, init=False)
 
@@ -118,6 +119,20 @@ class _Plan:
             else:
                 self._table = torch.stack([c[rows] for c in columns], dim=1)
         return self._table
+
+    def rows_table(self) -> torch.Tensor:
+        """int64 `[n, 4]` for the kernel over the several-token requests: each one's first
+        query row, first page, KV length and number of query rows (all attending to all of
+        its pages: the layout is not causal)."""
+        layout, batch = self.layout, torch.tensor(self.prefill_batch, dtype=torch.int64)
+        qo_starts = layout.qo_indptr.cpu().long()
+        columns = (
+            qo_starts[:-1][batch],
+            layout.kv_indptr[:-1].cpu().long()[batch],
+            torch.tensor(layout.kv_lens, dtype=torch.int64)[batch],
+            (qo_starts[1:] - qo_starts[:-1])[batch],
+        )
+        return torch.stack(columns, dim=1)
 
     @property
     def decodes(self) -> list[_Decodes]:
@@ -169,7 +184,8 @@ def _build_plan(layout: BatchLayout) -> _Plan:
         if qo_len > 1
     ]
     decodes = [b for b, qo_len in enumerate(layout.qo_lens) if qo_len == 1]
-    return _Plan(layout, decodes, prefills)
+    prefill_batch = [b for b, qo_len in enumerate(layout.qo_lens) if qo_len > 1]
+    return _Plan(layout, decodes, prefills, prefill_batch)
 
 
 def _kernel_fits(q: torch.Tensor, kv_cache: torch.Tensor, layout: BatchLayout) -> bool:
@@ -230,13 +246,24 @@ class TorchBackend(AttentionBackend):
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         if plan.decode_batch:
             self._decode(q, kv_cache, plan, sm_scale, out, lse)
-        for p in plan.prefills:
+        prefills = plan.prefills
+        if prefills and not layout.causal and self._in_place(q, kv_cache, layout):
+            # Several queries over the same pages, none masked (cascade's shared level: every
+            # request of a group over the prefix): the kernel reads each page once for all of
+            # them, in place, where the gather path copies them out first.
+            paged_decode(q, kv_cache, layout.kv_indices, plan.rows_table(), sm_scale, out, lse)
+            prefills = []
+        for p in prefills:
             k, v = self.read_pages(p.gather, kv_cache)
             # Cutting the tail of the last page off also aligns the causal diagonal to kv_len.
             n = p.kv_len
             o, s = attend(q[p.rows], k[0, :n], v[0, :n], sm_scale=sm_scale, causal=layout.causal)
             out[p.rows], lse[p.rows] = o, s
         return (out, lse) if return_lse else out
+
+    def _in_place(self, q: torch.Tensor, kv_cache: torch.Tensor, layout: BatchLayout) -> bool:
+        """Whether the paged-decode kernel runs this layout's pages in place."""
+        return self.decode_in_place and _kernel_fits(q, kv_cache, layout) and load_paged_decode()
 
     def read_pages(self, gather: _KVGather, kv_cache: torch.Tensor) -> tuple[Tensor, Tensor]:
         """The gather path's copy of a group's pages out of the cache: keys and values
@@ -254,7 +281,7 @@ class TorchBackend(AttentionBackend):
         lse: torch.Tensor,
     ) -> None:
         """Attention of the one-token requests into their rows of `out` and `lse`."""
-        if self.decode_in_place and _kernel_fits(q, kv_cache, plan.layout) and load_paged_decode():
+        if self._in_place(q, kv_cache, plan.layout):
             paged_decode(
                 q, kv_cache, plan.layout.kv_indices, plan.decode_table(), sm_scale, out, lse
             )

@@ -171,6 +171,41 @@ def test_cascade_decode_with_the_kernel_equals_plain_decode() -> None:
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize(("heads", "head_dim"), [((9, 3), 64), ((8, 2), 128), ((6, 1), 24)])
+def test_several_queries_over_the_same_pages_in_place(
+    heads: tuple[int, int], head_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-causal layout with several queries a request (cascade's shared level) runs on the
+    kernel, every query over all of its request's pages, with no gather; the same as the
+    reference, split across threads or not."""
+    page_size, qo_lens, kv_lens = 16, [5, 1, 3], [70, 33, 200]
+    needed = [-(-n // page_size) for n in kv_lens]
+    ids = list(range(sum(needed)))
+    random.Random(4).shuffle(ids)
+    tables = [ids[sum(needed[:b]) : sum(needed[: b + 1])] for b in range(len(kv_lens))]
+    gen = torch.Generator().manual_seed(head_dim)
+    cache = torch.randn(len(ids), 2, page_size, heads[1], head_dim, generator=gen)
+    q = torch.randn(sum(qo_lens), heads[0], head_dim, generator=gen)
+    layout = build_layout(qo_lens, kv_lens, tables, page_size, causal=False)
+    monkeypatch.setattr(TorchBackend, "read_pages", lambda *_: pytest.fail("no gather"))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out, lse = forward(TorchBackend(), q, cache, layout)
+            start = 0
+            for b, (qo_len, table) in enumerate(zip(qo_lens, tables, strict=True)):
+                rows = slice(start, start + qo_len)
+                lens = [kv_lens[b]] * qo_len
+                ref_out, ref_lse = reference(q[rows], cache, [table] * qo_len, lens)
+                torch.testing.assert_close(out[rows].double(), ref_out, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(lse[rows].double(), ref_lse, atol=1e-5, rtol=1e-5)
+                start += qo_len
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_gather_path_is_kept_without_the_kernel() -> None:
     """Where the kernel is off (no compiler, or asked for) decode still matches the reference."""
     kv_lens = [3, 40, 17]

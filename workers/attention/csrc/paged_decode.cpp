@@ -322,12 +322,13 @@ void attend_pages_vec(const float* q, const KV* kv, const int32_t* pages, int64_
 // How many runs of pages each request is cut into: about four work items per thread in all,
 // no run shorter than kMinPagesPerSplit pages. Returns the first item of each request, and the
 // total, in `first` (size n + 1).
-std::vector<int64_t> split_requests(const int64_t* req, int64_t n, int64_t page_size) {
+std::vector<int64_t> split_requests(const int64_t* req, int64_t cols, int64_t n,
+                                    int64_t page_size) {
   const int64_t threads = at::get_num_threads();
   const int64_t want = std::max<int64_t>(1, (4 * threads + n - 1) / std::max<int64_t>(1, n));
   std::vector<int64_t> first(n + 1, 0);
   for (int64_t r = 0; r < n; ++r) {
-    const int64_t num_pages = (req[3 * r + 2] + page_size - 1) / page_size;
+    const int64_t num_pages = (req[cols * r + 2] + page_size - 1) / page_size;
     const int64_t splits = std::max<int64_t>(1, std::min(want, num_pages / kMinPagesPerSplit));
     first[r + 1] = first[r] + splits;
   }
@@ -341,66 +342,93 @@ void run(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_i
   const CacheStrides st{kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
                         kv_cache.stride(3)};
   const int64_t Hq = sh.num_qo_heads(), D = sh.head_dim, n = requests.size(0);
-  const int64_t* req = requests.data_ptr<int64_t>();  // [n, 3]: query row, first page, kv_len
+  // [n, 3]: query row, first page, kv_len; [n, 4] adds the request's number of query rows
+  // (consecutive from its first), all attending to the same pages.
+  const int64_t cols = requests.size(1);
+  const int64_t* req = requests.data_ptr<int64_t>();
+  auto num_rows = [&](int64_t r) { return cols == 4 ? req[cols * r + 3] : int64_t{1}; };
   const int32_t* pages = kv_indices.data_ptr<int32_t>();
   const Q* q_data = q.data_ptr<Q>();
   const KV* kv = kv_cache.data_ptr<KV>();
   const float scale = static_cast<float>(sm_scale) * kLog2E;
-  const std::vector<int64_t> first = split_requests(req, n, sh.page_size);
+  const std::vector<int64_t> first = split_requests(req, cols, n, sh.page_size);
   const int64_t num_items = first[n];
   int64_t total_pages = 0;
-  for (int64_t r = 0; r < n; ++r) total_pages += (req[3 * r + 2] + sh.page_size - 1) / sh.page_size;
+  for (int64_t r = 0; r < n; ++r)
+    total_pages += (req[cols * r + 2] + sh.page_size - 1) / sh.page_size;
   const int64_t grain = total_pages < kMinParallelPages ? std::max<int64_t>(num_items, 1) : 1;
-  std::vector<float> ms(num_items * Hq), ls(num_items * Hq), accs(num_items * Hq * D);
+  // Each item's running state, one entry a (query row, head): items of request r hold
+  // num_rows(r) * Hq of them, from offset[item].
+  std::vector<int64_t> offset(num_items + 1, 0);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t item = first[r]; item < first[r + 1]; ++item)
+      offset[item + 1] = offset[item] + num_rows(r) * Hq;
+  std::vector<float> ms(offset[num_items]), ls(offset[num_items]), accs(offset[num_items] * D);
 
   at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(Hq * D), scores(Hq * kMaxPage);
+    std::vector<float> qs, scores(kMaxPage);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
       const int64_t splits = first[r + 1] - first[r], split = item - first[r];
-      const int64_t row = req[3 * r], kv_len = req[3 * r + 2];
+      const int64_t row = req[cols * r], kv_len = req[cols * r + 2], rows = num_rows(r);
       const int64_t num_pages = (kv_len + sh.page_size - 1) / sh.page_size;
       const int64_t per = (num_pages + splits - 1) / splits;
       const int64_t lo = std::min(num_pages, split * per), hi = std::min(num_pages, lo + per);
-      for (int64_t g = 0; g < Hq; ++g) {
-        const Q* qg = q_data + row * q.stride(0) + g * q.stride(1);
-        for (int64_t d = 0; d < D; ++d) qs[g * D + d] = to_float(qg[d]) * scale;
-      }
-      const int32_t* table = pages + req[3 * r + 1];
-      float *m = &ms[item * Hq], *l = &ls[item * Hq], *acc = &accs[item * Hq * D];
+      // The rows' query heads by KV head: KV head h's group is every row's heads of h, so one
+      // read of a key or value row serves all of them (a shared prefix read once).
+      const Shape item_sh{sh.num_kv_heads, rows * sh.group, D, sh.page_size};
+      qs.resize(rows * Hq * D);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          const int64_t slot = (hq / sh.group) * rows * sh.group + i * sh.group + hq % sh.group;
+          const Q* qg = q_data + (row + i) * q.stride(0) + hq * q.stride(1);
+          for (int64_t d = 0; d < D; ++d) qs[slot * D + d] = to_float(qg[d]) * scale;
+        }
+      const int32_t* table = pages + req[cols * r + 1];
+      float *m = &ms[offset[item]], *l = &ls[offset[item]], *acc = &accs[offset[item] * D];
 #ifdef __AVX512F__
       if constexpr (std::is_same_v<KV, float> || std::is_same_v<KV, c10::BFloat16>) {
         if (D == 64) {
-          attend_pages_vec<KV, 64>(qs.data(), kv, table, lo, hi, kv_len, sh, st, m, l, acc);
+          attend_pages_vec<KV, 64>(qs.data(), kv, table, lo, hi, kv_len, item_sh, st, m, l, acc);
           continue;
         }
         if (D == 128) {
-          attend_pages_vec<KV, 128>(qs.data(), kv, table, lo, hi, kv_len, sh, st, m, l, acc);
+          attend_pages_vec<KV, 128>(qs.data(), kv, table, lo, hi, kv_len, item_sh, st, m, l, acc);
           continue;
         }
       }
 #endif
       if (D == 64) {
-        attend_pages<KV, 64>(qs.data(), kv, table, lo, hi, kv_len, sh, st, m, l, acc, scores.data());
+        attend_pages<KV, 64>(qs.data(), kv, table, lo, hi, kv_len, item_sh, st, m, l, acc,
+                             scores.data());
       } else if (D == 128) {
-        attend_pages<KV, 128>(qs.data(), kv, table, lo, hi, kv_len, sh, st, m, l, acc, scores.data());
+        attend_pages<KV, 128>(qs.data(), kv, table, lo, hi, kv_len, item_sh, st, m, l, acc,
+                              scores.data());
       } else {
-        attend_pages<KV, 0>(qs.data(), kv, table, lo, hi, kv_len, sh, st, m, l, acc, scores.data());
+        attend_pages<KV, 0>(qs.data(), kv, table, lo, hi, kv_len, item_sh, st, m, l, acc,
+                            scores.data());
       }
     }
   });
 
-  // Merge each request's runs by their maxima, then normalise.
+  // Merge each (query row, head)'s runs by their maxima, then normalise.
+  std::vector<int64_t> row_start(n + 1, 0);
+  for (int64_t r = 0; r < n; ++r) row_start[r + 1] = row_start[r] + num_rows(r);
   Q* out_data = out.data_ptr<Q>();
   float* lse_data = lse.data_ptr<float>();
-  at::parallel_for(0, n * Hq, kMinParallelRows, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, row_start[n] * Hq, kMinParallelRows, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(D);
     for (int64_t rg = begin; rg < end; ++rg) {
-      const int64_t r = rg / Hq, g = rg % Hq, row = req[3 * r];
-      Q* o = out_data + row * out.stride(0) + g * out.stride(1);
-      float* lse_row = lse_data + row * lse.stride(0) + g * lse.stride(1);
+      const int64_t flat = rg / Hq, hq = rg % Hq;
+      const int64_t r = std::upper_bound(row_start.begin(), row_start.end(), flat) -
+                        row_start.begin() - 1;
+      const int64_t i = flat - row_start[r], rows = num_rows(r), row = req[cols * r] + i;
+      const int64_t slot = (hq / sh.group) * rows * sh.group + i * sh.group + hq % sh.group;
+      Q* o = out_data + row * out.stride(0) + hq * out.stride(1);
+      float* lse_row = lse_data + row * lse.stride(0) + hq * lse.stride(1);
       float m = -std::numeric_limits<float>::infinity();
-      for (int64_t item = first[r]; item < first[r + 1]; ++item) m = std::max(m, ms[item * Hq + g]);
+      for (int64_t item = first[r]; item < first[r + 1]; ++item)
+        m = std::max(m, ms[offset[item] + slot]);
       if (m == -std::numeric_limits<float>::infinity()) {  // no key: output 0, LSE -inf
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<Q>(0.f);
         *lse_row = m;
@@ -409,9 +437,9 @@ void run(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_i
       float sum = 0.f;
       std::fill(merged.begin(), merged.end(), 0.f);
       for (int64_t item = first[r]; item < first[r + 1]; ++item) {
-        const float w = std::exp2(ms[item * Hq + g] - m);
-        sum += ls[item * Hq + g] * w;
-        const float* a = &accs[(item * Hq + g) * D];
+        const float w = std::exp2(ms[offset[item] + slot] - m);
+        sum += ls[offset[item] + slot] * w;
+        const float* a = &accs[(offset[item] + slot) * D];
         for (int64_t d = 0; d < D; ++d) merged[d] += w * a[d];
       }
       for (int64_t d = 0; d < D; ++d) o[d] = static_cast<Q>(merged[d] / sum);
@@ -431,8 +459,8 @@ void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
   TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(kv_indices.scalar_type() == at::kInt && kv_indices.is_contiguous(), "kv_indices");
   TORCH_CHECK(requests.scalar_type() == at::kLong && requests.is_contiguous() &&
-                  requests.dim() == 2 && requests.size(1) == 3,
-              "requests int64 [n, 3]");
+                  requests.dim() == 2 && (requests.size(1) == 3 || requests.size(1) == 4),
+              "requests int64 [n, 3] or [n, 4]");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && lse.scalar_type() == at::kFloat, "out/lse");
   const auto kv_type = kv_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == kv_type, "q and kv_cache must share a dtype");
