@@ -48,10 +48,17 @@ def _cache_root() -> Path:
     return Path.home() / ".cache" / "cachesvc" / "ext"
 
 
+# The headers every kernel may include (`#include "vec_math.h"`): on the include path, and part
+# of every kernel's cache key.
+_SHARED_HEADERS = Path(__file__).with_name("csrc")
+
+
 def _build_key(source: Path, compiler: str) -> str:
     digest = hashlib.sha256()
     for part in (source.read_bytes(), torch.__version__.encode(), compiler.encode()):
         digest.update(part)
+    for header in sorted(_SHARED_HEADERS.glob("*.h")):
+        digest.update(header.read_bytes())
     digest.update(f"{platform.machine()}-{cpu_capability()}".encode())
     return digest.hexdigest()[:16]
 
@@ -71,6 +78,7 @@ def _compile_command(compiler: str, source: Path, output: Path) -> list[str]:
         "-std=c++20",
         "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{_SHARED_HEADERS}",
         *(f"-I{p}" for p in include_paths()),
         str(source),
         *(f"-L{p}" for p in lib_dirs),

@@ -24,9 +24,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 namespace {
 
@@ -173,12 +171,8 @@ void attend_pages(const float* q, const KV* kv, const int32_t* pages, int64_t lo
 // No software prefetch: asking for the next page's lines, all at once or spread over the page's
 // heads, was slower here than leaving the page's two runs of rows to the hardware.
 
-inline __m512 vload(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 vload(const c10::BFloat16* p) {
-  // bfloat16 is float32's upper half: widen each to 32 bits and shift it into place.
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using cachesvc_vec::exp2_neg16;
+using cachesvc_vec::load16;
 
 // Lane t of the result = the sum of v[t]'s 16 lanes.
 inline __m512 sum_lanes16(const __m512* v) {
@@ -198,23 +192,6 @@ inline __m512 sum_lanes16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
 }
 
-// exp2_neg on 16 lanes.
-inline __m512 exp2_neg16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
 // parts[g][t] = lanes of q_g · k_t for the NG heads of one KV head, tokens t < nt of a chunk
 // (zeros past nt).
 template <typename KV, int64_t kD, int NG>
@@ -226,7 +203,7 @@ inline void chunk_products(const float* q, const KV* k, int64_t nt, int64_t toke
     for (int j = 0; j < V; ++j) qv[g][j] = _mm512_loadu_ps(q + g * kD + 16 * j);
   for (int64_t t = 0; t < nt; ++t) {
     __m512 kv[V];
-    for (int j = 0; j < V; ++j) kv[j] = vload(k + t * token_stride + 16 * j);
+    for (int j = 0; j < V; ++j) kv[j] = load16(k + t * token_stride + 16 * j);
     for (int g = 0; g < NG; ++g) {
       __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
       for (int j = 1; j < V; ++j) s = _mm512_fmadd_ps(qv[g][j], kv[j], s);
@@ -249,7 +226,7 @@ inline void chunk_values(float* acc, const float* rescale, const float (*w)[16],
   }
   for (int64_t t = 0; t < nt; ++t) {
     __m512 vv[V];
-    for (int j = 0; j < V; ++j) vv[j] = vload(v + t * token_stride + 16 * j);
+    for (int j = 0; j < V; ++j) vv[j] = load16(v + t * token_stride + 16 * j);
     for (int g = 0; g < NG; ++g) {
       const __m512 wt = _mm512_set1_ps(w[g][t]);
       for (int j = 0; j < V; ++j) a[g][j] = _mm512_fmadd_ps(wt, vv[j], a[g][j]);

@@ -32,9 +32,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 namespace {
 
@@ -60,23 +58,7 @@ struct Problem {
 
 #ifdef __AVX512F__
 
-inline __m512 exp2_neg16(__m512 x) {
-  // Cephes' exp2f on [-0.5, 0.5] after splitting off the integer part; inputs below -126
-  // (and -inf) give 2^-126, which the callers' masks turn into 0.
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  const __m512i bits =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
+using cachesvc_vec::exp2_neg16;
 
 // S[r, 0:64] = sum over d of q[r, d] * kt[d, 0:64] for kRows rows (q rows of D floats).
 inline void scores(const float* q, const float* kt, int64_t ldkt, int64_t D, float* s) {

@@ -30,9 +30,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 namespace {
 
@@ -46,12 +44,7 @@ constexpr int64_t kMinParallelElements = 1 << 16;
 
 #ifdef __AVX512F__
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  // bfloat16 is float32's upper half: widen each to 32 bits and shift it into place.
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using cachesvc_vec::load16;
 
 // out[m, 0:nn] (+)= sum over k in [0, kc) of x[m, k] * panel[k, 0:nn], for MR rows; `first`
 // starts from zero, else from what out holds (the earlier chunks' sums).
