@@ -57,8 +57,9 @@ def _build_key(source: Path, compiler: str) -> str:
     digest = hashlib.sha256()
     for part in (source.read_bytes(), torch.__version__.encode(), compiler.encode()):
         digest.update(part)
-    for header in sorted(_SHARED_HEADERS.glob("*.h")):
-        digest.update(header.read_bytes())
+    for folder in (_SHARED_HEADERS, source.parent):  # headers it may include
+        for header in sorted(folder.glob("*.h")):
+            digest.update(header.read_bytes())
     digest.update(f"{platform.machine()}-{cpu_capability()}".encode())
     return digest.hexdigest()[:16]
 
