@@ -1,6 +1,7 @@
 """The CPU prefill-attention kernel (`csrc/prefill_attention.cpp`): built at first use, then
 cached, like the paged-decode kernel. `load()` is False where there is no compiler or the build
-fails; `workers.attention.ops` then keeps ATen's flash kernel."""
+fails, and `takes` is False on CPUs without AVX-512; `workers.attention.ops` then keeps ATen's
+flash kernel."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from workers.kernels.build import load_library
+from workers.kernels.build import cpu_capability, load_library
 
 _SOURCE = Path(__file__).with_name("csrc") / "prefill_attention.cpp"
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -20,10 +21,12 @@ def load() -> bool:
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernel takes these tensors: CPU, one dtype it has, head dims a multiple of
+    """Whether the kernel takes these tensors: CPU with AVX-512 (where it was measured against
+    ATen's flash kernel; its portable path is not), one dtype it has, head dims a multiple of
     64, query heads a multiple of KV heads."""
     return (
         q.device.type == "cpu"
+        and cpu_capability() == "AVX512"
         and q.dtype in _DTYPES
         and k.dtype == q.dtype
         and v.dtype == q.dtype

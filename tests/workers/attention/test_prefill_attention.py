@@ -97,11 +97,13 @@ def test_strided_views_of_a_fused_projection_are_taken() -> None:
     torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
 
 
-def test_shapes_and_dtypes_it_does_not_take() -> None:
+def test_shapes_dtypes_and_cpus_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v = _case(4, 4, (4, 4), 24, seed=6)
     assert not kernel.takes(q, k, v), "head dim 24"
     q, k, v = (t.half() for t in _case(4, 4, (4, 4), 64, seed=6))
     assert not kernel.takes(q, k, v), "float16"
+    monkeypatch.setattr(kernel, "cpu_capability", lambda: "AVX2")
+    assert not kernel.takes(*_case(4, 4, (4, 4), 64, seed=6)), "no AVX-512: ATen's kernel"
 
 
 @needs_kernel
