@@ -136,7 +136,8 @@ def _attend_unmasked(
     on long prefills).
     """
     if prefill_kernel.takes(q, k, v):
-        # Bottom-right causal natively, one pass, about 0.75x ATen's time on a long prefill.
+        # Bottom-right causal natively in one pass: 0.56 against ATen's 0.73 s on a 1,050-token
+        # prefill's 30 layers (docs/benchmarks/step.md).
         return prefill_kernel.prefill_attention(q, k, v, sm_scale, causal)
     qo_len, kv_len = q.shape[0], k.shape[0]
     if not causal:

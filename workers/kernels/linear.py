@@ -1,15 +1,15 @@
 """Linear layers on CPU over weights packed once into panels (`csrc/packed_linear.cpp`).
 
-`PackedWeights.linear(x, weight, bias)` is `F.linear` by the kernel when both are float32 or
+`PackedWeights.linear(name, x, weight, bias)` is `F.linear` by the kernel when both are float32 or
 bfloat16 on the CPU and the kernel is built (`load()`), else `F.linear` itself. The kernel
 needs each weight in its panel layout (`pack`): a `PackedWeights` makes that copy at a weight's
 first use and keeps it while the weight (the same tensor, unmodified) is the one passed. The
 copy is the weight's size again: the row-major weight stays for `F.linear` when the kernel is
 switched off, and for the embedding a tied LM head shares.
 
-On this machine's cores (AMD EPYC, AVX-512) the kernel took one thread's pass over SmolLM2's
-matmuls from 32 to 21 ms at 1 row and from 41 to 20 at 4, and at prefill's 75-1,075 rows ran
-at 0.73-0.88x the library's sgemm on one or two threads (docs/benchmarks/step.md).
+On an AVX-512 core a pass over SmolLM2's matmuls at 1-4 rows took 21.4-21.7 ms on one thread
+against `F.linear`'s 46.0-65.0, and at 75-1,075 rows 0.69-0.90x `F.linear`'s time on one or two
+threads (`python -m cachesvc.bench.step.matmuls`, docs/benchmarks/step.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ the whole batch and only attention looks at request boundaries, through the atte
 q/k/v and gate/up are stored fused so each is one matmul. Weights are created on the meta device,
 without memory, and the loader assigns the real ones (`load_state_dict(..., assign=True)`).
 The matmuls run on the packed-panel CPU kernel (`workers.kernels.linear`) where `native_linear`
-is on, as it is by default on CPUs with AVX-512: each weight is packed at its first use.
+is on, as it is by default on CPUs with AVX-512: the loader packs each weight once
+(`pack_weights`), a copy the weight's size.
 """
 
 from __future__ import annotations
