@@ -8,10 +8,11 @@ actors, never here. Starting, finding and stopping the workers is the applicatio
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from router.http.server import HttpServer
 
 _log = logging.getLogger(__name__)
+STEP_TIMEOUT_S = 15.0  # each of the router's shutdown steps (its own grace is 5 s)
+SHUTDOWN_REPORT_S = 45  # past this, a shutdown still running prints every thread's stack
 
 
 def load_router_tokenizer(model: str | None) -> Tokenizer | None:
@@ -86,10 +89,22 @@ async def serve_until_signal(router: Router, config: RouterConfig) -> None:
         await stop.wait()
     finally:
         print("cachesvc: shutting down", file=sys.stderr, flush=True)
+        # A shutdown that hangs says where: every thread's stack goes to stderr once it has
+        # taken SHUTDOWN_REPORT_S (the owner's `run_serve` cancels the report when done).
+        faulthandler.dump_traceback_later(SHUTDOWN_REPORT_S, exit=False)
         if http is not None:
-            await http.stop()
-        await server.stop()
-        await router.close()
+            await _bounded("the HTTP door", http.stop())
+        await _bounded("the gRPC server", server.stop())
+        await _bounded("the router", router.close())
+
+
+async def _bounded(what: str, step: Awaitable[None]) -> None:
+    """One shutdown step, given up after STEP_TIMEOUT_S (logged): a step stuck on an
+    unreachable store must not keep the process, and the workers it owns, from stopping."""
+    try:
+        await asyncio.wait_for(step, STEP_TIMEOUT_S)
+    except TimeoutError:
+        _log.warning("shutdown: %s did not stop in %.0f s; going on", what, STEP_TIMEOUT_S)
 
 
 async def _start_http(router: Router, config: RouterConfig) -> HttpServer | None:

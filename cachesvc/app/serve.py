@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import faulthandler
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -189,6 +190,7 @@ def run_serve(config: ServeConfig) -> int:
     finally:
         stop_workers(owned, config.close_timeout_s)
         ray.shutdown()
+        faulthandler.cancel_dump_traceback_later()  # armed when shutdown began
 
 
 def served_model_name(model: str | None) -> str:

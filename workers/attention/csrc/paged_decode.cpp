@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "claim.h"
 #include "paged_decode_common.h"
 #include "paged_decode_vec.h"
 
@@ -171,7 +172,7 @@ void run(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_i
   int64_t total_pages = 0;
   for (int64_t r = 0; r < n; ++r)
     total_pages += (req[cols * r + 2] + sh.page_size - 1) / sh.page_size;
-  const int64_t grain = total_pages < kMinParallelPages ? std::max<int64_t>(num_items, 1) : 1;
+  const int64_t max_threads = total_pages < kMinParallelPages ? 1 : num_items;
   // Each item's running state, one entry a (query row, head): items of request r hold
   // num_rows(r) * Hq of them, from offset[item].
   std::vector<int64_t> offset(num_items + 1, 0);
@@ -180,9 +181,10 @@ void run(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_i
       offset[item + 1] = offset[item] + num_rows(r) * Hq;
   std::vector<float> ms(offset[num_items]), ls(offset[num_items]), accs(offset[num_items] * D);
 
-  at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
+  // Items claimed as threads finish them (claim.h): a preempted thread's share is taken up.
+  cachesvc_claim::claim_items(num_items, max_threads, [&](auto claim) {
     std::vector<float> qs, scores(kMaxPage);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item; (item = claim()) >= 0;) {
       const int64_t r = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
       const int64_t splits = first[r + 1] - first[r], split = item - first[r];
       const int64_t row = req[cols * r], kv_len = req[cols * r + 2], rows = num_rows(r);

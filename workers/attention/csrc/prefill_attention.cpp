@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "claim.h"
 #include "vec_math.h"
 
 namespace {
@@ -252,12 +253,11 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double s
   }
   const int64_t blocks = (Lq + kRows - 1) / kRows;
   const float q_scale = static_cast<float>(sm_scale) * kLog2E;
-  // Items of later queries see more keys (causal): blocks in the order first, last, second,
-  // second to last..., so each thread's contiguous share of items costs about the same.
-  at::parallel_for(0, Hq * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t x = item / Hq, hq = item % Hq;
-      const int64_t b = x % 2 == 0 ? x / 2 : blocks - 1 - x / 2;
+  // Items claimed as threads finish them (claim.h), the costliest first: later queries see
+  // more keys (causal), so blocks go last to first and the cheap ones even out the ends.
+  cachesvc_claim::claim_items(Hq * blocks, Hq * blocks, [&](auto claim) {
+    for (int64_t item; (item = claim()) >= 0;) {
+      const int64_t hq = item % Hq, b = blocks - 1 - item / Hq;
       run_item<T>(pb, q.data_ptr<T>(), q.stride(0), q_scale, kt.data(), ldkt, vf, ldv, hq,
                   b * kRows, out.data_ptr<T>(), out.stride(0), lse.data_ptr<float>(),
                   lse.stride(0));

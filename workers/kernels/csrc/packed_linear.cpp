@@ -16,8 +16,8 @@
 // are widened once; the output is rounded once to its dtype.
 //
 // Registered as torch.ops.cachesvc.packed_linear(x [M, K], packed [NB, K, 64], bias? [N],
-// out [M, N]): contiguous, one dtype (float32 or bfloat16), 64 (NB - 1) < N <= 64 NB. Output
-// panels are split among threads.
+// out [M, N]): contiguous, one dtype (float32 or bfloat16), 64 (NB - 1) < N <= 64 NB. Threads
+// claim (panel, rows) items as they go (`run_items`).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -30,6 +30,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "claim.h"
 #include "vec_math.h"
 
 namespace {
@@ -38,9 +39,12 @@ constexpr int64_t kNB = 64;  // output columns a panel: 4 vectors of 16
 constexpr int64_t kMR = 6;   // input rows a pass: 24 accumulators + 4 weight vectors + 1 input
 // A chunk of K: 512 x 64 float32 is 128 KB of panel, held in L2 while every kMR rows re-read it.
 constexpr int64_t kKC = 512;
-// Weight elements a thread's share must reach before a call splits: waking the pool costs
-// more than streaming a few KB.
-constexpr int64_t kMinParallelElements = 1 << 16;
+// Rows an item of work takes at most (a multiple of kMR): prefill's hundreds of rows are cut so
+// that threads share a panel's rows, not only whole panels (9 panels do not split evenly in 2).
+constexpr int64_t kMC = 96;
+// Multiply-adds a thread's share must reach before a call splits: waking the pool costs more
+// than streaming a few KB of weights.
+constexpr int64_t kMinParallelWork = 1 << 16;
 
 #ifdef __AVX512F__
 
@@ -113,22 +117,39 @@ PassFn<W> pass_of(int64_t mr) {
   }
 }
 
-// Output panels [begin, end) of the float32 sums y[M, N] (row stride ldy) of x[M, K] · wᵀ.
+// Rows [m_begin, m_end) of output panel b of the float32 sums y[M, N] (row stride ldy) of
+// x[M, K] · wᵀ.
 template <typename W>
-void run_panels(const float* x, int64_t M, int64_t K, const W* packed, int64_t N, float* y,
-                int64_t ldy, int64_t begin, int64_t end) {
-  for (int64_t b = begin; b < end; ++b) {
-    const W* panel = packed + b * K * kNB;
-    const int64_t n0 = b * kNB, nn = std::min(kNB, N - n0);
-    for (int64_t k0 = 0; k0 < K; k0 += kKC) {
-      const int64_t kc = std::min(kKC, K - k0);
-      for (int64_t m0 = 0; m0 < M; m0 += kMR) {
-        const int64_t mr = std::min(kMR, M - m0);
-        pass_of<W>(mr)(x + m0 * K + k0, K, panel + k0 * kNB, kc, y + m0 * ldy + n0, ldy, nn,
-                       k0 == 0);
-      }
+void run_item(const float* x, int64_t K, const W* packed, int64_t N, float* y, int64_t ldy,
+              int64_t b, int64_t m_begin, int64_t m_end) {
+  const W* panel = packed + b * K * kNB;
+  const int64_t n0 = b * kNB, nn = std::min(kNB, N - n0);
+  for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+    const int64_t kc = std::min(kKC, K - k0);
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += kMR) {
+      const int64_t mr = std::min(kMR, m_end - m0);
+      pass_of<W>(mr)(x + m0 * K + k0, K, panel + k0 * kNB, kc, y + m0 * ldy + n0, ldy, nn,
+                     k0 == 0);
     }
   }
+}
+
+// The work is cut into items (a panel, a run of at most kMC rows), panel by panel, and each
+// thread claims the next item until none is left. A static split waits at its end for its
+// slowest share: on a machine whose cores also serve the front end, one preempted thread held
+// a decode matmul up by half its time (tried with a process busy 20% of one core).
+template <typename W>
+void run_items(const float* x, int64_t M, int64_t K, const W* packed, int64_t num_panels,
+               int64_t N, float* y) {
+  const int64_t row_runs = (M + kMC - 1) / kMC, num_items = num_panels * row_runs;
+  auto run = [&](int64_t i) {
+    const int64_t b = i / row_runs, m0 = (i % row_runs) * kMC;
+    run_item<W>(x, K, packed, N, y, N, b, m0, std::min(M, m0 + kMC));
+  };
+  const int64_t max_threads = std::max<int64_t>(1, M * num_panels * kNB * K / kMinParallelWork);
+  cachesvc_claim::claim_items(num_items, max_threads, [&](auto claim) {
+    for (int64_t i; (i = claim()) >= 0;) run(i);
+  });
 }
 
 template <typename T>
@@ -152,10 +173,7 @@ void packed_linear_typed(const at::Tensor& x, const at::Tensor& packed,
     sums.resize(M * N);
     y = sums.data();
   }
-  const int64_t grain = std::max<int64_t>(1, kMinParallelElements / (kNB * K));
-  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
-    run_panels<T>(xf, M, K, w, N, y, N, begin, end);
-  });
+  run_items<T>(xf, M, K, w, num_panels, N, y);
   T* o = out.data_ptr<T>();
   const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
   if (b == nullptr && std::is_same_v<T, float>) return;
