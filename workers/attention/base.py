@@ -24,6 +24,7 @@ from workers.attention.cascade import CascadeLayout, merge_shared_level
 from workers.attention.custom_mask import CustomMaskLayout, custom_mask_attention
 from workers.attention.layout import BatchLayout
 from workers.attention.multi_item import MultiItemLayout, multi_item_attention
+from workers.kernels.fused import load as load_fused
 
 # The output `[num_tokens, num_qo_heads, head_dim]`, and with `return_lse` the base-2 LSE.
 Attention = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -60,6 +61,24 @@ def with_lse(result: Attention) -> tuple[torch.Tensor, torch.Tensor]:
     return result
 
 
+def _native_write(
+    kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> bool:
+    """Whether the CPU kernel writes these keys and values: a contiguous CPU cache of their
+    dtype, int64 slots, heads contiguous within each token's row."""
+    return (
+        kv_cache.device.type == "cpu"
+        and kv_cache.is_contiguous()
+        and slots.dtype == torch.int64
+        and slots.is_contiguous()
+        and all(
+            t.dtype == kv_cache.dtype and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+            for t in (k, v)
+        )
+        and load_fused()
+    )
+
+
 class AttentionBackend(ABC):
     """Paged attention for one forward pass; stateless apart from what `plan` caches."""
 
@@ -82,6 +101,10 @@ class AttentionBackend(ABC):
         """
         batch = layout if isinstance(layout, BatchLayout) else layout.batch
         slots = batch.write_slots.to(kv_cache.device)
+        if _native_write(kv_cache, slots, k, v):
+            # One call where the indexing below is five (`csrc/fused_ops.cpp`).
+            torch.ops.cachesvc.write_kv(kv_cache, slots, k, v)
+            return
         pages, offsets = slots // batch.page_size, slots % batch.page_size
         kv_cache[pages, :, offsets] = torch.stack((k, v), dim=1).to(kv_cache.dtype)
 

@@ -24,7 +24,8 @@ from workers.attention.layout import BatchLayout
 from workers.kernels.linear import PackedWeights, linear, native_by_default
 from workers.kernels.linear import load as load_linear_kernel
 from workers.model.config import ModelConfig
-from workers.model.rope import RotaryEmbedding, apply_rope
+from workers.model.layer_ops import LayerOps
+from workers.model.rope import RotaryEmbedding
 
 
 def _host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -73,6 +74,8 @@ class DecoderLayer(nn.Module):
         self.down_weight = weight(hidden, config.intermediate_size)
         # The weights' packed copies while the model's `native_linear` is on (it sets them).
         self.packs: PackedWeights | None = None
+        # The elementwise steps, on the CPU kernel while the model's `native_elementwise` is on.
+        self.ops = LayerOps(native=False)
 
     def forward(
         self,
@@ -84,10 +87,11 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` in and out; writes this layer's new keys/values."""
-        normed = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
-        # add_ on the fresh matmul outputs saves one allocation per residual.
-        x = self._attention(normed, cos, sin, kv_cache, layout, backend).add_(x)
-        normed = F.rms_norm(x, (x.shape[-1],), self.post_attention_norm, self.eps)
+        ops = self.ops
+        normed = ops.rms_norm(x, self.input_norm, self.eps)
+        attended = self._attention(normed, cos, sin, kv_cache, layout, backend)
+        # x is this layer's own: the embedding's or the last layer's fresh output.
+        normed = ops.add_rms_norm_(x, attended, self.post_attention_norm, self.eps)
         return self._mlp(normed).add_(x)
 
     def _attention(
@@ -102,7 +106,7 @@ class DecoderLayer(nn.Module):
         num_tokens, num_heads, head_dim = x.shape[0], self.num_heads, self.head_dim
         qkv = linear(x, self.qkv_weight, self.qkv_bias, packs=self.packs, name="qkv")
         # One RoPE call rotates the q and k heads together.
-        qk = apply_rope(qkv[:, : self.qk_size].view(num_tokens, -1, head_dim), cos, sin)
+        qk = self.ops.rope_qk(qkv, cos, sin, num_heads + self.num_kv_heads, head_dim)
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, head_dim)
         backend.write_kv(kv_cache, layout, k, v)
@@ -123,8 +127,8 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         packs = self.packs
-        gate, up = linear(x, self.gate_up_weight, None, packs=packs, name="gate_up").chunk(2, -1)
-        return linear(F.silu(gate).mul_(up), self.down_weight, None, packs=packs, name="down")
+        gate_up = linear(x, self.gate_up_weight, None, packs=packs, name="gate_up")
+        return linear(self.ops.silu_mul(gate_up), self.down_weight, None, packs=packs, name="down")
 
 
 class LlamaModel(nn.Module):
@@ -160,6 +164,7 @@ class LlamaModel(nn.Module):
         )
         self._packs: PackedWeights | None = None
         self.native_linear = native_by_default(device)
+        self.native_elementwise = native_by_default(device)
 
     @property
     def native_linear(self) -> bool:
@@ -174,6 +179,18 @@ class LlamaModel(nn.Module):
         self._packs = PackedWeights() if on else None
         for layer in self.layers:
             cast(DecoderLayer, layer).packs = PackedWeights() if on else None
+
+    @property
+    def native_elementwise(self) -> bool:
+        """Whether the layers' norms, RoPE and SwiGLU run on the fused CPU kernels (where they
+        build; else on torch's ops). Settable, e.g. by a bench's A/B."""
+        return cast(DecoderLayer, self.layers[0]).ops.native if len(self.layers) else False
+
+    @native_elementwise.setter
+    def native_elementwise(self, on: bool) -> None:
+        self._ops = LayerOps(native=on)
+        for layer in self.layers:
+            cast(DecoderLayer, layer).ops = self._ops
 
     def pack_weights(self) -> None:
         """Pack every matmul's weight for the kernel now, where `native_linear` is on and the
@@ -216,7 +233,7 @@ class LlamaModel(nn.Module):
             hidden = layer(hidden, cos, sin, kv_cache, layout, backend)
         # Norm and LM head only for the rows that need logits: at decode the head dominates.
         hidden = hidden[logits_indices]
-        hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
+        hidden = self._ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         return linear(hidden, self.lm_head_weight, None, packs=self._packs, name="lm_head").float()
 
     @property

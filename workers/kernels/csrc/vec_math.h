@@ -38,3 +38,32 @@ inline __m512 exp2_neg16(__m512 x) {
 }  // namespace cachesvc_vec
 
 #endif
+
+#ifdef __AVX512F__
+namespace cachesvc_vec {
+
+// float32 -> bfloat16 bits on 16 lanes, rounding to nearest even as c10::BFloat16 does (a NaN
+// stays a quiet NaN).
+inline __m256i to_bf16_bits16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// v rounded to dtype T's precision and back (identity for float32): what storing an op's
+// result in a T tensor does between two ops.
+inline __m512 round_to(__m512 v, const float*) { return v; }
+inline __m512 round_to(__m512 v, const c10::BFloat16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits16(v)), 16));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits16(v));
+}
+
+}  // namespace cachesvc_vec
+#endif
