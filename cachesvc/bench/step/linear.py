@@ -1,12 +1,16 @@
-"""Decode steps, the packed-panel linear kernel against `F.linear` alternating, on the real engine.
+"""Decode steps, one of the model's CPU kernels on and off alternating, on the real engine.
 
-    python -m cachesvc.bench.step.linear [--threads 1] [--batches 1,4,16] [--contexts 128,1024]
-        [--steps 6] [--rounds 4] [--dtype float32|bfloat16] [--json FILE]
+    python -m cachesvc.bench.step.linear [--switch linear|elementwise] [--threads 1]
+        [--batches 1,4,16] [--contexts 128,1024] [--steps 6] [--rounds 4]
+        [--dtype float32|bfloat16] [--json FILE]
 
 For each cell (batch x context) a real `Engine` (SmolLM2-135M, decode attention in place) gets
 `batch` requests of random `context`-token prompts and steps until all decode; then rounds of
-`steps` decode steps alternate the model's matmuls on the kernel (`LlamaModel.native_linear`)
-and on `F.linear`, on the same requests, so the ratio is of one sitting. Each step is split by
+`steps` decode steps alternate, on the same requests, so the ratio is of one sitting:
+`--switch linear` (the default) the model's matmuls on the packed-panel kernel
+(`LlamaModel.native_linear`, path "kernel") and on `F.linear` ("f_linear"); `--switch
+elementwise` its norms, RoPE, SwiGLU and KV write on the fused kernels
+(`LlamaModel.native_elementwise`, "fused") and on torch's ops ("torch_ops"). Each step is split by
 phase (`step_phases`); the floor is `cachesvc bench step`'s (weights and KV over the copy
 bandwidth measured in the same run). Fidelity is the tests' (`tests/workers/model/test_llama.py`
 against Hugging Face on either path), not this bench's.
@@ -31,7 +35,11 @@ from cachesvc.bench.step.run import (
 )
 from cachesvc.workloads.table import format_table, write_json
 
-PATHS = ("kernel", "f_linear")
+# --switch: the model's attribute it flips, and the names of its paths (on, off).
+SWITCHES = {
+    "linear": ("native_linear", ("kernel", "f_linear")),
+    "elementwise": ("native_elementwise", ("fused", "torch_ops")),
+}
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,12 @@ class DecodeLinearArgs:
     steps: int = 6  # timed decode steps a round
     rounds: int = 4  # rounds of each path
     dtype: str = "float32"
+    switch: str = "linear"
     json_path: str | None = None
+
+    @property
+    def paths(self) -> tuple[str, str]:
+        return SWITCHES[self.switch][1]
 
 
 @dataclass(frozen=True)
@@ -60,18 +73,19 @@ class _Env:
 def _time_cell(engine: Any, clock: PhaseClock, batch: int, args: DecodeLinearArgs) -> dict:
     """Per path, every timed step's phases; rounds of the paths alternate."""
     model = engine.runner.model
-    per_path: dict[str, list[dict[str, float]]] = {p: [] for p in PATHS}
+    attribute, (on, _) = SWITCHES[args.switch]
+    per_path: dict[str, list[dict[str, float]]] = {p: [] for p in args.paths}
     try:
         for _ in range(args.rounds):
-            for path in PATHS:
-                model.native_linear = path == "kernel"
+            for path in args.paths:
+                setattr(model, attribute, path == on)
                 engine.step()  # untimed: the first step after a switch pays for the switch
                 clock.take()
                 for _ in range(args.steps):
                     assert len(engine.step()) == batch, "every request decodes one token a step"
                     per_path[path].append(clock.take())
     finally:
-        model.native_linear = True
+        setattr(model, attribute, True)
     return per_path
 
 
@@ -87,7 +101,7 @@ def _path_summary(samples: list[dict[str, float]], floor_ms: float) -> dict[str,
 
 def _cell(engine: Any, batch: int, context: int, args: DecodeLinearArgs, env: _Env) -> dict:
     budget = engine.config.max_num_batched_tokens
-    decode_tokens = args.rounds * len(PATHS) * (args.steps + 1) + 1
+    decode_tokens = args.rounds * len(args.paths) * (args.steps + 1) + 1
     max_tokens = decode_max_tokens(batch, context, decode_tokens, budget)
     generated = start_decoding(engine, batch, context, max_tokens, batch * 7919 + context)
     mid = decode_tokens // 2  # the KV read at the middle of the timed steps
@@ -96,11 +110,16 @@ def _cell(engine: Any, batch: int, context: int, args: DecodeLinearArgs, env: _E
     samples = _time_cell(engine, env.clock, batch, args)
     for rid in generated:
         engine.abort(rid)
-    steps = args.steps
+    steps, (on, off) = args.steps, args.paths
     by_round = [
-        statistics.median(s["weights"] for s in samples["kernel"][r : r + steps])
-        / statistics.median(s["weights"] for s in samples["f_linear"][r : r + steps])
-        for r in range(0, len(samples["kernel"]), steps)
+        statistics.median(s["weights"] for s in samples[on][r : r + steps])
+        / statistics.median(s["weights"] for s in samples[off][r : r + steps])
+        for r in range(0, len(samples[on]), steps)
+    ]
+    step_by_round = [
+        statistics.median(s["step"] for s in samples[on][r : r + steps])
+        / statistics.median(s["step"] for s in samples[off][r : r + steps])
+        for r in range(0, len(samples[on]), steps)
     ]
     return {
         "batch": batch,
@@ -109,6 +128,8 @@ def _cell(engine: Any, batch: int, context: int, args: DecodeLinearArgs, env: _E
         "paths": {p: _path_summary(s, floor_ms) for p, s in samples.items()},
         "weights_ratio_by_round": by_round,
         "weights_ratio": statistics.median(by_round),
+        "step_ratio_by_round": step_by_round,
+        "step_ratio": statistics.median(step_by_round),
     }
 
 
@@ -116,7 +137,8 @@ def run(args: DecodeLinearArgs) -> dict[str, Any]:
     """Run every cell, print the table, write the JSON; returns the report."""
     from workers.config import EngineConfig
     from workers.engine.engine import Engine
-    from workers.kernels.linear import load
+    from workers.kernels.fused import load as fused_built
+    from workers.kernels.linear import load as linear_built
 
     cells = [(b, c) for c in args.contexts for b in args.batches]
     tokens = max(b * (c + 2 * args.rounds * (args.steps + 1) + b + 8) for b, c in cells)
@@ -135,8 +157,10 @@ def run(args: DecodeLinearArgs) -> dict[str, Any]:
         "copy_bandwidth_gb_s": env.bandwidth_gb_s,
         "weights_bytes": env.weight_bytes,
         "dtype": args.dtype,
+        "switch": args.switch,
+        "paths": list(args.paths),
         "threads": torch.get_num_threads(),
-        "kernel_built": load(),
+        "kernel_built": linear_built() if args.switch == "linear" else fused_built(),
         "steps_per_round": args.steps,
         "rounds": args.rounds,
     }
@@ -146,15 +170,17 @@ def run(args: DecodeLinearArgs) -> dict[str, Any]:
 
 
 def _print(report: dict[str, Any]) -> None:
-    headers = ["batch", "context", "floor ms", "kernel step ms", "F.linear step ms"]
-    headers += ["kernel weights ms", "F.linear weights ms", "weights kernel / F.linear"]
-    headers += ["kernel step / floor"]
+    on, off = report["paths"]
+    headers = ["batch", "context", "floor ms", f"{on} step ms", f"{off} step ms"]
+    headers += [f"{on} weights ms", f"{off} weights ms", f"weights {on} / {off}"]
+    headers += [f"step {on} / {off}", f"{on} step / floor"]
     rows = []
     for r in report["cells"]:
-        k, f = r["paths"]["kernel"], r["paths"]["f_linear"]
+        a, b = r["paths"][on], r["paths"][off]
         rows.append(
-            [r["batch"], r["context"], r["floor_ms"], k["step_ms"], f["step_ms"]]
-            + [k["weights_ms"], f["weights_ms"], r["weights_ratio"], k["floor_ratio"]]
+            [r["batch"], r["context"], r["floor_ms"], a["step_ms"], b["step_ms"]]
+            + [a["weights_ms"], b["weights_ms"], r["weights_ratio"], r["step_ratio"]]
+            + [a["floor_ratio"]]
         )
     print(format_table(headers, rows))
 
@@ -171,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=DecodeLinearArgs.steps)
     parser.add_argument("--rounds", type=int, default=DecodeLinearArgs.rounds)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--switch", choices=tuple(SWITCHES), default=DecodeLinearArgs.switch)
     parser.add_argument("--json", dest="json_path")
     run(DecodeLinearArgs(**vars(parser.parse_args(argv))))
     return 0
