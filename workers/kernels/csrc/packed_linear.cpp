@@ -126,10 +126,14 @@ void run_item(const float* x, int64_t K, const W* packed, int64_t N, float* y, i
   const int64_t n0 = b * kNB, nn = std::min(kNB, N - n0);
   for (int64_t k0 = 0; k0 < K; k0 += kKC) {
     const int64_t kc = std::min(kKC, K - k0);
-    for (int64_t m0 = m_begin; m0 < m_end; m0 += kMR) {
-      const int64_t mr = std::min(kMR, m_end - m0);
+    // The rows in passes of near-equal size (8 as 4 + 4, not 6 + 2): a pass of few rows has
+    // too few multiply-adds to each weight load (4-10% faster at 7-10 rows, one thread).
+    const int64_t rows = m_end - m_begin, passes = (rows + kMR - 1) / kMR;
+    for (int64_t p = 0, m0 = m_begin; m0 < m_end; ++p) {
+      const int64_t mr = rows * (p + 1) / passes - rows * p / passes;
       pass_of<W>(mr)(x + m0 * K + k0, K, panel + k0 * kNB, kc, y + m0 * ldy + n0, ldy, nn,
                      k0 == 0);
+      m0 += mr;
     }
   }
 }
