@@ -1,8 +1,8 @@
 """An asyncio front for the Engine: many concurrent streams over one step loop.
 
-The Engine is not thread-safe. A background task runs `engine.step()` in a worker thread
-(`asyncio.to_thread`) only while requests are unfinished, so the event loop stays free to accept
-and stream. Every other touch of the engine (adding, aborting, reading counters) happens on the
+The Engine is not thread-safe. A background task runs `engine.step()` in a worker thread (always
+the same one) only while requests are unfinished, so the event loop stays free to accept and
+stream. Every other touch of the engine (adding, aborting, reading counters) happens on the
 loop thread *between* steps: when no step is running it happens at once, otherwise it is queued
 and applied as soon as the step returns.
 
@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -130,6 +131,11 @@ class AsyncEngine:
         self._boundary_hooks: list[Callable[[Engine], None]] = []
         # Written on the loop thread, read from any (a ping's): one attribute, set whole.
         self._busy_since: float | None = None  # monotonic start of the running step
+        # Every engine call on one thread. asyncio.to_thread hands each call to whichever pool
+        # thread is idle, and each thread that enters torch's OpenMP regions gets a team of its
+        # own: served on two cores, five threads shared the compute (measured per thread), the
+        # idle teams spinning against the working one.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -249,6 +255,7 @@ class AsyncEngine:
             self._task = None
         # A step may still be running in its thread: end the streams without touching the engine.
         self._fail_all(RuntimeError("the engine was shut down"), abort=False)
+        self._thread.shutdown(wait=False)  # a running step finishes on its own
 
     # ---- on the loop thread -----------------------------------------------------------------
 
@@ -341,7 +348,8 @@ class AsyncEngine:
 
         self._busy, self._busy_since = True, time.monotonic()
         try:
-            result, self._load = await asyncio.to_thread(run)
+            loop = asyncio.get_running_loop()
+            result, self._load = await loop.run_in_executor(self._thread, run)
             return result
         except BaseException:
             self._stale = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -256,3 +257,33 @@ def test_the_load_s_cached_prefix_walk_never_runs_on_the_event_loop(
 
     loop_thread = _run(engine, body)
     assert threads and loop_thread not in threads
+
+
+def test_every_step_runs_on_one_thread_off_the_loop(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+):
+    # Each thread entering torch's parallel regions gets an OpenMP team of its own: steps on
+    # several pool threads left several teams spinning against each other on two cores.
+    threads: list[int] = []
+    step = engine.step
+
+    def spy() -> list[RequestOutput]:
+        threads.append(threading.get_ident())
+        return step()
+
+    monkeypatch.setattr(engine, "step", spy)
+
+    async def body(aengine: AsyncEngine) -> int:
+        loop_thread = threading.get_ident()
+        # The worker's own calls to asyncio.to_thread leave the loop's pool several threads,
+        # which would take turns at the steps.
+        await asyncio.gather(*(asyncio.to_thread(time.sleep, 0.05) for _ in range(3)))
+        for prompt in _prompts():
+            await _collect(aengine, prompt, GREEDY)
+            await asyncio.sleep(0.01)
+        await aengine.call(lambda e: None)
+        return loop_thread
+
+    loop_thread = _run(engine, body)
+    assert len(threads) >= 4 * GREEDY.max_tokens
+    assert len(set(threads)) == 1 and loop_thread not in threads
