@@ -131,10 +131,8 @@ class AsyncEngine:
         self._boundary_hooks: list[Callable[[Engine], None]] = []
         # Written on the loop thread, read from any (a ping's): one attribute, set whole.
         self._busy_since: float | None = None  # monotonic start of the running step
-        # Every engine call on one thread. asyncio.to_thread hands each call to whichever pool
-        # thread is idle, and each thread that enters torch's OpenMP regions gets a team of its
-        # own: served on two cores, five threads shared the compute (measured per thread), the
-        # idle teams spinning against the working one.
+        # Every engine call on one thread: each thread entering torch's OpenMP regions gets a
+        # team of its own, and with asyncio.to_thread's pool five threads shared two cores.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     # ---- public API -------------------------------------------------------------------------
