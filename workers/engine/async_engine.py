@@ -19,13 +19,14 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from cachesvc.kv.types import RequestId
 from workers.engine.engine import Engine
+from workers.engine.load import EngineLoad, measure_load
 from workers.engine.outputs import RequestFailed, RequestOutput
 from workers.engine.request import PeerSource
 from workers.protocol import CacheHints
@@ -33,47 +34,6 @@ from workers.sampling_params import SamplingParams
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """How busy the engine is. The counts of requests and blocks are those of the last change
-    between steps; `num_queued_tokens` and `tiering` are measured at the last step boundary
-    (off the event loop: the walk over every request's cached prefix is not free).
-
-    `num_queued_tokens` counts tokens that still need a forward pass (prompt tokens not yet
-    computed, plus one per decoding request): the work ahead of a newly arrived request. A
-    waiting request's prefix already in the device pool is not work, nor what a planned fetch (from
-    a tier, a peer) is to bring: both are left out, so a worker queueing cache hits does not look
-    busier than it is.
-    """
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_queued_tokens: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    num_cached_blocks: int = 0
-    tiering: Mapping[str, float] = field(default_factory=dict)  # KVTiering.metrics()
-
-
-def _measure(engine: Engine) -> EngineLoad:
-    requests = [*engine.scheduler.waiting, *engine.scheduler.running]
-    tiering: dict[str, float] = {}
-    if engine.tiering is not None:
-        # Demotions lost to a failing eviction hook are counted by the pool, not the tiers.
-        tiering = {**engine.tiering.metrics(), "demote_failed": engine.pool.num_evict_hook_failures}
-    return EngineLoad(
-        num_running=len(engine.scheduler.running),
-        num_waiting=len(engine.scheduler.waiting),
-        num_queued_tokens=sum(
-            r.num_tokens - r.num_computed_tokens - engine.kv.num_free_tokens(r) for r in requests
-        ),
-        num_blocks=engine.pool.num_blocks,
-        num_free_blocks=engine.pool.num_free,
-        num_cached_blocks=engine.pool.num_cached,
-        tiering=tiering,
-    )
 
 
 @dataclass(frozen=True)
@@ -126,7 +86,7 @@ class AsyncEngine:
         self._groups: dict[str, list[RequestId]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._load = _measure(engine)
+        self._load = measure_load(engine)
         self._stale = False  # requests came or went since `_load` was measured
         self._boundary_hooks: list[Callable[[Engine], None]] = []
         # Written on the loop thread, read from any (a ping's): one attribute, set whole.
@@ -342,7 +302,7 @@ class AsyncEngine:
 
         def run() -> tuple[T, EngineLoad]:
             result = fn()
-            return result, _measure(self.engine)
+            return result, measure_load(self.engine)
 
         self._busy, self._busy_since = True, time.monotonic()
         try:

@@ -160,7 +160,7 @@ def test_stats_and_calls_between_steps(engine: Engine):
 
 
 def test_queued_work_leaves_out_prefixes_the_pool_holds(engine: Engine):
-    from workers.engine.async_engine import _measure
+    from workers.engine.load import measure_load as _measure
 
     prompt = _prompts()[3]  # 40 tokens: ten blocks of 4
     engine.generate([prompt], GREEDY)  # its blocks stay cached after it finishes

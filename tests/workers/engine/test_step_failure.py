@@ -16,8 +16,9 @@ import torch
 from cachesvc.kv.config import TierConfig
 from cachesvc.kv.events import BlockRemoved, BlockStored, Event
 from cachesvc.kv.types import BlockHash, BlockId
-from workers.engine.async_engine import AsyncEngine, _measure
+from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine
+from workers.engine.load import measure_load as _measure
 from workers.engine.outputs import RequestFailed, RequestOutput
 from workers.sampling_params import SamplingParams
 
