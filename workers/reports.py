@@ -13,8 +13,8 @@ from cachesvc.kv.types import BlockId
 from workers.protocol import TierBlocks, WorkerLoad
 
 if TYPE_CHECKING:
-    from workers.engine.load import EngineLoad
     from workers.engine.engine import Engine
+    from workers.engine.load import EngineLoad
     from workers.engine.tiering.kv_tiering import KVTiering
 
 

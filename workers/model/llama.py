@@ -184,7 +184,7 @@ class LlamaModel(nn.Module):
     def native_elementwise(self) -> bool:
         """Whether the layers' norms, RoPE and SwiGLU run on the fused CPU kernels (where they
         build; else on torch's ops). Settable, e.g. by a bench's A/B."""
-        return cast(DecoderLayer, self.layers[0]).ops.native if len(self.layers) else False
+        return self._ops.native
 
     @native_elementwise.setter
     def native_elementwise(self, on: bool) -> None:

@@ -9,9 +9,9 @@ For each cell (batch x context) a real `Engine` (SmolLM2-135M, decode attention 
 `steps` decode steps alternate, on the same requests, so the ratio is of one sitting:
 `--switch linear` (the default) the model's matmuls on the packed-panel kernel
 (`LlamaModel.native_linear`, path "kernel") and on `F.linear` ("f_linear"); `--switch
-elementwise` its norms, RoPE, SwiGLU and KV write on the fused kernels
-(`LlamaModel.native_elementwise`, "fused") and on torch's ops ("torch_ops"). Each step is split by
-phase (`step_phases`); the floor is `cachesvc bench step`'s (weights and KV over the copy
+elementwise` its norms, RoPE and SwiGLU on the fused kernels (`LlamaModel.native_elementwise`,
+"fused") and on torch's ops ("torch_ops"); the KV write is on its kernel in both. Each step is
+split by phase (`step_phases`); the floor is `cachesvc bench step`'s (weights and KV over the copy
 bandwidth measured in the same run). Fidelity is the tests' (`tests/workers/model/test_llama.py`
 against Hugging Face on either path), not this bench's.
 """
