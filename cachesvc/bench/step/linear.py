@@ -111,23 +111,22 @@ def _cell(engine: Any, batch: int, context: int, args: DecodeLinearArgs, env: _E
     for rid in generated:
         engine.abort(rid)
     steps, (on, off) = args.steps, args.paths
-    by_round = [
-        statistics.median(s["weights"] for s in samples[on][r : r + steps])
-        / statistics.median(s["weights"] for s in samples[off][r : r + steps])
-        for r in range(0, len(samples[on]), steps)
-    ]
-    step_by_round = [
-        statistics.median(s["step"] for s in samples[on][r : r + steps])
-        / statistics.median(s["step"] for s in samples[off][r : r + steps])
-        for r in range(0, len(samples[on]), steps)
-    ]
+
+    def by_round(phase: str) -> list[float]:  # each round's on / off ratio of the phase's median
+        return [
+            statistics.median(s[phase] for s in samples[on][r : r + steps])
+            / statistics.median(s[phase] for s in samples[off][r : r + steps])
+            for r in range(0, len(samples[on]), steps)
+        ]
+
+    weights_by_round, step_by_round = by_round("weights"), by_round("step")
     return {
         "batch": batch,
         "context": context,
         "floor_ms": floor_ms,
         "paths": {p: _path_summary(s, floor_ms) for p, s in samples.items()},
-        "weights_ratio_by_round": by_round,
-        "weights_ratio": statistics.median(by_round),
+        "weights_ratio_by_round": weights_by_round,
+        "weights_ratio": statistics.median(weights_by_round),
         "step_ratio_by_round": step_by_round,
         "step_ratio": statistics.median(step_by_round),
     }
