@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.kernels.build import cpu_capability, load_library
+from workers.kernels.host_tensor import HostArena
 
 _SOURCE = Path(__file__).with_name("csrc") / "packed_linear.cpp"
 PANEL = 64  # output columns a panel (the kernel's kNB)
@@ -48,12 +49,17 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def pack(weight: torch.Tensor, arena: HostArena | None = None) -> torch.Tensor:
     """The kernel's layout of `weight` `[N, K]`: `[ceil(N / 64), K, 64]`, panel b holding output
-    columns [64 b, 64 b + 64) as K rows (the last panel's missing columns are zeros)."""
+    columns [64 b, 64 b + 64) as K rows (the last panel's missing columns are zeros). Written
+    into `arena` (huge pages: a decode step streams every panel once) when one is given and the
+    weight is on the CPU, else into torch's memory."""
     n, k = weight.shape
     padded = F.pad(weight, (0, 0, 0, (-n) % PANEL))
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+    panels = padded.view(-1, PANEL, k).transpose(1, 2)
+    if arena is not None and weight.device.type == "cpu":
+        return arena.copy(panels)
+    return panels.contiguous()
 
 
 def packed_linear(
@@ -69,17 +75,21 @@ def packed_linear(
 class PackedWeights:
     """The packed copies of one module's weights, by name, each made at the weight's first use
     and made again when another tensor is passed under that name, or the same one modified in
-    place (a loader assigning weights after construction, a test perturbing one)."""
+    place (a loader assigning weights after construction, a test perturbing one). The copies
+    lie on huge pages in an arena of their own unless `huge_pages` is False (`pack`); a copy
+    made again leaves the old one's space unused until `clear`."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, huge_pages: bool = True) -> None:
         self._packs: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self._huge_pages = huge_pages
+        self._arena = HostArena() if huge_pages else None
 
     def of(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """`pack(weight)`, kept for the next call with the same weight."""
         kept = self._packs.get(name)
         if kept is not None and kept[0] is weight and kept[1] == weight._version:
             return kept[2]
-        packed = pack(weight.detach())
+        packed = pack(weight.detach(), self._arena)
         self._packs[name] = (weight, weight._version, packed)
         return packed
 
@@ -94,6 +104,8 @@ class PackedWeights:
     def clear(self) -> None:
         """Drop every packed copy (the memory they hold)."""
         self._packs.clear()
+        if self._huge_pages:
+            self._arena = HostArena()
 
 
 def linear(

@@ -18,26 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cachesvc.kv.host_memory import host_buffer
 from workers.attention.base import AttentionBackend
 from workers.attention.layout import BatchLayout
+from workers.kernels.host_tensor import host_zeros
 from workers.kernels.linear import PackedWeights, linear, native_by_default
 from workers.kernels.linear import load as load_linear_kernel
 from workers.model.config import ModelConfig
 from workers.model.layer_ops import LayerOps
 from workers.model.rope import RotaryEmbedding
-
-
-def _host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed host tensor on transparent huge pages, faulted in now (`host_buffer`): torch's
-    CPU allocator asks for no huge pages, and with them landing fetched blocks in the KV cache
-    (30 strided slices per block for SmolLM2) ran ~25% faster here: fewer TLB misses."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = 1
-    for n in shape:
-        numel *= n
-    raw = torch.from_numpy(host_buffer(numel * itemsize, populate="now"))  # shares the memory
-    return raw.view(dtype).view(shape)
 
 
 def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -259,5 +247,5 @@ class LlamaModel(nn.Module):
         dtype = dtype or self.embed_tokens.dtype
         device = torch.device(device or self.embed_tokens.device)
         if device.type == "cpu":
-            return list(_host_zeros(shape, dtype).unbind(0))
+            return list(host_zeros(shape, dtype).unbind(0))
         return list(torch.zeros(shape, dtype=dtype, device=device).unbind(0))
