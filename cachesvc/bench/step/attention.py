@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from cachesvc.bench.step.flags import int_list
 from cachesvc.workloads.table import format_table, write_json
 
 LAYERS, PAGE, KV_HEADS, GROUP, HEAD_DIM = 30, 16, 3, 3, 64
@@ -115,15 +116,11 @@ def run(args: AttentionArgs) -> dict[str, Any]:
     return report
 
 
-def _numbers(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(","))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cachesvc.bench.step.attention")
-    parser.add_argument("--batches", type=_numbers, default=AttentionArgs.batches)
-    parser.add_argument("--contexts", type=_numbers, default=AttentionArgs.contexts)
-    parser.add_argument("--threads", type=_numbers, default=AttentionArgs.threads)
+    parser.add_argument("--batches", type=int_list, default=AttentionArgs.batches)
+    parser.add_argument("--contexts", type=int_list, default=AttentionArgs.contexts)
+    parser.add_argument("--threads", type=int_list, default=AttentionArgs.threads)
     parser.add_argument("--repeats", type=int, default=AttentionArgs.repeats)
     parser.add_argument("--pool-blocks", type=int, default=AttentionArgs.pool_blocks)
     parser.add_argument("--json", dest="json_path")

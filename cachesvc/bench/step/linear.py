@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from cachesvc.bench.step.flags import int_list
 from cachesvc.bench.step.phases import PhaseClock, instrument
 from cachesvc.bench.step.run import (
     copy_bandwidth_gb_s,
@@ -184,14 +185,10 @@ def _print(report: dict[str, Any]) -> None:
     print(format_table(headers, rows))
 
 
-def _numbers(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(","))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cachesvc.bench.step.linear")
-    parser.add_argument("--batches", type=_numbers, default=DecodeLinearArgs.batches)
-    parser.add_argument("--contexts", type=_numbers, default=DecodeLinearArgs.contexts)
+    parser.add_argument("--batches", type=int_list, default=DecodeLinearArgs.batches)
+    parser.add_argument("--contexts", type=int_list, default=DecodeLinearArgs.contexts)
     parser.add_argument("--threads", type=int, default=DecodeLinearArgs.threads)
     parser.add_argument("--steps", type=int, default=DecodeLinearArgs.steps)
     parser.add_argument("--rounds", type=int, default=DecodeLinearArgs.rounds)

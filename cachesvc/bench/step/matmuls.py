@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cachesvc.bench.step.flags import int_list
 from cachesvc.bench.step.run import copy_bandwidth_gb_s
 from cachesvc.workloads.table import format_table, write_json
 
@@ -120,14 +121,10 @@ def run(args: MatmulsArgs) -> dict[str, Any]:
     return report
 
 
-def _numbers(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(","))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cachesvc.bench.step.matmuls")
-    parser.add_argument("--rows", type=_numbers, default=MatmulsArgs.rows)
-    parser.add_argument("--threads", type=_numbers, default=MatmulsArgs.threads)
+    parser.add_argument("--rows", type=int_list, default=MatmulsArgs.rows)
+    parser.add_argument("--threads", type=int_list, default=MatmulsArgs.threads)
     parser.add_argument("--repeats", type=int, default=MatmulsArgs.repeats)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--json", dest="json_path")
