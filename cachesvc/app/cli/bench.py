@@ -115,6 +115,12 @@ def add_bench_parser(sub: Any) -> None:
     step.add_argument("--batches", default=None, help="comma-separated (default 1,4,16,64)")
     step.add_argument("--contexts", default=None, help="prompt tokens (default 128,1024,4096)")
     step.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="tokens every prompt of a cell starts with, counted once in the floor (default 0)",
+    )
+    step.add_argument(
         "--ray-stream",
         action="store_true",
         help="instead: one step's deltas through a local Ray actor, per request and in one list",

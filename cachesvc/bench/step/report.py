@@ -88,6 +88,11 @@ def print_report(report: Mapping[str, Any]) -> None:
     )
     if not report["kernel_built"]:
         print("the paged-decode kernel could not be built here: both paths gather")
+    if report.get("shared_prefix"):
+        print(
+            f"every prompt of a cell starts with the same {report['shared_prefix']} tokens, "
+            "counted once in the floor"
+        )
     print(step_table(report))
     print("\nphases, mean ms a step:")
     print(phase_table(report))

@@ -50,6 +50,7 @@ class StepBenchArgs:
     rounds: int | None = None  # rounds of each path (default 5, quick 3)
     grid: tuple[Sequence[int], Sequence[int]] | None = None
     ray_stream: bool = False  # instead: one step's deltas through a local Ray actor
+    shared_prefix: int = 0  # tokens every prompt of a cell starts with (the rest random)
 
     def __post_init__(self) -> None:
         for name in ("threads", "steps", "rounds"):
@@ -58,6 +59,8 @@ class StepBenchArgs:
                 raise ValueError(f"--{name} must be at least 1, got {value}")
         if self.grid is not None and not all(n >= 1 for axis in self.grid for n in axis):
             raise ValueError("--batches and --contexts take positive numbers")
+        if self.shared_prefix < 0:
+            raise ValueError(f"--shared-prefix must be 0 or more, got {self.shared_prefix}")
 
 
 def copy_bandwidth_gb_s(mb: int = 256, repeats: int = 7) -> float:
@@ -111,16 +114,18 @@ def decode_max_tokens(batch: int, context: int, decode_tokens: int, budget: int)
 
 
 def start_decoding(
-    engine: Any, batch: int, context: int, max_tokens: int, seed: int
+    engine: Any, batch: int, context: int, max_tokens: int, seed: int, shared: int = 0
 ) -> dict[str, int]:
-    """Add `batch` requests with random prompts of `context` tokens and step until each has its
-    first token (all are decoding then); returns the tokens each has generated, by id."""
+    """Add `batch` requests with random prompts of `context` tokens, the first `shared` of them
+    the same in every prompt, and step until each has its first token (all are decoding then);
+    returns the tokens each has generated, by id."""
     from workers.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.loaded.config.vocab_size
     # Avoid the low ids, which hold special tokens in most vocabularies.
     prompts = torch.randint(min(100, vocab // 2), vocab, (batch, context), generator=gen)
+    prompts[:, :shared] = prompts[0, :shared]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     generated = {engine.add_request(p, params)[0]: 0 for p in prompts.tolist()}
     while not all(generated.values()):
@@ -241,8 +246,12 @@ def run_step_bench(args: StepBenchArgs) -> int:
             )
 
         per_token = kv_bytes_per_token(probe)
-        cells = [c for c in _cells(args) if tokens(c) * per_token <= MAX_KV_BYTES]
-        skipped = [c for c in _cells(args) if c not in cells]
+        # A prompt is the shared prefix and at least one token of its own.
+        short = [c for c in _cells(args) if c[1] <= args.shared_prefix]
+        cells = [
+            c for c in _cells(args) if tokens(c) * per_token <= MAX_KV_BYTES and c not in short
+        ]
+        skipped = [c for c in _cells(args) if c not in cells and c not in short]
         # Whole pages per request, and a little room.
         need = max(tokens(c) // config.block_size + 2 * c[0] for c in cells) + 16
         # Every request of the largest batch decodes in one step.
@@ -260,7 +269,7 @@ def run_step_bench(args: StepBenchArgs) -> int:
             tokenizer=probe.tokenizer,
         )
         del probe
-        report = _run_cells(engine, cells, timing)
+        report = _run_cells(engine, cells, timing, args.shared_prefix)
     report |= {
         "model": "tiny" if args.tiny else str(engine.loaded.path.name),
         "dtype": engine.config.dtype,
@@ -268,14 +277,18 @@ def run_step_bench(args: StepBenchArgs) -> int:
         "kernel_built": kernel_built(),
         "steps_per_round": steps,
         "rounds": rounds,
-        "skipped_cells": [{"batch": b, "context": c, "why": "KV over 4 GiB"} for b, c in skipped],
+        "shared_prefix": args.shared_prefix,
+        "skipped_cells": [{"batch": b, "context": c, "why": "KV over 4 GiB"} for b, c in skipped]
+        + [{"batch": b, "context": c, "why": "no longer than the shared prefix"} for b, c in short],
     }
     print_report(report)
     write_json(args.json_path, report)
     return 0
 
 
-def _run_cells(engine: Any, cells: list[tuple[int, int]], timing: _Timing) -> dict[str, Any]:
+def _run_cells(
+    engine: Any, cells: list[tuple[int, int]], timing: _Timing, shared: int
+) -> dict[str, Any]:
     backends = _scheme_backends(engine.config.attention_backend)
     clock = PhaseClock()
     bandwidth = copy_bandwidth_gb_s()
@@ -286,10 +299,13 @@ def _run_cells(engine: Any, cells: list[tuple[int, int]], timing: _Timing) -> di
         for batch, context in cells:
             budget = engine.config.max_num_batched_tokens
             max_tokens = decode_max_tokens(batch, context, timing.decode_tokens, budget)
-            generated = start_decoding(engine, batch, context, max_tokens, batch * 7919 + context)
-            # The KV read at the middle of the timed steps, in every layer.
+            seed = batch * 7919 + context
+            generated = start_decoding(engine, batch, context, max_tokens, seed, shared)
+            # The KV read at the middle of the timed steps, in every layer; a shared prefix's
+            # once (what decode over it must read at least, as cascade attention does).
             mid = len(PATHS) * (1 + timing.rounds * timing.steps) // 2
-            kv = sum(context + n + mid for n in generated.values()) * per_token
+            own = sum(context - shared + n + mid for n in generated.values())
+            kv = (shared + own) * per_token
             floor_ms = (weights + kv) / (bandwidth * 1e9) * 1e3
             samples = _time_cell(engine, backends, clock, batch, timing)
             for rid in generated:
@@ -316,4 +332,9 @@ def _run_cells(engine: Any, cells: list[tuple[int, int]], timing: _Timing) -> di
                 }
             )
             print(f"batch {batch} context {context}: done", flush=True)
-    return {"copy_bandwidth_gb_s": bandwidth, "phases": PHASES, "cells": records}
+    return {
+        "copy_bandwidth_gb_s": bandwidth,
+        "kv_bytes_per_token": per_token,
+        "phases": PHASES,
+        "cells": records,
+    }

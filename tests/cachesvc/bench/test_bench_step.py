@@ -84,3 +84,23 @@ def test_clocks_are_removed_when_the_context_exits(tmp_path: Path) -> None:
 def test_bad_counts_are_refused() -> None:
     with pytest.raises(ValueError, match="--steps"):
         StepBenchArgs(steps=0)
+
+
+def test_a_shared_prefix_is_counted_once_in_the_floor(tmp_path: Path) -> None:
+    """The same cell with every prompt starting alike reads the prefix once in its floor, and a
+    context no longer than the prefix is left out, said so."""
+    plain, shared = tmp_path / "plain.json", tmp_path / "shared.json"
+    common = ["bench", "step", "--tiny", "--quick", "--batches", "4", "--contexts", "32,64"]
+    assert main([*common, "--json", str(plain)]) == 0
+    assert main([*common, "--shared-prefix", "32", "--json", str(shared)]) == 0
+    plain_cells = {c["context"]: c for c in json.loads(plain.read_text())["cells"]}
+    report = json.loads(shared.read_text())
+    assert report["shared_prefix"] == 32
+    assert [c["context"] for c in report["cells"]] == [64]
+    assert report["skipped_cells"] == [
+        {"batch": 4, "context": 32, "why": "no longer than the shared prefix"}
+    ]
+    # Four prompts of 64 sharing 32: the prefix's KV counted once, not four times (the tokens
+    # each generated are the same in both runs: they follow the steps, not the prompts).
+    saved = plain_cells[64]["kv_bytes"] - report["cells"][0]["kv_bytes"]
+    assert saved == 3 * 32 * report["kv_bytes_per_token"] > 0
