@@ -91,10 +91,16 @@ class CalibrationTarget:
 
 
 def _kernel_sources() -> str:
-    """A digest of the CPU attention kernels' sources: costs measured with other kernels are
-    stale."""
+    """A digest of the CPU attention kernels' sources, their headers and the shared ones
+    included: costs measured with other kernels are stale."""
     digest = hashlib.sha256()
-    for source in sorted((Path(__file__).parent / "csrc").glob("*.cpp")):
+    own = Path(__file__).parent / "csrc"
+    shared = Path(__file__).parents[1] / "kernels" / "csrc"  # claim.h, vec_math.h
+    for source in [
+        *sorted(own.glob("*.cpp")),
+        *sorted(own.glob("*.h")),
+        *sorted(shared.glob("*.h")),
+    ]:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 
