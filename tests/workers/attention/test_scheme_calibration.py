@@ -202,3 +202,21 @@ def test_startup_costs_are_keyed_by_the_engines_attention_shape(tmp_path: Path) 
 def test_config_names_the_field_of_a_bad_calibration_mode() -> None:
     with pytest.raises(ConfigError, match="scheme_calibration"):
         EngineConfig(scheme_calibration="always")
+
+
+@pytest.mark.parametrize("name", ["paged_decode_vec.h", "claim.h", "prefill_attention.cpp"])
+def test_an_edit_to_any_kernel_source_or_header_changes_the_cache_key(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Costs measured with another kernel are stale: a header's edit (a prefetch in the decode
+    kernel's, a shared one's) must miss the cache as a `.cpp` edit does."""
+    from workers.attention import scheme_calibration
+
+    before = scheme_calibration._kernel_sources()
+    read = Path.read_bytes
+
+    def edited(path: Path) -> bytes:
+        return read(path) + (b"// edited" if path.name == name else b"")
+
+    monkeypatch.setattr(Path, "read_bytes", edited)
+    assert scheme_calibration._kernel_sources() != before
