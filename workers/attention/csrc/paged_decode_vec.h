@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <vector>
 
 #include "paged_decode_common.h"
 #include "vec_math.h"
@@ -87,70 +86,25 @@ inline void chunk_values(float* acc, const float* rescale, const float (*w)[16],
     for (int j = 0; j < V; ++j) _mm512_storeu_ps(acc + g * kD + 16 * j, a[g][j]);
 }
 
-// Folds one chunk into the online softmax of NG query heads of one KV head: s[g] holds head g's
-// 16 scores (lanes past nt ignored); then the chunk's values into the heads' outputs.
+// One chunk of up to 16 tokens for NG query heads (q, m, l, acc at those heads) of one KV head.
 template <typename KV, int64_t kD, int NG>
-inline void fold_chunk(const __m512* s, const KV* v, int64_t nt, int64_t token_stride, float* m,
-                       float* l, float* acc) {
+void attend_chunk(const float* q, const KV* k, const KV* v, int64_t nt, int64_t token_stride,
+                  float* m, float* l, float* acc) {
+  __m512 parts[NG][16];
   float w[NG][16], rescale[NG];
+  chunk_products<KV, kD, NG>(q, k, nt, token_stride, parts);
   const __mmask16 live = static_cast<__mmask16>((1u << nt) - 1);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int g = 0; g < NG; ++g) {
-    const __m512 sg = _mm512_mask_blend_ps(live, minus_inf, s[g]);
-    const float m_new = std::max(m[g], _mm512_reduce_max_ps(sg));
+    const __m512 s = _mm512_mask_blend_ps(live, minus_inf, sum_lanes16(parts[g]));
+    const float m_new = std::max(m[g], _mm512_reduce_max_ps(s));
     rescale[g] = exp2_neg(m[g] - m_new);  // ~0 on the first chunk (m = -inf)
-    const __m512 e = _mm512_maskz_mov_ps(live, exp2_neg16(_mm512_sub_ps(sg, _mm512_set1_ps(m_new))));
+    const __m512 e = _mm512_maskz_mov_ps(live, exp2_neg16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
     l[g] = l[g] * rescale[g] + _mm512_reduce_add_ps(e);
     m[g] = m_new;
     _mm512_storeu_ps(w[g], e);
   }
   chunk_values<KV, kD, NG>(acc, rescale, w, v, nt, token_stride);
-}
-
-// One chunk of up to 16 tokens for NG query heads (q, m, l, acc at those heads) of one KV head.
-template <typename KV, int64_t kD, int NG>
-void attend_chunk(const float* q, const KV* k, const KV* v, int64_t nt, int64_t token_stride,
-                  float* m, float* l, float* acc) {
-  __m512 parts[NG][16], s[NG];
-  chunk_products<KV, kD, NG>(q, k, nt, token_stride, parts);
-  for (int g = 0; g < NG; ++g) s[g] = sum_lanes16(parts[g]);
-  fold_chunk<KV, kD, NG>(s, v, nt, token_stride, m, l, acc);
-}
-
-// Many query heads on one KV head (a cascade group's rows over their shared pages): the chunk's
-// keys transposed once, kt[d] = the 16 tokens' d-th elements (zeros past nt), so each head's 16
-// scores are kD fused multiply-adds of its q[d] broadcast, with no transposing sum per head, and
-// six heads share each load of kt[d]. Per head and chunk that is kD FMAs, where the transposing
-// sum of `attend_chunk` added about as many instructions again. Tested against the reference
-// by the kernel's tests of several rows over the same pages (head dims 64 and 128).
-constexpr int kScoreRows = 6;
-
-template <typename KV, int64_t kD>
-void chunk_scores_many(const float* q, const KV* k, int64_t nt, int64_t token_stride, int64_t G,
-                       float* kt, __m512* s) {
-  for (int64_t t = 0; t < 16; ++t)
-    for (int64_t d = 0; d < kD; ++d)
-      kt[d * 16 + t] = t < nt ? static_cast<float>(k[t * token_stride + d]) : 0.f;
-  for (int64_t r0 = 0; r0 < G; r0 += kScoreRows) {
-    const int64_t nr = std::min<int64_t>(kScoreRows, G - r0);
-    __m512 a[kScoreRows];
-    for (int r = 0; r < kScoreRows; ++r) a[r] = _mm512_setzero_ps();
-    const float* qr = q + r0 * kD;
-    if (nr == kScoreRows) {
-      for (int64_t d = 0; d < kD; ++d) {
-        const __m512 ktd = _mm512_loadu_ps(kt + d * 16);
-        for (int r = 0; r < kScoreRows; ++r)
-          a[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r * kD + d]), ktd, a[r]);
-      }
-    } else {
-      for (int64_t d = 0; d < kD; ++d) {
-        const __m512 ktd = _mm512_loadu_ps(kt + d * 16);
-        for (int64_t r = 0; r < nr; ++r)
-          a[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r * kD + d]), ktd, a[r]);
-      }
-    }
-    for (int64_t r = 0; r < nr; ++r) s[r0 + r] = a[r];
-  }
 }
 
 // Share `pass` of `passes` of the lines of [span, span + bytes) asked into L2. Pages lie anywhere
@@ -169,8 +123,6 @@ inline void prefetch_part(const char* span, int64_t bytes, int64_t pass, int64_t
 // The group's query heads a pass: their q rows, partial products and outputs in registers.
 template <int64_t kD>
 constexpr int kHeadsPerPass = kD == 64 ? 4 : 2;
-// From this many query heads on one KV head, scores come from the transposed keys.
-constexpr int64_t kManyHeads = 8;
 
 template <typename KV, int64_t kD>
 void attend_pages_vec(const float* q, const KV* kv, const int32_t* pages, int64_t lo, int64_t hi,
@@ -183,10 +135,6 @@ void attend_pages_vec(const float* q, const KV* kv, const int32_t* pages, int64_
   std::fill(acc, acc + Hq * kD, 0.f);
   // A page's keys then values, contiguous: the span the next page's prefetch covers.
   const int64_t page_bytes = 2 * st.kv * static_cast<int64_t>(sizeof(KV));
-  // Many heads a KV head: scores from the chunk's keys transposed once (`chunk_scores_many`).
-  const bool many = G >= kManyHeads;
-  std::vector<float> kt(many ? kD * 16 : 0);
-  std::vector<__m512> scores(many ? G : 0);
   for (int64_t p = lo; p < hi; ++p) {
     const int64_t n = std::min(ps, kv_len - p * ps);
     const KV* k_page = kv + static_cast<int64_t>(pages[p]) * st.page;
@@ -202,22 +150,15 @@ void attend_pages_vec(const float* q, const KV* kv, const int32_t* pages, int64_
         const KV* k = k_page + t0 * st.token + h * st.head;
         const KV* v = v_page + t0 * st.token + h * st.head;
         if (next != nullptr) prefetch_part(next, page_bytes, pass, passes);
-        if (many) chunk_scores_many<KV, kD>(q + h * G * kD, k, nt, st.token, G, kt.data(),
-                                            scores.data());
         for (int64_t g0 = 0; g0 < G; g0 += NGmax) {
           const int64_t hq = h * G + g0;
           float *mg = m + hq, *lg = l + hq, *ag = acc + hq * kD;
           const float* qg = q + hq * kD;
-          const __m512* sg = scores.data() + g0;
-          switch (std::min<int64_t>(NGmax, G - g0) + (many ? 4 : 0)) {
+          switch (std::min<int64_t>(NGmax, G - g0)) {
             case 1: attend_chunk<KV, kD, 1>(qg, k, v, nt, st.token, mg, lg, ag); break;
             case 2: attend_chunk<KV, kD, 2>(qg, k, v, nt, st.token, mg, lg, ag); break;
             case 3: attend_chunk<KV, kD, 3>(qg, k, v, nt, st.token, mg, lg, ag); break;
-            case 4: attend_chunk<KV, kD, NGmax>(qg, k, v, nt, st.token, mg, lg, ag); break;
-            case 5: fold_chunk<KV, kD, 1>(sg, v, nt, st.token, mg, lg, ag); break;
-            case 6: fold_chunk<KV, kD, 2>(sg, v, nt, st.token, mg, lg, ag); break;
-            case 7: fold_chunk<KV, kD, 3>(sg, v, nt, st.token, mg, lg, ag); break;
-            default: fold_chunk<KV, kD, NGmax>(sg, v, nt, st.token, mg, lg, ag); break;
+            default: attend_chunk<KV, kD, NGmax>(qg, k, v, nt, st.token, mg, lg, ag); break;
           }
         }
       }
