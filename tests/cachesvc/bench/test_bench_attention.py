@@ -12,14 +12,16 @@ import pytest
 from cachesvc.bench.step.attention import LAYERS, PAGE, main
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 def test_small_grid_reports_each_fitting_cell_with_consistent_units(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rows: int
 ) -> None:
     path = tmp_path / "attention.json"
-    argv = ["--batches", "1,2", "--contexts", "16,100,200", "--threads", "1"]
+    argv = ["--batches", "1,2", "--contexts", "16,100,200", "--threads", "1", "--rows", str(rows)]
     argv += ["--repeats", "1", "--pool-blocks", "16", "--json", str(path)]
     assert main(argv) == 0
     report = json.loads(path.read_text())
+    assert report["rows"] == rows
     cells = report["cells"]
     # 2 x 200 tokens need 26 pages: more than the pool's 16, so that cell is left out.
     fits = [(b, c) for b in (1, 2) for c in (16, 100, 200) if b * -(-c // PAGE) <= 16]
