@@ -351,6 +351,7 @@ class Router:
                     if not prefilled:
                         prefilled = True
                         state.num_inflight_tokens -= uncached
+                        self.supervisor.poll_soon(decision.worker)  # its prompt's blocks
                     tick(delta.index, len(delta.token_ids))
                     if delta.usage is not None:
                         num_finished += 1

@@ -14,6 +14,7 @@ pool's `mark_*`), never once per failed poll.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ class Supervisor:
         self.pool = pool
         self.config = config
         self.replace = replace
+        self._wakes: dict[WorkerId, asyncio.Event] = {}  # per watch: poll now (`poll_soon`)
         self.num_replacements = 0
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -69,7 +71,26 @@ class Supervisor:
                 await self._check(state)
             except Exception:  # the watch must outlive any one failure
                 _log.exception("watching worker %s failed", state.worker_id)
-            await asyncio.sleep(self.config.poll_interval_s)
+            await self._pause(state)
+
+    def poll_soon(self, worker: WorkerId) -> None:
+        """Ping and poll `worker` now rather than at its next round (e.g. a request's prompt
+        was just computed there: its blocks reach the index at once, while the rounds of a
+        busy worker are `busy_poll_interval_s` apart). Rounds asked for meanwhile are one."""
+        wake = self._wakes.get(worker)
+        if wake is not None:
+            wake.set()
+
+    async def _pause(self, state: WorkerState) -> None:
+        """Until the next round: longer while the worker has requests, whose steps each round
+        of Ray calls takes CPU from; cut short by `poll_soon`."""
+        interval = self.config.poll_interval_s
+        if state.num_requests > 0:
+            interval = max(interval, self.config.busy_poll_interval_s)
+        wake = self._wakes.setdefault(state.worker_id, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), interval)
+        wake.clear()
 
     async def _check(self, state: WorkerState) -> None:
         """Ping, then poll when the ping answered and the worker is not stuck; settle a

@@ -95,10 +95,11 @@ def batch_shape(
     qo = [len(c.token_ids) for c in chunks]
     kv = [c.start_pos + len(c.token_ids) for c in chunks]
     decode = all(n == 1 for n in qo)
-    groups, prefix_lens = item_groups(chunks, block_size)
-    if decode:
+    if decode:  # decodes share cached pages only (item groups need a prefill)
         groups, pages = find_prefix_groups(qo, kv, tables, block_size)
         prefix_lens = [n * block_size for n in pages]
+    else:
+        groups, prefix_lens = item_groups(chunks, block_size)
     best = max(range(len(groups)), key=lambda g: len(groups[g]))
     members = groups[best]
     if len(members) < 2:

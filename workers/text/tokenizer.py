@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -21,6 +22,9 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
+
+from workers.text.byte_pieces import BYTE_SPELLING as _BYTE_SPELLING
+from workers.text.byte_pieces import byte_pieces
 
 
 class TokenizerError(ValueError):
@@ -123,6 +127,11 @@ class Tokenizer:
         vocabularies spell every byte or space; a tokenizer that drops whitespace can make a
         text longer than this bound suggests)."""
         return self._max_token_chars
+
+    @cached_property
+    def byte_pieces(self) -> tuple[bytes, ...] | None:
+        """Each id's bytes where the decoder is byte-level (`workers.text.byte_pieces`)."""
+        return byte_pieces(self._backend, self._special_ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of `ids`; an incomplete UTF-8 sequence decodes to U+FFFD."""
@@ -285,16 +294,6 @@ def _byte_level_backend(tokens: list[str], token_types: list[int], merges: list[
     return backend
 
 
-def _byte_spelling() -> list[str]:
-    """GPT-2's printable character for each byte value, indexed by byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    spelling = {b: chr(b) for b in printable}
-    shifted = (b for b in range(256) if b not in spelling)
-    spelling.update({b: chr(256 + n) for n, b in enumerate(shifted)})
-    return [spelling[b] for b in range(256)]
-
-
-_BYTE_SPELLING = _byte_spelling()
 _BYTE_ALPHABET = frozenset(_BYTE_SPELLING)
 
 
