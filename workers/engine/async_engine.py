@@ -94,8 +94,9 @@ class AsyncEngine:
         # Every engine call on one thread: each thread entering torch's OpenMP regions gets a
         # team of its own, and with asyncio.to_thread's pool five threads shared two cores.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        if engine.tokenizer is not None:  # the detokenizer's table (~0.1 s), before a request
-            self._thread.submit(lambda: engine.tokenizer and engine.tokenizer.byte_pieces)
+        tokenizer = engine.tokenizer
+        if tokenizer is not None:  # the detokenizer's table (~0.1 s), built before a request
+            self._thread.submit(lambda: tokenizer.byte_pieces)
 
     # ---- public API -------------------------------------------------------------------------
 

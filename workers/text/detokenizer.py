@@ -79,8 +79,8 @@ class IncrementalDetokenizer:
 
     def _add_bytes(self, ids: Sequence[int], pieces: Sequence[bytes]) -> str:
         # The pending bytes always start a character: what went before was emitted whole.
-        if any(not 0 <= i < len(pieces) for i in ids):
-            bad = next(i for i in ids if not 0 <= i < len(pieces))
+        bad = next((i for i in ids if not 0 <= i < len(pieces)), None)
+        if bad is not None:
             raise TokenizerError(f"token id {bad} is outside the vocabulary [0, {len(pieces)})")
         self._pending += b"".join(pieces[i] for i in ids)
         text = self._pending.decode(errors="replace")

@@ -20,6 +20,8 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.text.detokenizer import IncrementalDetokenizer
+
 # Inclusive clocks, one per wrapped part.
 _CLOCKS = (
     "step",
@@ -163,7 +165,10 @@ def instrument(engine: Any, clock: PhaseClock, backends: list[Any]) -> Iterator[
                 wrap(runner_module, name, "sampling")
                 break
         if engine.tokenizer is not None:
-            wrap(engine.tokenizer, "decode", "detokenize")
+            wrap(engine.tokenizer, "decode", "detokenize")  # a beam's text, the window path's
+            # The streams' detokenizers (their byte-level path calls no `decode`).
+            wrap(IncrementalDetokenizer, "add", "detokenize")
+            wrap(IncrementalDetokenizer, "finish", "detokenize")
         for backend in backends:
             wrap(backend, "plan", "layout")
             wrap(backend, "forward", "attention")
