@@ -79,6 +79,10 @@ class RouterConfig:
     # 6-8% from a two-core worker's prefill (docs/benchmarks/serve.md). The router counts what
     # it sent itself meanwhile (`WorkerState.num_inflight`), so routing does not wait on a poll.
     busy_poll_interval_s: float = 0.5
+    # Each worker's streams reach the router over one Ray stream, what a step gave them all in
+    # one item (`router/pool/worker_mux.py`), instead of a Ray stream per request whose every
+    # item costs both processes CPU that a small machine takes from the worker's steps.
+    multiplex_streams: bool = True
     call_timeout_s: float = 10.0
     max_missed_polls: int = 3
     # A ping is answered on a thread of its own, never behind a step: `max_missed_polls`

@@ -33,10 +33,12 @@ from cachesvc.kv.events_redis import EventStreamConfig
 from cachesvc.kv.index import IndexSnapshot
 from workers.config import EngineConfig
 from workers.deltas import ray_node, stream_delta
+from workers.mux import MuxTable
 from workers.protocol import (
     CacheHints,
     Heartbeat,
     HolderHint,
+    MuxBatch,
     PollResult,
     StreamDelta,
     StreamError,
@@ -114,6 +116,7 @@ class WorkerActor:
         self._publisher: StreamPublisher | None = None
         self._publishing: asyncio.Task[None] | None = None
         self._open: set[str] = set()  # request ids of open `generate` streams
+        self._muxes = MuxTable()  # by the routers' ids (`open_mux`)
         self._closed = False
         self._ticking: asyncio.Task[None] | None = None
         self._last_tick: float | None = None  # monotonic; read by `ping` from its own thread
@@ -219,6 +222,40 @@ class WorkerActor:
             self._open.discard(request_id)
             if hold_kv and not pulled:  # aborted, failed or stopped: no pull will come
                 self._release_hold(prompt_ids, cache_salt)
+
+    async def open_mux(self, mux_id: str) -> AsyncIterator[MuxBatch]:
+        """The deltas of every stream `submit`ted under `mux_id`, a batch per step (call with
+        num_returns="streaming"; `workers/mux.py`). Ends when the worker closes; cancelling it
+        aborts its streams."""
+        self._ensure_tasks()
+        mux = self._muxes.get(mux_id)
+        try:
+            if mux is not None:
+                async for batch in mux.batches():
+                    yield batch
+        finally:
+            self._muxes.end(mux_id)
+
+    async def submit(
+        self,
+        mux_id: str,
+        key: int,
+        prompt_ids: list[int],
+        params: dict[str, Any],
+        request_id: str,
+        cache_salt: str | None,
+        holder: HolderHint | None = None,
+        hold_kv: bool = False,
+        cache: CacheHints | None = None,
+    ) -> bool:
+        """`generate`, its items sent under `key` through the mux `mux_id` (opened before or
+        after this call) and followed by the stream's end; False when that mux has ended."""
+        mux = self._muxes.get(mux_id)
+        if mux is None:
+            return False
+        args = (prompt_ids, params, request_id, cache_salt, holder, hold_kv, cache)
+        mux.run(key, self.generate(*args))
+        return True
 
     async def release_hold(self, prompt_ids: list[int], cache_salt: str | None) -> None:
         """Unpin the prompt kept for a hand-off's pull (`hold_kv`): the pull is over, or the
@@ -356,6 +393,7 @@ class WorkerActor:
         # Between steps, in a thread (an NVMe flush blocks): no step runs while tiers close.
         await self._engine.run_exclusive(self._close_engine)
         await self._engine.shutdown()
+        self._muxes.end_all()  # their routers see the end of the stream
         if self._publisher is None:
             return True
         return await asyncio.to_thread(self._publisher.close, timeout_s)

@@ -190,7 +190,13 @@ class StreamDelta:
 @dataclass(frozen=True)
 class StreamError:
     """A request the worker refused; `code` is invalid_argument | resource_exhausted |
-    unimplemented, or internal: the engine failed while serving this request alone."""
+    unimplemented, or internal: the engine failed while serving this request alone; or, through
+    a mux only, unavailable: the worker failed the stream (the router retries it elsewhere)."""
 
     code: str
     message: str
+
+
+# One item of a worker's mux (`workers/mux.py`): (the router's key of a stream, its next item),
+# in order; None is the stream's end.
+MuxBatch = list[tuple[int, StreamDelta | StreamError | None]]
