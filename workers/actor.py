@@ -10,10 +10,8 @@ the actor's event loop has not turned (a tick on the loop every `_TICK_S`): the 
 long step from a hang by that, not by a timeout. `poll` never waits for a step either: it
 answers with the load and events of the last step boundary.
 
-KV events are numbered by the engine and collected here at every step boundary. They are kept
-in a bounded buffer that `poll` answers from, and, when the worker was given an `EventStreamConfig`,
-also handed to a `StreamPublisher` that writes them to the worker's Redis Stream from its own
-thread (collected every few milliseconds, so a router following the stream needs no poll).
+KV events are numbered by the engine and collected at every step boundary
+(`workers/event_buffer.py`); the operator's cache calls are `workers/cache_ops.py`'s.
 """
 
 from __future__ import annotations
@@ -23,16 +21,16 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from cachesvc.kv.block_pool import NoFreeBlocksError
-from cachesvc.kv.events import Event
 from cachesvc.kv.events_redis import EventStreamConfig
 from cachesvc.kv.index import IndexSnapshot
+from workers.cache_ops import CacheOps
 from workers.config import EngineConfig
 from workers.deltas import ray_node, stream_delta
+from workers.event_buffer import EventBuffer
 from workers.mux import MuxTable
 from workers.protocol import (
     CacheHints,
@@ -42,8 +40,6 @@ from workers.protocol import (
     PollResult,
     StreamDelta,
     StreamError,
-    TenantBlocks,
-    TenantQuota,
     WorkerInfo,
     WorkerLoad,
 )
@@ -52,7 +48,6 @@ from workers.reports import index_snapshot, worker_load
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from cachesvc.kv.events_redis import StreamPublisher
     from workers.engine.async_engine import AsyncEngine
     from workers.engine.engine import Engine
     from workers.peer.export import ChunkExporter
@@ -71,14 +66,12 @@ def _exporter(engine: AsyncEngine, config: EngineConfig) -> ChunkExporter:
     return ChunkExporter(engine, chunk_key(key), config.peer_digest, ray_node()["node_id"])
 
 
-_MAX_BUFFERED_EVENTS = 65536
-_PUBLISH_INTERVAL_S = 0.01  # how often new events are looked for, when a stream is configured
 _TICK_S = 0.1  # how often the event loop notes that it turns, for `ping`
 LIVENESS_GROUP = "liveness"  # the Ray concurrency group `ping` runs in
 _log = logging.getLogger(__name__)
 
 
-class WorkerActor:
+class WorkerActor(CacheOps):
     """One model replica. Create it through `spawn_worker`; every method is async."""
 
     def __init__(
@@ -107,32 +100,30 @@ class WorkerActor:
         # Serves peers' pulls of this worker's KV (`export_chunk`), whether or not it pulls.
         self._exporter: ChunkExporter = _exporter(self._engine, config)
         self._prefetcher = Prefetcher(self._engine)  # a hand-off's pull while its prefill runs
+        publisher = None
+        if event_stream is not None:
+            from cachesvc.kv.events_redis import StreamPublisher
+
+            publisher = StreamPublisher.from_config(event_stream, worker_id)
+        self._events = EventBuffer(uuid.uuid4().hex, publisher)
         # What a step changed reaches `poll` at its end: a poll never waits for a step.
-        self._engine.at_boundary(self._collect_events)
+        self._engine.at_boundary(self._events.collect)
         self._max_queued = max_queued_requests
-        # Events are kept (not drained away) so that several routers can follow one worker.
-        self._events: deque[Event] = deque(maxlen=_MAX_BUFFERED_EVENTS)
-        self._next_seq = 0  # of the next event to collect
-        self._publisher: StreamPublisher | None = None
         self._publishing: asyncio.Task[None] | None = None
         self._open: set[str] = set()  # request ids of open `generate` streams
         self._muxes = MuxTable()  # by the routers' ids (`open_mux`)
         self._closed = False
         self._ticking: asyncio.Task[None] | None = None
         self._last_tick: float | None = None  # monotonic; read by `ping` from its own thread
-        if event_stream is not None:
-            from cachesvc.kv.events_redis import StreamPublisher
-
-            self._publisher = StreamPublisher.from_config(event_stream, worker_id)
         self._info = WorkerInfo(
             worker_id=worker_id,
-            incarnation=uuid.uuid4().hex,
+            incarnation=self._events.incarnation,
             model_fingerprint=engine.loaded.fingerprint,
             block_size=config.block_size,
             vocab_size=engine.loaded.config.vocab_size,
             max_model_len=engine.max_model_len,
             device=config.device,
-            event_stream=None if self._publisher is None else self._publisher.key,
+            event_stream=None if publisher is None else publisher.key,
             actor_name=actor_name,
             **ray_node(),
             role=config.role,
@@ -335,47 +326,16 @@ class WorkerActor:
         resync from `snapshot`); None asks for no events (the caller follows the stream).
         Never waits for a step: while one runs, the answer is as of the last step boundary."""
         self._ensure_tasks()
-        self._engine.try_call(self._collect_events)
-        events = () if since_seq is None else self._events_since(since_seq)
-        return PollResult(self._info.incarnation, self._load(), events, self._next_seq)
+        self._engine.try_call(self._events.collect)
+        events = () if since_seq is None else self._events.since(since_seq)
+        return PollResult(self._info.incarnation, self._load(), events, self._events.next_seq)
 
     async def snapshot(self) -> IndexSnapshot:
         """Every block hash held, per tier, consistent with the event numbering."""
         return await self._engine.call(self._snapshot)
 
-    async def flush(self) -> int:
-        """Drop every cached device block no running request uses, without demoting it to the
-        lower tiers (`Engine.flush`); returns how many were dropped."""
-        return await self._engine.call(lambda e: e.flush())
-
-    async def purge(self) -> dict[str, int]:
-        """Drop everything this worker holds in every tier, this model's Redis blocks included
-        (`Engine.purge`); returns how many blocks each tier dropped, by tier name."""
-        return await self._engine.run_exclusive(lambda e: e.purge())
-
-    async def set_quotas(self, quotas: dict[str, TenantQuota]) -> None:
-        """Tenants' soft shares and retention budgets, in every tier (`CacheAdmin`)."""
-        await self._engine.call(lambda e: e.cache_admin.set_quotas(quotas))
-
-    async def close_session(self, tenant: str, session_id: str) -> int:
-        """End the retentions of a tenant's session in every tier; returns how many blocks."""
-        return await self._engine.call(lambda e: e.cache_admin.close_session(tenant, session_id))
-
-    async def tenant_usage(self) -> dict[str, dict[str, TenantBlocks]]:
-        """Per tier name, each tenant's cached and retained blocks."""
-        return await self._engine.call(lambda e: e.cache_admin.tenant_blocks())
-
     async def stats(self) -> WorkerLoad:
         return self._load()
-
-    async def peer_stats(self) -> dict[str, int]:
-        """Blocks landed from peers, and pulls whose peer did not answer (computed instead)."""
-        tiering = self._engine.engine.tiering
-        stats = None if tiering is None or tiering.peers is None else tiering.peers.stats
-        return {
-            "pulled_blocks": 0 if stats is None else stats.pulled_blocks,
-            "pull_failures": 0 if stats is None else stats.failures,
-        }
 
     async def close(self, timeout_s: float = 30.0) -> bool:
         """Stop serving: abort open requests, stop the engine loop, close the tiers
@@ -394,30 +354,16 @@ class WorkerActor:
         await self._engine.run_exclusive(self._close_engine)
         await self._engine.shutdown()
         self._muxes.end_all()  # their routers see the end of the stream
-        if self._publisher is None:
+        publisher = self._events.publisher
+        if publisher is None:
             return True
-        return await asyncio.to_thread(self._publisher.close, timeout_s)
+        return await asyncio.to_thread(publisher.close, timeout_s)
 
     # ---- helpers ----------------------------------------------------------------------------
 
     def _close_engine(self, engine: Engine) -> None:
         engine.close()
-        self._collect_events(engine)  # what closing the tiers changed, for the last readers
-
-    def _collect_events(self, engine: Engine) -> None:
-        events = engine.pool.events.drain()
-        self._events.extend(events)
-        self._next_seq = engine.pool.events.next_seq
-        if self._publisher is not None:
-            self._publisher.publish(self._info.incarnation, events)
-
-    def _events_since(self, since_seq: int) -> tuple[Event, ...]:
-        newer: list[Event] = []
-        for event in reversed(self._events):  # newest first: a poll asks for few events
-            if event.seq < since_seq:
-                break
-            newer.append(event)
-        return tuple(reversed(newer))
+        self._events.collect(engine)  # what closing the tiers changed, for the last readers
 
     def _ensure_tasks(self) -> None:
         """Start the loop's tick and the task that collects events for the stream (on the
@@ -425,30 +371,18 @@ class WorkerActor:
         loop = asyncio.get_running_loop()
         if self._ticking is None or self._ticking.done():
             self._ticking = loop.create_task(self._tick_forever())
-        if self._publisher is None or self._closed:
+        if self._events.publisher is None or self._closed:
             return
         if self._publishing is None or self._publishing.done():
-            self._publishing = loop.create_task(self._publish_forever())
+            self._publishing = loop.create_task(self._events.publish_forever(self._engine))
 
     async def _tick_forever(self) -> None:
         while True:
             self._last_tick = time.monotonic()
             await asyncio.sleep(_TICK_S)
 
-    async def _publish_forever(self) -> None:
-        log = self._engine.engine.pool.events
-        while True:
-            await asyncio.sleep(_PUBLISH_INTERVAL_S)
-            # Reading the counter while a step runs is safe (one int); collecting waits for
-            # the step to end, so events leave at most a step plus this interval late.
-            if log.next_seq != self._next_seq:
-                try:
-                    await self._engine.call(self._collect_events)
-                except Exception:
-                    _log.exception("collecting KV events failed")
-
     def _snapshot(self, engine: Engine) -> IndexSnapshot:
-        self._collect_events(engine)
+        self._events.collect(engine)
         return index_snapshot(engine, self._info.incarnation)
 
     def _load(self) -> WorkerLoad:
