@@ -12,7 +12,8 @@ from typing import Any
 
 from cachesvc.kv.types import WorkerId
 from router.domain import TenantUsage, Unavailable, WorkerStatus
-from router.pool.worker_pool import WorkerDied, WorkerPool
+from router.pool.worker_errors import WorkerDied
+from router.pool.worker_pool import WorkerPool
 from router.pool.worker_state import Health
 from router.response_cache.cache import ResponseCache
 from workers.protocol import TenantBlocks, TenantQuota

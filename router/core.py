@@ -45,7 +45,8 @@ from router.metrics import RequestOutcome, RouterMetrics
 from router.policy.admission import admission_of
 from router.policy.routing import Policy, RouteDecision
 from router.pool.supervisor import Replace, Supervisor
-from router.pool.worker_pool import WorkerDied, WorkerPool
+from router.pool.worker_errors import WorkerDied
+from router.pool.worker_pool import WorkerPool
 from router.request.affinity import scoped_key
 from router.request.cache_hints import cache_hints, check_retention
 from router.request.disagg import Disaggregation

@@ -261,6 +261,14 @@ class WorkerActor(CacheOps):
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
 
+    async def cancel_stream(self, mux_id: str, key: int, request_id: str) -> None:
+        """Stop the stream `key` of the mux `mux_id` (`submit`), even one whose `submit` has
+        not arrived yet, and abort its request."""
+        mux = self._muxes.find(mux_id)
+        if mux is not None:
+            mux.cancel(key)
+        await self._engine.abort(request_id)
+
     async def export_chunk(
         self,
         prompt_ids: Sequence[int],

@@ -30,16 +30,29 @@ class DeltaMux:
     def __init__(self) -> None:
         self._items: MuxBatch = []
         self._ready = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[int, asyncio.Task[None]] = {}  # by key, while running
+        self._dropped: deque[int] = deque(maxlen=1024)  # keys cancelled before they ran
         self._closed = False
 
     def run(self, key: int, deltas: AsyncIterator[StreamDelta | StreamError]) -> None:
         """Send every item of `deltas` under `key`, then the stream's end (`None`). An
         exception it raises ends the stream with an "unavailable" error: the router treats the
-        request as one a failing worker dropped, as it treats a failed Ray call."""
+        request as one a failing worker dropped, as it treats a failed Ray call. Nothing runs
+        when `key` was cancelled already."""
+        if key in self._dropped:
+            return
         task = asyncio.get_running_loop().create_task(self._pump(key, deltas))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[key] = task
+        task.add_done_callback(lambda _: self._tasks.pop(key, None))
+
+    def cancel(self, key: int) -> None:
+        """Stop the stream `key` (its request is aborted as the stream closes), or, when it has
+        not come yet, keep it from running: the router's cancel may overtake its `submit`."""
+        task = self._tasks.get(key)
+        if task is not None:
+            task.cancel()
+        else:
+            self._dropped.append(key)
 
     async def batches(self) -> AsyncIterator[MuxBatch]:
         """Every batch of items, in the order they were pushed, until `close`."""
@@ -54,7 +67,7 @@ class DeltaMux:
         """End `batches` and cancel the streams still running (their requests are aborted)."""
         self._closed = True
         self._ready.set()
-        for task in list(self._tasks):
+        for task in list(self._tasks.values()):
             task.cancel()
 
     async def _pump(self, key: int, deltas: AsyncIterator[StreamDelta | StreamError]) -> None:
@@ -85,6 +98,10 @@ class MuxTable:
         if mux_id in self._ended:
             return None
         return self._open.setdefault(mux_id, DeltaMux())
+
+    def find(self, mux_id: str) -> DeltaMux | None:
+        """The open mux `mux_id`, if there is one (none is opened)."""
+        return self._open.get(mux_id)
 
     def end(self, mux_id: str) -> None:
         """Close the mux `mux_id` (its streams are cancelled); a later `get` answers None."""

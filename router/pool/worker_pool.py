@@ -15,47 +15,32 @@ count. Ray is imported only inside the methods that call it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, NoReturn, TypeVar
+from typing import Any
 
 from cachesvc.kv.index import PrefixIndex
 from cachesvc.kv.types import WorkerId
 from router.config import RouterConfig
-from router.domain import Exhausted, InvalidInput, RequestFailed, Unimplemented
 from router.pool.events_source import EventSource, make_event_source
 from router.pool.ghosts import GhostRecord
 from router.pool.index_sync import IndexSync
 from router.pool.ray_failures import Failure, actor_state, classify, off_loop, ray_error_types
-from router.pool.worker_mux import MuxEnded, WorkerMux
+from router.pool.worker_errors import WorkerDied
+from router.pool.worker_mux import WorkerMux
 from router.pool.worker_state import Health, WorkerState
+from router.pool.worker_streams import StreamCalls
 from workers.protocol import (
-    CacheHints,
     Heartbeat,
-    HolderHint,
     PollResult,
-    StreamDelta,
-    StreamError,
     TenantQuota,
     WorkerInfo,
     WorkerLoad,
 )
 
 _log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-class WorkerDied(Exception):
-    """The worker failed during a call (died, restarting, unreachable or frozen)."""
-
-    def __init__(self, worker: WorkerId, started: bool) -> None:
-        super().__init__(f"worker {worker} died")
-        self.worker = worker
-        self.started = started  # True once the worker sent back part of the answer
 
 
 @dataclass(frozen=True)
@@ -68,32 +53,7 @@ class ModelInfo:
     max_model_len: int
 
 
-_ERRORS = {
-    "invalid_argument": InvalidInput,
-    "resource_exhausted": Exhausted,
-    "internal": RequestFailed,
-}
-
-
-def _refused_to_queue(
-    queue: asyncio.Queue[Any], worker: str, submitted: asyncio.Future[bool]
-) -> None:
-    """A `submit` that failed, or found its mux ended, ends its stream with the error."""
-    if submitted.cancelled():
-        return
-    failure = submitted.exception()
-    if failure is None and not submitted.result():
-        failure = MuxEnded(f"{worker} has ended the mux")
-    if failure is not None:
-        queue.put_nowait(failure)
-
-
-def raise_stream_error(error: StreamError) -> NoReturn:
-    """Turn a worker's refusal into the router's typed error."""
-    raise _ERRORS.get(error.code, Unimplemented)(error.message)
-
-
-class WorkerPool:
+class WorkerPool(StreamCalls):
     """Owns the worker handles, their health and the calls to them; keeps `index` in step with
     their events through its `IndexSync`."""
 
@@ -117,7 +77,7 @@ class WorkerPool:
         # The tenants' quotas every worker is given when it joins (`set_quotas`); the router's
         # `QuotaTable` replaces it. Empty: none to give (a worker of an older build still joins).
         self.quotas: dict[str, TenantQuota] = {}
-        self._muxes: dict[WorkerId, WorkerMux] = {}  # `multiplex_streams`: each worker's
+        self._muxes: dict[WorkerId, WorkerMux] = {}  # each worker's (`multiplex_streams`)
 
     @property
     def ghosts(self) -> GhostRecord:
@@ -207,138 +167,6 @@ class WorkerPool:
         return [s for s in self._workers.values() if s.health is Health.HEALTHY]
 
     # ---- calls ------------------------------------------------------------------------------
-
-    async def stream(
-        self,
-        worker: WorkerId,
-        prompt_ids: list[int],
-        params: dict[str, Any],
-        request_id: str,
-        cache_salt: str | None,
-        holder: HolderHint | None = None,
-        hold_kv: bool = False,
-        cache: CacheHints | None = None,
-    ) -> AsyncGenerator[StreamDelta, None]:
-        """Forward a request and stream its deltas; raises WorkerDied (the worker failed, or
-        stopped answering pings while the stream waited), or the router's typed error for a
-        refusal. Closing the iterator early cancels the request on the worker. `holder` names
-        a worker with a longer prefix of the prompt to pull from; `hold_kv` tells the worker
-        another will pull this prompt's KV (a hand-off's prefill); `cache`, the request's
-        explicit cache controls (`router.request.cache_hints`)."""
-
-        state = self._workers[worker]
-        # The hint goes only when there is one, so a worker of an older build still answers.
-        extra = () if holder is None else (holder,)
-        kwargs: dict[str, Any] = {"hold_kv": True} if hold_kv else {}
-        if cache is not None and cache != CacheHints():
-            kwargs["cache"] = cache  # likewise: only when the request has controls
-        args = (prompt_ids, params, request_id, cache_salt, *extra)
-        if self.config.multiplex_streams and hasattr(state.actor, "open_mux"):
-            deltas = self._muxed(state, args, kwargs)
-        else:
-            deltas = self._own_stream(state, args, kwargs)
-        async with contextlib.aclosing(deltas):
-            async for delta in deltas:
-                yield delta
-
-    async def _own_stream(
-        self, state: WorkerState, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> AsyncGenerator[StreamDelta, None]:
-        """The request on a Ray stream of its own (`WorkerActor.generate`)."""
-        import ray
-
-        actor, request_id = state.actor, args[2]
-        gen = actor.generate.options(num_returns="streaming").remote(*args, **kwargs)
-        started = done = False
-        try:
-            while (ref := await self._next_ref(state, gen, started)) is not None:
-                item = await ref
-                if isinstance(item, StreamError):
-                    done = True
-                    raise_stream_error(item)
-                started = True
-                yield item
-            done = True
-        except ray_error_types() as exc:
-            done = True
-            await self.failed(state.worker_id, exc)
-            raise WorkerDied(state.worker_id, started) from exc
-        finally:
-            if not done:
-                ray.cancel(gen)
-                actor.abort.remote(request_id)
-
-    async def _muxed(
-        self, state: WorkerState, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> AsyncGenerator[StreamDelta, None]:
-        """The request on the worker's mux (`router/pool/worker_mux.py`, `WorkerActor.submit`)."""
-        worker, actor, request_id = state.worker_id, state.actor, args[2]
-        mux = self._muxes.get(worker)
-        if mux is None or mux.spent or mux.actor is not actor:
-            if mux is not None:
-                mux.close()
-            mux = self._muxes[worker] = WorkerMux(actor)
-        key, queue = mux.open()
-        # Not awaited: its answer matters only when it is a failure, which then comes first.
-        submitted = asyncio.ensure_future(actor.submit.remote(mux.mux_id, key, *args, **kwargs))
-        submitted.add_done_callback(partial(_refused_to_queue, queue, f"worker {worker}"))
-        started = done = False
-        try:
-            while True:
-                item = (
-                    queue.get_nowait()
-                    if queue.qsize()
-                    else await self._waited(state, queue.get(), started)
-                )
-                if item is None:
-                    done = True
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, StreamError):
-                    done = True
-                    if item.code == "unavailable":  # the worker failed the stream: fail over
-                        _log.warning("worker %s failed a stream: %s", worker, item.message)
-                        raise WorkerDied(worker, started)
-                    raise_stream_error(item)
-                started = True
-                yield item
-        except ray_error_types() as exc:
-            done = True
-            await self.failed(worker, exc)
-            raise WorkerDied(worker, started) from exc
-        except MuxEnded as exc:
-            done = True
-            raise WorkerDied(worker, started) from exc
-        finally:
-            mux.forget(key)
-            submitted.cancel()
-            if not done:
-                actor.abort.remote(request_id)
-
-    async def _next_ref(self, state: WorkerState, gen: Any, started: bool) -> Any:
-        """The stream's next object ref, None at its end (`_waited`)."""
-        try:
-            return await self._waited(state, gen.__anext__(), started)
-        except StopAsyncIteration:
-            return None
-
-    async def _waited(self, state: WorkerState, next_item: Awaitable[T], started: bool) -> T:
-        """`next_item`'s result. A slow step is waited for as long as the worker answers pings;
-        once the supervisor finds it unhealthy (frozen, or its process gone) the stream fails
-        over instead of waiting for it."""
-        pending = asyncio.ensure_future(next_item)
-        try:
-            while True:
-                done, _ = await asyncio.wait({pending}, timeout=self.config.stall_check_s)
-                if done:
-                    break
-                if state.health is not Health.HEALTHY:
-                    raise WorkerDied(state.worker_id, started)
-        except BaseException:
-            pending.cancel()
-            raise
-        return pending.result()
 
     async def call(self, worker: WorkerId, method: str, *args: Any) -> Any:
         """Call a unary actor method; raises WorkerDied when the worker failed."""

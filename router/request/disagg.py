@@ -43,7 +43,8 @@ from router.policy.handoff_cost import HANDOFF_FIXED_PRIOR_S, HandoffCost
 from router.policy.pd import PREFILL, SERVING_ROLES, SLO, PDDecision, decide, with_answers
 from router.policy.pd_pick import PrefillShare, fastest_prefill, pick_decode, pick_prefill
 from router.policy.routing import RouteDecision
-from router.pool.worker_pool import WorkerDied, WorkerPool
+from router.pool.worker_errors import WorkerDied
+from router.pool.worker_pool import WorkerPool
 from router.pool.worker_state import WorkerState
 from router.request.handoff import Handoff
 from router.request.pd_sides import Seen, decode_load, decode_side, prefill_side

@@ -10,7 +10,8 @@ import dataclasses
 
 from cachesvc.kv.types import WorkerId
 from router.domain import InvalidInput, ScoreInput, ScoreResult, Unavailable
-from router.pool.worker_pool import WorkerDied, WorkerPool, raise_stream_error
+from router.pool.worker_errors import WorkerDied, raise_stream_error
+from router.pool.worker_pool import WorkerPool
 from router.request.placement import Placement
 from router.request.prompts import Prompts
 from workers.protocol import StreamError

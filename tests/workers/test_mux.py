@@ -118,3 +118,29 @@ def test_a_mux_is_one_whoever_asks_first_and_none_once_ended() -> None:
         assert table.get("router-b") is None
 
     asyncio.run(scenario())
+
+
+def test_a_stream_cancelled_before_it_came_never_runs_and_one_running_is_closed() -> None:
+    started: list[int] = []
+    closed: list[int] = []
+
+    async def deltas(key: int) -> AsyncIterator[StreamDelta]:
+        started.append(key)
+        try:
+            while True:
+                yield StreamDelta(0, (key,), "")
+                await asyncio.sleep(0.01)
+        finally:
+            closed.append(key)
+
+    async def scenario() -> None:
+        mux = DeltaMux()
+        mux.cancel(7)  # the router's cancel overtook the submit
+        mux.run(7, deltas(7))
+        mux.run(8, deltas(8))
+        await asyncio.sleep(0.05)
+        mux.cancel(8)
+        await asyncio.sleep(0.05)
+
+    asyncio.run(scenario())
+    assert started == [8] and closed == [8]

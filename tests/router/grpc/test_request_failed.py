@@ -10,7 +10,7 @@ import pytest
 from router.domain import RequestFailed
 from router.grpc.calls import status_of as _status_of
 from router.http.errors import from_router_error
-from router.pool.worker_pool import raise_stream_error
+from router.pool.worker_errors import raise_stream_error
 from workers.protocol import StreamError
 
 MESSAGE = "the request failed on worker worker-0: ZeroDivisionError: float division by zero"
