@@ -227,25 +227,14 @@ class WorkerActor(CacheOps):
         finally:
             self._muxes.end(mux_id)
 
-    async def submit(
-        self,
-        mux_id: str,
-        key: int,
-        prompt_ids: list[int],
-        params: dict[str, Any],
-        request_id: str,
-        cache_salt: str | None,
-        holder: HolderHint | None = None,
-        hold_kv: bool = False,
-        cache: CacheHints | None = None,
-    ) -> bool:
-        """`generate`, its items sent under `key` through the mux `mux_id` (opened before or
-        after this call) and followed by the stream's end; False when that mux has ended."""
+    async def submit(self, mux_id: str, key: int, *args: Any, **kwargs: Any) -> bool:
+        """`generate(*args, **kwargs)`, its items sent under `key` through the mux `mux_id`
+        (opened before or after this call) and followed by the stream's end; False when that
+        mux has ended."""
         mux = self._muxes.get(mux_id)
         if mux is None:
             return False
-        args = (prompt_ids, params, request_id, cache_salt, holder, hold_kv, cache)
-        mux.run(key, self.generate(*args))
+        mux.run(key, self.generate(*args, **kwargs))
         return True
 
     async def release_hold(self, prompt_ids: list[int], cache_salt: str | None) -> None:
