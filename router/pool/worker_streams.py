@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from functools import partial
 from typing import Any, TypeVar
 
@@ -44,8 +44,7 @@ class StreamCalls:
     _workers: dict[WorkerId, WorkerState]
     _muxes: dict[WorkerId, WorkerMux]
 
-    async def failed(self, worker: WorkerId, exc: BaseException) -> None:
-        raise NotImplementedError
+    failed: Callable[[WorkerId, BaseException], Awaitable[None]]  # `WorkerPool.failed`
 
     async def stream(
         self,
