@@ -1,13 +1,13 @@
 """Many streams of a worker over one Ray stream: what every request of one router got from a
 step, sent as one item.
 
-A Ray streaming call per request costs the worker about 0.4 ms of CPU for every item it yields
-(the object is stored and reported to its owner on its own), and the router as much again to take
-it: at 16 streams that is 16 items a step, whose CPU on a small machine comes out of the step's
-own cores. A router instead opens one `DeltaMux` per worker (`WorkerActor.open_mux`) and
-`submit`s its requests to it; their deltas, keyed by a number the router chose, are gathered
-here and leave as one batch per step, since every stream a step advanced is woken by that
-step and pushes its delta before the mux's reader runs again.
+A Ray streaming call per request costs the worker CPU for every item it yields (the object is
+stored and reported to its owner on its own), and the router CPU again to take it: at 16
+streams that is 16 items a step, whose CPU on a small machine comes out of the step's own cores
+(docs/benchmarks/serve.md measures it). A router instead opens one `DeltaMux` per worker
+(`WorkerActor.open_mux`) and `submit`s its requests to it; their deltas, keyed by a number the
+router chose, are gathered here and leave as one batch per step, since every stream a step
+advanced is woken by that step and pushes its delta before the mux's reader runs again.
 
 The worker side only: the router's is `router/pool/worker_mux.py`.
 """
