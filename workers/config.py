@@ -44,6 +44,9 @@ class EngineConfig:
     attention_backend: str = "torch"
     max_model_len: int | None = None
     num_threads: int | None = None
+    # On a CPU device, keep the memory a step frees in the process's heap for the next step
+    # instead of mapping it anew (workers/kernels/heap.py). Process-wide once on.
+    retain_freed_heap: bool = True
     tiers: TierConfig = field(default_factory=TierConfig)
     # Let the load planner pull a prefix's blocks from the worker the router names as holding
     # more of it, when its calibrated cost beats computing them (a peer is one more source, like

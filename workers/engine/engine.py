@@ -37,6 +37,7 @@ from workers.engine.scoring import encode_input, validate
 from workers.engine.scoring import score as run_score
 from workers.engine.suspects import Verdict
 from workers.engine.tracking import Tracked, beam_snapshot, snapshot
+from workers.kernels.heap import retain_freed_heap
 from workers.model.loader import LoadedModel, load_model
 from workers.protocol import CacheHints
 from workers.sampling_params import SamplingParams
@@ -68,6 +69,8 @@ class Engine:
     ) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.retain_freed_heap and torch.device(config.device).type == "cpu":
+            retain_freed_heap()
         self.config = config
         self.loaded = loaded or load_model(
             config.model, dtype=_DTYPES[config.dtype], device=config.device
