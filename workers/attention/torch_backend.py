@@ -9,8 +9,9 @@ Decode requests (one new token each) attend on CPU straight over their pages, th
 paged-decode kernel (`paged_decode.py`): the context's KV is read once per layer, not copied
 first. Where the kernel cannot be built (no compiler), on other devices, or with
 `decode_in_place=False`, they are gathered page by page into padded batches of similar lengths,
-each attended in a single call. Prefill requests are gathered and attended one at a time, since
-their query lengths differ.
+each attended in a single call. Prefill requests are attended one at a time, since their query
+lengths differ: a prompt with no cached tokens over the keys/values `write_kv` was just given for
+this layer (the same values the cache now holds), one with cached tokens over its pages gathered.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from workers.attention.base import Attention, AttentionBackend, AttentionLayout, kernel_layout
+from workers.attention.base import (
+    Attention,
+    AttentionBackend,
+    AttentionLayout,
+    StepLayout,
+    kernel_layout,
+)
 from workers.attention.layout import BatchLayout
 from workers.attention.ops import attend, attend_padded
 from workers.attention.paged_decode import load as load_paged_decode
@@ -214,11 +221,23 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self, *, decode_in_place: bool = True) -> None:
         self._planned: tuple[BatchLayout, _Plan] | None = None
+        # The last `write_kv`'s cache, layout, keys and values: the layer's own fresh rows.
+        self._fresh: tuple[torch.Tensor, BatchLayout, Tensor, Tensor] | None = None
         self.decode_in_place = decode_in_place
         if decode_in_place:
             # Build (or load) the kernel now, while the engine starts, not inside the first
             # decode step: a worker compiling there looks busy and routing moves its prefixes.
             load_paged_decode()
+
+    def write_kv(
+        self, kv_cache: torch.Tensor, layout: BatchLayout | StepLayout, k: Tensor, v: Tensor
+    ) -> None:
+        super().write_kv(kv_cache, layout, k, v)
+        # The rows as written: a step layout attending over another layout (a scheme's) does
+        # not match it below, and gathers.
+        batch = layout if isinstance(layout, BatchLayout) else layout.batch
+        fits = k.dtype == v.dtype == kv_cache.dtype
+        self._fresh = (kv_cache, batch, k, v) if fits else None
 
     def plan(self, layout: AttentionLayout) -> None:
         # Only plain paged attention has gather tables; a cascade's levels plan at first use.
@@ -253,13 +272,28 @@ class TorchBackend(AttentionBackend):
             # them, in place, where the gather path copies them out first.
             paged_decode(q, kv_cache, layout.kv_indices, plan.rows_table(), sm_scale, out, lse)
             prefills = []
+        fresh = self._fresh_rows(kv_cache, layout)
         for p in prefills:
-            k, v = self.read_pages(p.gather, kv_cache)
-            # Cutting the tail of the last page off also aligns the causal diagonal to kv_len.
-            n = p.kv_len
-            o, s = attend(q[p.rows], k[0, :n], v[0, :n], sm_scale=sm_scale, causal=layout.causal)
+            if fresh is not None and p.kv_len == p.rows.stop - p.rows.start:
+                # No cached tokens: its keys are the rows just written, no pages to gather.
+                k, v = fresh[0][p.rows], fresh[1][p.rows]
+            else:
+                gathered_k, gathered_v = self.read_pages(p.gather, kv_cache)
+                # Cutting the tail of the last page off also aligns the causal diagonal.
+                k, v = gathered_k[0, : p.kv_len], gathered_v[0, : p.kv_len]
+            o, s = attend(q[p.rows], k, v, sm_scale=sm_scale, causal=layout.causal)
             out[p.rows], lse[p.rows] = o, s
         return (out, lse) if return_lse else out
+
+    def _fresh_rows(
+        self, kv_cache: torch.Tensor, layout: BatchLayout
+    ) -> tuple[Tensor, Tensor] | None:
+        """This layer's keys and values as `write_kv` took them, where it wrote this layout's
+        rows into this cache (the model's order: write, then attend); else None."""
+        fresh = self._fresh
+        if fresh is None or fresh[0] is not kv_cache or fresh[1] is not layout:
+            return None
+        return fresh[2], fresh[3]
 
     def _in_place(self, q: torch.Tensor, kv_cache: torch.Tensor, layout: BatchLayout) -> bool:
         """Whether the paged-decode kernel runs this layout's pages in place."""

@@ -277,3 +277,30 @@ def test_attend_over_no_keys_is_the_empty_state() -> None:
         torch.randn(3, 4, 8), torch.zeros(0, 2, 8), torch.zeros(0, 2, 8), sm_scale=1.0
     )
     assert out.shape == (3, 4, 8) and (out == 0).all() and (lse == float("-inf")).all()
+
+
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])  # 64: the CPU prefill kernel's path
+def test_a_prompt_without_cached_tokens_attends_over_the_rows_just_written(head_dim: int) -> None:
+    # A fresh prompt, one with a cached prefix, a decode; k and v are views into wider rows, as
+    # the model's fused projection gives them.
+    page_size, num_kv_heads, num_heads = 4, 2, 4
+    qo_lens, kv_lens, tables = [10, 3, 1], [10, 9, 6], [[5, 2, 7], [0, 3, 4], [1, 6]]
+    layout = build_layout(qo_lens, kv_lens, tables, page_size)
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(8, 2, page_size, num_kv_heads, head_dim, generator=gen)
+    wide = torch.randn(14, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    q = wide[:, :num_heads].contiguous()
+    k, v = wide[:, num_heads : num_heads + 2], wide[:, num_heads + 2 :]
+    backend = TorchBackend()
+    gathers: list[object] = []
+    read_pages = backend.read_pages
+    backend.read_pages = lambda gather, kv: gathers.append(gather) or read_pages(gather, kv)  # type: ignore[method-assign]
+    backend.write_kv(cache, layout, k, v)
+    out = backend.forward(q, cache, layout, sm_scale=0.3)
+    # The other backend never saw the write: it gathers every prefill's pages from the cache.
+    gathered = TorchBackend().forward(q, cache, layout, sm_scale=0.3)
+    assert isinstance(out, torch.Tensor) and isinstance(gathered, torch.Tensor)
+    assert torch.equal(out, gathered)
+    assert len(gathers) == 1  # the prompt with cached tokens only
+    ref, _ = dense_reference(q[:10], k[:10], v[:10], causal_mask(10, 10), 0.3)
+    torch.testing.assert_close(out[:10].double(), ref, atol=1e-5, rtol=1e-5)
