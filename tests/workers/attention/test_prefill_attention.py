@@ -54,6 +54,21 @@ def test_kernel_matches_reference(
 
 
 @needs_kernel
+@pytest.mark.parametrize("growth", [4.0, -0.9])
+def test_a_maximum_that_moves_in_later_runs_of_keys_rescales_what_came_before(
+    growth: float,
+) -> None:
+    # Keys scaled along their position: the scores' maximum rises run after run (or only the
+    # first run holds it), so the kernel's skipped and taken rescales are both exercised.
+    q, k, v = _case(150, 333, (9, 3), 64, seed=11)
+    k = k * (1 + growth * torch.arange(333, dtype=torch.float32) / 333)[:, None, None]
+    out, lse = kernel.prefill_attention(q, k, v, 0.125, True)
+    ref_out, ref_lse = _reference(q, k, v, True)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
 def test_queries_with_no_visible_key_give_zero_and_minus_infinity() -> None:
     # 20 queries after... nothing: causal over 9 keys, so the first 11 see none.
     q, k, v = _case(20, 9, (9, 3), 64, seed=3)

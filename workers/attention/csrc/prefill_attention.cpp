@@ -7,7 +7,8 @@
 // head. For each run of 64 keys up to the item's last visible one:
 //   scores  S [rows, 64] = Q · Kᵀ, as outer products: for each d, 4 vectors of Kᵀ[d] (64 keys)
 //           times each row's q[d] broadcast, 24 accumulators in registers;
-//   softmax online per row in base 2 (running max and sum), masked keys weigh 0;
+//   softmax online per row in base 2 (running max, and the running sum as 16 lane sums added
+//           up once at the end), masked keys weigh 0;
 //   output  O [rows, D] += P · V: each value row read once for the item's rows, the rows'
 //           outputs in registers (a head dim of 128 in two halves of 64).
 // Kᵀ is laid out once per call and KV head ([D, Lk] in float32, a few hundred KB at a prefill's
@@ -29,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -107,8 +109,11 @@ inline void values(const float* p, const float* v, int64_t ldv, int64_t nj, cons
 }
 
 // One run's online-softmax update of row r: s [64] scores (keys past `last` are masked),
-// running max m and sum l; leaves the weights in s and returns the old state's scale.
-inline float softmax_run(float* s, int64_t j0, int64_t last, float& m, float& l) {
+// running max m and the running sum kept as 16 lane sums l (added up once, at the end); leaves
+// the weights in s and returns the old state's scale. The horizontal max is taken only when a
+// lane passes m, and the scale is exactly 1 when m stays: after a row's first runs its max
+// rarely moves, so most runs pay neither.
+inline float softmax_run(float* s, int64_t j0, int64_t last, float& m, __m512& l) {
   __m512 sv[4];
   __mmask16 live[4];
   __m512 mx = _mm512_set1_ps(kNegInf);
@@ -118,17 +123,19 @@ inline float softmax_run(float* s, int64_t j0, int64_t last, float& m, float& l)
     sv[c] = _mm512_mask_blend_ps(live[c], _mm512_set1_ps(kNegInf), _mm512_loadu_ps(s + 16 * c));
     mx = _mm512_max_ps(mx, sv[c]);
   }
-  const float m_new = std::max(m, _mm512_reduce_max_ps(mx));
-  const float scale = exp2_neg(m - m_new);  // 0 on the first run (m = -inf)
-  const __m512 mn = _mm512_set1_ps(m_new);
-  __m512 sum = _mm512_setzero_ps();
+  float scale = 1.f;
+  if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_GT_OQ) != 0) {
+    const float m_new = _mm512_reduce_max_ps(mx);
+    scale = exp2_neg(m - m_new);  // 0 on the first run (m = -inf)
+    m = m_new;
+    l = _mm512_mul_ps(l, _mm512_set1_ps(scale));
+  }
+  const __m512 mn = _mm512_set1_ps(m);
   for (int c = 0; c < 4; ++c) {
     const __m512 e = _mm512_maskz_mov_ps(live[c], exp2_neg16(_mm512_sub_ps(sv[c], mn)));
     _mm512_storeu_ps(s + 16 * c, e);
-    sum = _mm512_add_ps(sum, e);
+    l = _mm512_add_ps(l, e);
   }
-  l = l * scale + _mm512_reduce_add_ps(sum);
-  m = m_new;
   return scale;
 }
 
@@ -178,7 +185,12 @@ void run_item(const Problem& pb, const T* q, int64_t q_stride, float q_scale, co
               int64_t out_stride, float* lse, int64_t lse_stride) {
   const int64_t D = pb.D, h = hq / pb.group;
   std::vector<float> qs(kRows * D), s(kRows * kKeys), o(kRows * D, 0.f);
-  float m[kRows], l[kRows], scale[kRows];
+  float m[kRows], scale[kRows];
+#ifdef __AVX512F__
+  __m512 l[kRows];
+#else
+  float l[kRows];
+#endif
   int64_t last[kRows];
   int64_t item_last = -1;
   for (int64_t r = 0; r < kRows; ++r) {
@@ -188,7 +200,11 @@ void run_item(const Problem& pb, const T* q, int64_t q_stride, float q_scale, co
     last[r] = pb.last_key(i);
     item_last = std::max(item_last, last[r]);
     m[r] = kNegInf;
+#ifdef __AVX512F__
+    l[r] = _mm512_setzero_ps();
+#else
     l[r] = 0.f;
+#endif
   }
   const float* kt_h = kt + h * D * ldkt;
   for (int64_t j0 = 0; j0 <= item_last; j0 += kKeys) {
@@ -209,14 +225,19 @@ void run_item(const Problem& pb, const T* q, int64_t q_stride, float q_scale, co
   for (int64_t r = 0; r < kRows && i0 + r < pb.Lq; ++r) {
     const int64_t i = i0 + r;
     T* oi = out + i * out_stride + hq * D;
-    if (l[r] == 0.f) {  // no visible key
+#ifdef __AVX512F__
+    const float sum = _mm512_reduce_add_ps(l[r]);
+#else
+    const float sum = l[r];
+#endif
+    if (sum == 0.f) {  // no visible key
       for (int64_t d = 0; d < D; ++d) oi[d] = static_cast<T>(0.f);
       lse[i * lse_stride + hq] = kNegInf;
       continue;
     }
-    const float inv = 1.f / l[r];
+    const float inv = 1.f / sum;
     for (int64_t d = 0; d < D; ++d) oi[d] = static_cast<T>(o[r * D + d] * inv);
-    lse[i * lse_stride + hq] = m[r] + std::log2(l[r]);
+    lse[i * lse_stride + hq] = m[r] + std::log2(sum);
   }
 }
 
@@ -225,15 +246,23 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double s
          bool causal, at::Tensor& out, at::Tensor& lse) {
   const int64_t Lq = q.size(0), Lk = k.size(0), Hq = q.size(1), Hk = k.size(1), D = q.size(2);
   const Problem pb{Lq, Lk, Hq, Hk, D, Hq / Hk, Lk - Lq, causal};
-  // Kᵀ per KV head, [Hk, D, ldkt] float32, keys padded to whole runs with zeros (masked).
-  const int64_t ldkt = (Lk + kKeys - 1) / kKeys * kKeys;
-  std::vector<float> kt(Hk * D * ldkt, 0.f);
+  // Kᵀ per KV head, [Hk, D, ldkt] float32, keys padded to whole runs with zeros (masked). Laid
+  // out a run of keys at a time: each key's row is read once, whole, and the run's 64 columns of
+  // Kᵀ stay in L1 while it is written (a column at a time re-read every key's cache line once
+  // per head dim).
+  const int64_t ldkt = (Lk + kKeys - 1) / kKeys * kKeys, runs = ldkt / kKeys;
+  std::unique_ptr<float[]> kt(new float[Hk * D * ldkt]);
   const T* kd = k.data_ptr<T>();
-  at::parallel_for(0, Hk * D, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t hd = begin; hd < end; ++hd) {
-      const int64_t h = hd / D, d = hd % D;
-      float* row = kt.data() + hd * ldkt;
-      for (int64_t j = 0; j < Lk; ++j) row[j] = static_cast<float>(kd[j * k.stride(0) + h * D + d]);
+  at::parallel_for(0, Hk * runs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / runs, j0 = (item % runs) * kKeys, j1 = std::min(Lk, j0 + kKeys);
+      float* kt_h = kt.get() + h * D * ldkt;
+      for (int64_t j = j0; j < j1; ++j) {
+        const T* row = kd + j * k.stride(0) + h * D;
+        for (int64_t d = 0; d < D; ++d) kt_h[d * ldkt + j] = static_cast<float>(row[d]);
+      }
+      if (j1 < j0 + kKeys)
+        for (int64_t d = 0; d < D; ++d) std::fill(kt_h + d * ldkt + j1, kt_h + d * ldkt + j0 + kKeys, 0.f);
     }
   });
   // Values as float32 rows [Lk, Hk * D] (+ a run's padding of zeros): float32 read in place
@@ -258,7 +287,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double s
   cachesvc_claim::claim_items(Hq * blocks, Hq * blocks, [&](auto claim) {
     for (int64_t item; (item = claim()) >= 0;) {
       const int64_t hq = item % Hq, b = blocks - 1 - item / Hq;
-      run_item<T>(pb, q.data_ptr<T>(), q.stride(0), q_scale, kt.data(), ldkt, vf, ldv, hq,
+      run_item<T>(pb, q.data_ptr<T>(), q.stride(0), q_scale, kt.get(), ldkt, vf, ldv, hq,
                   b * kRows, out.data_ptr<T>(), out.stride(0), lse.data_ptr<float>(),
                   lse.stride(0));
     }
