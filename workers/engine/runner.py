@@ -86,13 +86,14 @@ class ModelRunner:
             layout,  # type: ignore[arg-type]  # the scheme backend reads its scheme layout
             self.backend,
             inputs.logits_rows,
+            inputs.argmax,  # greedy rows' tokens, found as the LM head computes the logits
         )
         logits = logits.float().cpu()
         sampled = [requests[c.request_id] for c in chunks if c.sample]
         kept = {
             r.request_id: logits[i] for i, r in enumerate(sampled) if r.request_id in keep_logits
         }
-        tokens, failed = _sample_each(logits, sampled)
+        tokens, failed = _sample_each(logits, sampled, inputs.argmax.tolist())
         return StepResult(tokens, kept, failed)
 
     @torch.inference_mode()
@@ -126,13 +127,14 @@ class ModelRunner:
 
 
 def _sample_each(
-    logits: torch.Tensor, requests: Sequence[Request]
+    logits: torch.Tensor, requests: Sequence[Request], argmax: Sequence[int]
 ) -> tuple[dict[RequestId, int], dict[RequestId, Exception]]:
-    """Row i of `logits` sampled for `requests[i]` (the whole batch at once, `sample_each`):
-    the tokens, and the errors of the rows that raised, each kept to its own request."""
+    """Row i of `logits` sampled for `requests[i]` (the whole batch at once, `sample_each`;
+    `argmax` is each row's, the greedy rows' tokens): the tokens, and the errors of the rows
+    that raised, each kept to its own request."""
     # A greedy row takes no generator: re-seeding one per row is a cost of the seeded only.
     generators = [None if r.params.greedy else r.next_generator() for r in requests]
-    results = sample_each(logits, [r.params for r in requests], generators)
+    results = sample_each(logits, [r.params for r in requests], generators, argmax)
     sampled: dict[RequestId, int] = {}
     failed: dict[RequestId, Exception] = {}
     for request, token in zip(requests, results, strict=True):

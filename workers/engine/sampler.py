@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
+from workers.kernels.linear import row_argmax
 from workers.sampling_params import SamplingParams
 
 
@@ -29,9 +30,11 @@ def sample_each(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    argmax: Sequence[int] | None = None,
 ) -> list[int | Exception]:
     """One token id per row of `logits` `[N, vocab]` (float32), or the exception that row's
-    sampling raised (the others sample as usual). Advances the generators.
+    sampling raised (the others sample as usual). Advances the generators. `argmax`: each
+    row's `argmax_rows`, where the caller has it already (the model's LM head finds it).
 
     Greedy rows share one argmax; the rows that draw without a generator (no seed) draw
     together, in one batched filter-softmax-multinomial (should it raise, they draw again one
@@ -41,7 +44,7 @@ def sample_each(
     for finite logits.
     """
     assert logits.shape[0] == len(params) == len(generators)
-    tokens: list[int | Exception] = list(argmax_rows(logits))
+    tokens: list[int | Exception] = list(argmax_rows(logits) if argmax is None else argmax)
     rows = list(zip(params, generators, strict=True))
     together = [row for row, (p, gen) in enumerate(rows) if gen is None and not p.greedy]
     try:
@@ -64,12 +67,8 @@ def sample_each(
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The index of each row's largest value, the first of equals (torch's `argmax`, which
-    Hugging Face's greedy search takes). On CPU through NumPy: torch's CPU argmax is a scalar
-    loop, 5-10x slower than NumPy's vectorized one over a 49K vocabulary (about 7 ms a step for
-    64 rows on this machine's cores, a whole host budget)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return logits.detach().contiguous().numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
-    return logits.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
+    Hugging Face's greedy search takes), as `row_argmax` finds it."""
+    return row_argmax(logits).tolist()  # type: ignore[no-any-return]
 
 
 def token_seed(seed: int, index: int) -> int:

@@ -31,14 +31,17 @@ class StepInputs:
     token_ids: torch.Tensor  # int64 [num_tokens]
     positions: torch.Tensor  # int64 [num_tokens]
     logits_rows: torch.Tensor  # int64 [num_sampled]: the query row of each sampling chunk
+    # int64 [num_sampled]: for the model to write each logits row's argmax into (greedy's token)
+    argmax: torch.Tensor
 
 
 class InputBuffers:
-    """Three int64 rows of `capacity` entries on `device` (token ids, positions, logits rows)."""
+    """Four int64 rows of `capacity` entries on `device` (token ids, positions, logits rows, and
+    the logits rows' argmax, which the model writes)."""
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        self._rows = torch.zeros(3, max(capacity, 1), dtype=torch.int64, device=self.device)
+        self._rows = torch.zeros(4, max(capacity, 1), dtype=torch.int64, device=self.device)
 
     @property
     def capacity(self) -> int:
@@ -61,7 +64,7 @@ class InputBuffers:
         logits_rows = [end - 1 for end, c in zip(ends, chunks, strict=True) if c.sample]
         if num_tokens > self.capacity:
             self._rows = torch.zeros(
-                3, max(num_tokens, 2 * self.capacity), dtype=torch.int64, device=self.device
+                4, max(num_tokens, 2 * self.capacity), dtype=torch.int64, device=self.device
             )
         host = torch.tensor([token_ids, positions], dtype=torch.int64)
         self._rows[:2, :num_tokens].copy_(host, non_blocking=True)
@@ -70,5 +73,8 @@ class InputBuffers:
             torch.tensor(logits_rows, dtype=torch.int64), non_blocking=True
         )
         return StepInputs(
-            self._rows[0, :num_tokens], self._rows[1, :num_tokens], self._rows[2, :num_rows]
+            self._rows[0, :num_tokens],
+            self._rows[1, :num_tokens],
+            self._rows[2, :num_rows],
+            self._rows[3, :num_rows],
         )

@@ -21,7 +21,7 @@ from torch import nn
 from workers.attention.base import AttentionBackend
 from workers.attention.layout import BatchLayout
 from workers.kernels.host_tensor import host_zeros
-from workers.kernels.linear import PackedWeights, linear, native_by_default
+from workers.kernels.linear import PackedWeights, linear, linear_argmax, native_by_default
 from workers.kernels.linear import load as load_linear_kernel
 from workers.model.config import ModelConfig
 from workers.model.layer_ops import LayerOps
@@ -198,12 +198,16 @@ class LlamaModel(nn.Module):
         layout: BatchLayout,
         backend: AttentionBackend,
         logits_indices: torch.Tensor,
+        argmax_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits `[N, vocab]` float32 of the rows `logits_indices` of the flat batch.
 
         `token_ids`, `positions` `[T]` int64, in layout order; `kv_caches` one tensor per layer
         (see `allocate_kv_cache`), mutated: the new tokens' keys/values are written at
         `layout.write_slots`. Does not call `backend.plan`; the backend plans per layout.
+        `argmax_out` (int64 `[N]`, the logits' device), when given, gets each logits row's
+        first largest index (greedy decoding's token): on CPU in float32 the LM head's kernel
+        finds it as it computes the logits (`linear_argmax`).
         """
         num_tokens = token_ids.shape[0]
         # A scheme layout wraps the plain one; either way the plain one counts the new tokens.
@@ -222,6 +226,11 @@ class LlamaModel(nn.Module):
         # Norm and LM head only for the rows that need logits: at decode the head dominates.
         hidden = hidden[logits_indices]
         hidden = self._ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        if argmax_out is not None:
+            head = linear_argmax(
+                hidden, self.lm_head_weight, argmax_out, packs=self._packs, name="lm_head"
+            )
+            return head.float()
         return linear(hidden, self.lm_head_weight, None, packs=self._packs, name="lm_head").float()
 
     @property
