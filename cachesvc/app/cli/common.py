@@ -39,6 +39,12 @@ def add_engine_args(p: argparse.ArgumentParser, redis_flag: str = "--redis-url")
         default=2048,
         help="token budget of one step (the prefill chunk size)",
     )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="requests running at once, at most (default 64); more wait for a place",
+    )
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument(
         "--no-prefix-cache", action="store_true", help="compute every prompt from scratch"
@@ -132,6 +138,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         max_num_batched_tokens=args.max_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_prefix_cache,
         prefill_scheme=args.prefill_scheme,
