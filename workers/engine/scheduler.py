@@ -25,7 +25,7 @@ from workers.engine.suspects import Suspects
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
 
 

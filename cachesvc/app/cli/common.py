@@ -43,7 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser, redis_flag: str = "--redis-url")
         "--max-num-seqs",
         type=int,
         default=None,
-        help="requests running at once, at most (default 64); more wait for a place",
+        help="requests running at once, at most (default 128); more wait for a place",
     )
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument(
