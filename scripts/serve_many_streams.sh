@@ -17,16 +17,8 @@ out=docs/results/serve
 log=$out/streams_${tag}_${threads}core.txt
 cd "$(dirname "$0")/.."
 
-wait_up() {
-  for _ in $(seq 1 300); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done
-  echo "no answer from $1" >&2
-  return 1
-}
-stop() {  # the server this script started, by its pid
-  kill -TERM "$1"
-  for _ in $(seq 1 90); do kill -0 "$1" 2>/dev/null || return 0; sleep 1; done
-  kill -KILL "$1"
-}
+# shellcheck source=serve_servers.sh
+source scripts/serve_servers.sh
 cells() {  # label url round seed
   local seed=$4
   for cell in "shared-prefix 32 1000 shared-prefix" "distinct 64 30 short"; do
@@ -39,22 +31,12 @@ cells() {  # label url round seed
   done
 }
 vllm() {  # round seed
-  local bind=()
-  if ((threads > 1)); then bind=(VLLM_CPU_OMP_THREADS_BIND="0-$((threads - 1))"); fi
-  env VLLM_CPU_KVCACHE_SPACE=4 "${bind[@]}" "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
-    --model "$weights" --dtype float32 --enable-prefix-caching --max-model-len 4096 \
-    --served-model-name SmolLM2-135M-Instruct --enable-prompt-tokens-details --port 8100 \
-    >"$out/.vllm_server.log" 2>&1 &
-  local pid=$!
-  wait_up http://127.0.0.1:8100 && sleep 5 && cells vllm http://127.0.0.1:8100 "$1" "$2" 2>&1 | tee -a "$log"
-  stop $pid
+  start_vllm && cells vllm http://127.0.0.1:8100 "$1" "$2" 2>&1 | tee -a "$log"
+  stop "$server_pid"
 }
 ours() {  # max_num_seqs round seed
-  .venv/bin/cachesvc serve --http-port 8000 --response-cache-mb 0 --threads "$threads" \
-    --kv-cache-mb 4096 --max-num-seqs "$1" >"$out/.ours_server.log" 2>&1 &
-  local pid=$!
-  wait_up http://127.0.0.1:8000 && sleep 5 && cells "ours$1" http://127.0.0.1:8000 "$2" "$3" 2>&1 | tee -a "$log"
-  stop $pid
+  start_ours --max-num-seqs "$1" && cells "ours$1" http://127.0.0.1:8000 "$2" "$3" 2>&1 | tee -a "$log"
+  stop "$server_pid"
 }
 
 : >"$log"
